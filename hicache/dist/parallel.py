@@ -1,0 +1,73 @@
+"""Topology of one rank: which layers and which KV heads it holds, and the process groups it talks on.
+
+World size 1 is the default topology, not a special code path: every collective below is an identity
+when its group has one member, so the single-rank engine runs the same code as a TP/PP deployment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
+    """[start, end) of part `index` when `total` items are split as evenly as possible into `parts`,
+    earlier parts taking the remainder (so layer counts per PP stage differ by at most one)."""
+    if not 0 <= index < parts:
+        raise ValueError(f"part {index} outside 0..{parts - 1}")
+    base, extra = divmod(total, parts)
+    start = index * base + min(index, extra)
+    return start, start + base + (1 if index < extra else 0)
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """Ranks are laid out PP-major: rank = pp_rank * tp_size + tp_rank."""
+
+    tp_size: int = 1
+    tp_rank: int = 0
+    pp_size: int = 1
+    pp_rank: int = 0
+    tp_group: Any = None
+    tp_cpu_group: Any = None  # gloo group for small control collectives, off the compute path
+    world_group: Any = None
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    def layer_range(self, num_layers: int) -> tuple[int, int]:
+        if num_layers < self.pp_size:
+            raise ValueError(f"{num_layers} layers cannot be split over {self.pp_size} pipeline stages")
+        return split_range(num_layers, self.pp_size, self.pp_rank)
+
+    def shard_range(self, count: int, what: str) -> tuple[int, int]:
+        """This TP rank's contiguous share of `count` heads or columns; refuses uneven splits."""
+        if count % self.tp_size:
+            raise ValueError(f"{what}={count} is not divisible by tp_size={self.tp_size}")
+        per = count // self.tp_size
+        return self.tp_rank * per, (self.tp_rank + 1) * per
+
+    def all_reduce_tp(self, tensor: torch.Tensor) -> torch.Tensor:
+        if self.tp_size > 1:
+            torch.distributed.all_reduce(tensor, group=self.tp_group)
+        return tensor
+
+    @property
+    def suffix(self) -> str:
+        """Identifies this rank's shard of the KV in storage keys."""
+        return f"tp{self.tp_rank}of{self.tp_size}_pp{self.pp_rank}of{self.pp_size}"

@@ -1,0 +1,60 @@
+"""Turns one step's work items (request, token range) into a ForwardBatch and runs the model on it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hicache.engine.request import Request
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.model.batch import ForwardBatch, SeqSlice
+from hicache.model.llama import LlamaModel
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """Compute KV (and maybe logits) for tokens [start, end) of `req`'s sequence."""
+
+    req: Request
+    start: int
+    end: int
+
+    @property
+    def needs_logits(self) -> bool:
+        # The chunk reaches the last known token: its logits give the next token.
+        return self.end == self.req.prompt_len + len(self.req.output_ids)
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, pool: DeviceKVPool) -> None:
+        self.model = model
+        self.pool = pool
+
+    def build(self, work: list[WorkItem]) -> ForwardBatch:
+        ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[SeqSlice] = []
+        out_slots: list[torch.Tensor] = []
+        logit_rows: list[int] = []
+        for item in work:
+            r, s, e = item.req, item.start, item.end
+            kv_slots = self.pool.allocator.slots(r.pages, e)
+            seqs.append(SeqSlice(len(ids), e - s, kv_slots.to(self.pool.device)))
+            out_slots.append(kv_slots[s:e])
+            ids.extend(r.token(i) for i in range(s, e))
+            positions.extend(range(s, e))
+            if item.needs_logits:
+                logit_rows.append(len(ids) - 1)
+        dev = self.pool.device
+        return ForwardBatch(
+            input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            out_slots=torch.cat(out_slots).to(dev),
+            seqs=seqs,
+            logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+        )
+
+    def forward(self, work: list[WorkItem]) -> torch.Tensor:
+        """Logits [rows needing logits, vocab] as float32 on the CPU."""
+        return self.model.forward(self.build(work), self.pool).cpu()

@@ -1,0 +1,105 @@
+"""Requests as the scheduler sees them, their sampling parameters, and the events they emit."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from hicache.cache.radix import TreeNode
+from hicache.errors import UserError
+
+TIERS = ("device", "host", "storage")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int | None = None  # None: the engine's default
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # how many top alternatives to report per generated token
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens is not None and self.max_new_tokens <= 0:
+            raise UserError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise UserError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise UserError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise UserError(f"logprobs must be between 0 and 20, got {self.logprobs}")
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    """New output of one request in one step; the last event of a request has `finish_reason` set."""
+
+    rid: int
+    new_token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish_reason: FinishReason | None = None
+    matched_stop: str | int | None = None
+    cached_tokens_by_tier: dict[str, int] | None = None  # set on the first event
+    error: str | None = None
+
+
+_rids = itertools.count(1)
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_new_tokens: int
+    namespace: str = ""
+    rid: int = field(default_factory=lambda: next(_rids))
+    output_ids: list[int] = field(default_factory=list)
+    pages: list[int] = field(default_factory=list)  # logical pages holding this request's KV, in order
+    kv_len: int = 0  # tokens whose KV is in `pages`
+    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    lock_node: TreeNode | None = None
+    reserved_pages: int = 0  # pages this request may still allocate, promised at admission
+    aborted: bool = False
+    generator: torch.Generator | None = None
+    first_event_sent: bool = False
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(self.cached_tokens_by_tier.values())
+
+    def token(self, index: int) -> int:
+        return self.prompt_ids[index] if index < self.prompt_len else self.output_ids[index - self.prompt_len]
+
+    def tokens(self, end: int) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[:end]
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.kv_len < self.prompt_len

@@ -1,0 +1,34 @@
+"""Next-token choice: greedy, or seeded temperature / top-k / top-p sampling, plus OpenAI-style
+log-probabilities (of the unscaled distribution, as OpenAI reports them)."""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.engine.request import Request, TokenLogprob
+
+
+def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None]:
+    """logits: [vocab] float32."""
+    p = req.params
+    if p.temperature == 0.0:
+        token = int(torch.argmax(logits))
+    else:
+        scaled = logits / p.temperature
+        if p.top_k:
+            kth = torch.topk(scaled, min(p.top_k, scaled.shape[0])).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            # Keep the smallest set whose mass reaches top_p (the first token always stays).
+            drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= p.top_p
+            sorted_probs[drop] = 0.0
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        token = int(torch.multinomial(probs, 1, generator=req.generator))
+    if p.logprobs is None:
+        return token, None
+    logprobs = torch.log_softmax(logits, dim=-1)
+    top = torch.topk(logprobs, p.logprobs) if p.logprobs else None
+    alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+    return token, TokenLogprob(token, float(logprobs[token]), alternatives)

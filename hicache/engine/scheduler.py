@@ -1,0 +1,256 @@
+"""Continuous-batching scheduler of one rank: admission, chunked prefill, decode, prefix caching.
+
+Each `step` runs one forward pass over a mixed batch: one token for every decoding request plus up to
+`chunked_prefill_size` prompt tokens of requests being prefilled (continuing partial prefills first,
+then admitting waiting requests in arrival order).
+
+NOTE (memory invariant): a request is admitted only if the pages it may ever need (prompt + max new
+tokens, less its cached prefix) fit in free + evictable pages minus what running requests were already
+promised. Promised pages are tracked in `reserved_pages`; so a running request can always allocate,
+evicting unlocked cache if needed, and never runs out of KV memory mid-way.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+import torch
+
+from hicache.cache.radix import RadixTree
+from hicache.config import EngineConfig
+from hicache.engine.model_runner import ModelRunner, WorkItem
+from hicache.engine.request import FinishReason, Request, RequestEvent, TokenLogprob
+from hicache.engine.sampler import sample
+from hicache.errors import RequestTooLargeError
+from hicache.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer, context_length: int) -> None:
+        self.cfg = cfg
+        self.runner = runner
+        self.pool = runner.pool
+        self.allocator = runner.pool.allocator
+        self.tokenizer = tokenizer
+        self.context_length = context_length
+        self.page_size = cfg.page_size
+        self.tree = RadixTree(cfg.page_size, on_evict=self.allocator.free)
+        self.use_cache = not cfg.disable_radix_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.reserved_total = 0
+
+    # ---- intake --------------------------------------------------------------------------------
+
+    def _pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def validate(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Refuse at once what could never run, rather than letting it wait forever."""
+        if prompt_len == 0:
+            raise RequestTooLargeError("the prompt is empty")
+        if prompt_len + max_new_tokens > self.context_length:
+            raise RequestTooLargeError(
+                f"prompt ({prompt_len} tokens) plus max new tokens ({max_new_tokens}) exceeds the context "
+                f"length of {self.context_length} tokens"
+            )
+        need = self._pages_for(prompt_len + max_new_tokens)
+        if need > self.allocator.num_pages:
+            raise RequestTooLargeError(
+                f"prompt ({prompt_len} tokens) plus max new tokens ({max_new_tokens}) needs {need} KV pages but the "
+                f"pool has {self.allocator.num_pages} (raise --max-total-tokens)"
+            )
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def abort(self, rid: int) -> None:
+        for req in list(self.waiting) + self.running:
+            if req.rid == rid:
+                req.aborted = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestEvent]:
+        events = self._drop_aborted()
+        work = self._schedule()
+        if not work:
+            return events
+        logits = self.runner.forward(work)
+        row = 0
+        for item in work:
+            req = item.req
+            req.kv_len = item.end
+            if self.use_cache and req.kv_len == req.prompt_len and not req.output_ids:
+                self._cache_prefix(req, req.kv_len)  # share the prompt with requests arriving meanwhile
+            if item.needs_logits:
+                token, logprob = sample(logits[row], req)
+                row += 1
+                events.append(self._append_token(req, token, logprob))
+        return events
+
+    def _drop_aborted(self) -> list[RequestEvent]:
+        events = []
+        for req in [r for r in self.waiting if r.aborted]:
+            self.waiting.remove(req)
+            events.append(RequestEvent(req.rid, (), finish_reason=FinishReason.ABORT))
+        for req in [r for r in self.running if r.aborted]:
+            self._finish(req)
+            events.append(RequestEvent(req.rid, (), finish_reason=FinishReason.ABORT))
+        return events
+
+    def _schedule(self) -> list[WorkItem]:
+        work = [WorkItem(r, r.kv_len, r.kv_len + 1) for r in self.running if not r.in_prefill]
+        budget = self.cfg.chunked_prefill_size
+        for req in self.running:
+            if req.in_prefill and budget > 0:
+                n = min(req.prompt_len - req.kv_len, budget)
+                work.append(WorkItem(req, req.kv_len, req.kv_len + n))
+                budget -= n
+        while budget > 0 and self.waiting and len(self.running) < self.cfg.max_running_requests:
+            req = self.waiting[0]
+            if not self._admit(req):
+                break
+            self.waiting.popleft()
+            self.running.append(req)
+            n = min(req.prompt_len - req.kv_len, budget)
+            work.append(WorkItem(req, req.kv_len, req.kv_len + n))
+            budget -= n
+        for item in work:
+            self._ensure_pages(item.req, item.end)
+        return work
+
+    def _admit(self, req: Request) -> bool:
+        matched_pages: list[int] = []
+        if self.use_cache:
+            # At least the last prompt token is always computed: its logits give the first output token.
+            match = self.tree.match_prefix(req.prompt_ids[: req.prompt_len - 1], req.namespace)
+            self.tree.lock(match.last_node)
+            matched_pages = match.device_pages
+        need = self._pages_for(req.prompt_len + req.max_new_tokens) - len(matched_pages)
+        available = self.allocator.free_pages + self.tree.evictable_pages - self.reserved_total
+        if need > available:
+            if self.use_cache:
+                self.tree.unlock(match.last_node)
+            return False
+        if self.use_cache:
+            req.lock_node = match.last_node
+        req.pages = list(matched_pages)
+        req.kv_len = len(matched_pages) * self.page_size
+        req.cached_tokens_by_tier["device"] = req.kv_len
+        req.reserved_pages = need
+        self.reserved_total += need
+        if req.params.seed is not None:
+            req.generator = torch.Generator().manual_seed(req.params.seed)
+        return True
+
+    def _ensure_pages(self, req: Request, end: int) -> None:
+        want = self._pages_for(end) - len(req.pages)
+        if want <= 0:
+            return
+        short = want - self.allocator.free_pages
+        if short > 0 and self.use_cache:
+            self.tree.evict(short)
+        pages = self.allocator.alloc(want)
+        if pages is None or want > req.reserved_pages:
+            raise RuntimeError("KV reservation invariant broken: a running request could not allocate its pages")
+        req.pages.extend(pages)
+        req.reserved_pages -= want
+        self.reserved_total -= want
+
+    def _cache_prefix(self, req: Request, upto: int) -> None:
+        """Hand the request's full pages of tokens [0, upto) to the tree and move its lock there."""
+        n = upto - upto % self.page_size
+        if n == 0:
+            return
+        res = self.tree.insert(req.tokens(n), req.pages[: n // self.page_size], req.namespace)
+        for i in range(res.existing_tokens // self.page_size):
+            if req.pages[i] != res.pages[i]:
+                # Someone cached the same tokens first: use their page, return our duplicate.
+                self.allocator.free([req.pages[i]])
+                req.pages[i] = res.pages[i]
+        self.tree.lock(res.last_node)
+        assert req.lock_node is not None
+        self.tree.unlock(req.lock_node)
+        req.lock_node = res.last_node
+
+    def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestEvent:
+        req.output_ids.append(token)
+        reason, matched = self._stop_reason(req, token)
+        first = None if req.first_event_sent else dict(req.cached_tokens_by_tier)
+        req.first_event_sent = True
+        if reason is not None:
+            self._finish(req)
+        return RequestEvent(
+            req.rid,
+            (token,),
+            (logprob,) if logprob is not None else (),
+            finish_reason=reason,
+            matched_stop=matched,
+            cached_tokens_by_tier=first,
+        )
+
+    def _stop_reason(self, req: Request, token: int) -> tuple[FinishReason | None, str | int | None]:
+        p = req.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.tokenizer.eos_token_ids):
+            return FinishReason.STOP, token
+        if p.stop:
+            # Only the tail can contain a stop string that was not there one token ago.
+            longest = max(len(s) for s in p.stop)
+            tail = self.tokenizer.decode(req.output_ids[-(longest + 8) :])
+            for s in p.stop:
+                if s in tail:
+                    return FinishReason.STOP, s
+        if len(req.output_ids) >= req.max_new_tokens or req.prompt_len + len(req.output_ids) >= self.context_length:
+            return FinishReason.LENGTH, None
+        return None, None
+
+    def _finish(self, req: Request) -> None:
+        self.running.remove(req)
+        if self.use_cache and req.lock_node is not None:
+            self._cache_prefix(req, req.kv_len)
+            self.tree.unlock(req.lock_node)
+            req.lock_node = None
+            kept = req.kv_len // self.page_size
+        else:
+            kept = 0
+        self.allocator.free(req.pages[kept:])
+        req.pages = []
+        self.reserved_total -= req.reserved_pages
+        req.reserved_pages = 0
+
+    def abort_all(self, reason: FinishReason, message: str) -> list[RequestEvent]:
+        """End every request now, releasing its pages and locks (after a failed step, or at shutdown)."""
+        events = [RequestEvent(r.rid, (), finish_reason=reason, error=message) for r in [*self.waiting, *self.running]]
+        self.waiting.clear()
+        for req in list(self.running):
+            self._finish(req)
+        return events
+
+    # ---- maintenance ---------------------------------------------------------------------------
+
+    def flush(self) -> bool:
+        """Drop every cached prefix. Refused (False) while requests are waiting or running."""
+        if self.has_work:
+            return False
+        self.tree.evict(self.tree.total_pages)
+        self.tree.reset()
+        return True
+
+    def leak_report(self) -> list[str]:
+        """Problems a flush should have left none of: pages not back in the pool, nodes still locked."""
+        problems = []
+        if self.allocator.free_pages != self.allocator.num_pages:
+            problems.append(f"{self.allocator.num_pages - self.allocator.free_pages} device pages not freed")
+        if self.tree.locked_nodes():
+            problems.append(f"locked nodes: {self.tree.locked_nodes()}")
+        if self.reserved_total:
+            problems.append(f"{self.reserved_total} pages still reserved")
+        return problems

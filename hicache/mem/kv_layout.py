@@ -1,0 +1,48 @@
+"""What one token's KV is made of, per layer, independent of the attention flavour.
+
+A pool stores one row per token slot per layer; the layout names the components packed into that row.
+MHA/GQA has K and V of shape (kv_heads, head_dim); an MLA model would have a single latent component.
+Pools, host tiers and storage only ever move whole rows, so they never need to know the flavour.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVComponent:
+    name: str
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    components: tuple[KVComponent, ...]
+
+    @classmethod
+    def mha(cls, kv_heads: int, head_dim: int) -> "KVLayout":
+        return cls((KVComponent("k", (kv_heads, head_dim)), KVComponent("v", (kv_heads, head_dim))))
+
+    @property
+    def row_numel(self) -> int:
+        return sum(c.numel for c in self.components)
+
+    def pack(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[T, *shape] per component -> [T, row_numel]."""
+        return torch.cat([parts[c.name].reshape(parts[c.name].shape[0], c.numel) for c in self.components], dim=1)
+
+    def unpack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
+        """[T, row_numel] -> views [T, *shape] per component."""
+        out, offset = {}, 0
+        for c in self.components:
+            out[c.name] = rows[:, offset : offset + c.numel].view(rows.shape[0], *c.shape)
+            offset += c.numel
+        return out

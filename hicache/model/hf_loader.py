@@ -1,0 +1,213 @@
+"""Loader for a local Hugging Face Llama-family model directory (config.json, *.safetensors,
+tokenizer.json, tokenizer_config.json), strictly offline.
+
+Only `model_type` llama and mistral are accepted: their checkpoints already use the Hugging Face Llama
+weight names and rotate-half q/k order the decoder expects, so weights are only cast to float32.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import time
+from typing import Any
+
+import tokenizers
+import torch
+from safetensors import SafetensorError, safe_open
+
+from hicache.errors import UserError
+from hicache.model.chat import ChatTemplate
+from hicache.model.checkpoint import check_weights, sha256_files
+from hicache.model.config import LoadedModel, ModelConfig
+from hicache.model.hf_tokenizer import HFTokenizer
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral")
+_SHARD_INDEX = "model.safetensors.index.json"
+# Buffers some old checkpoints saved alongside the weights; the decoder computes them itself.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def load_hf_dir(path: str | os.PathLike[str], name: str) -> LoadedModel:
+    """Load a Hugging Face Llama/Mistral directory as float32 weights plus its tokenizer and chat template."""
+    root = pathlib.Path(path)
+    if not root.is_dir():
+        raise UserError(f"Hugging Face model directory not found: {root}")
+    started = time.perf_counter()
+    config_path = root / "config.json"
+    hf_config = _read_json(config_path, required=True)
+    config = _config(hf_config, root)
+
+    files = _safetensors_files(root)
+    weights = _read_weights(files)
+    if config.tie_word_embeddings:
+        # Some tied checkpoints still store a copy of the embedding as lm_head; the contract omits it.
+        weights.pop("lm_head.weight", None)
+    check_weights(weights, config, str(root))
+
+    tokenizer = _tokenizer(root, hf_config)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise UserError(f"{root}: tokenizer has {tokenizer.vocab_size} tokens but the embedding only {config.vocab_size}")
+    identity = sha256_files([config_path, *files])
+    logger.info("loaded %s (%d tensors) in %.2f s", root, len(weights), time.perf_counter() - started)
+    return LoadedModel(
+        name=name,
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        identity=identity,
+        extra={"source": str(root), "context_length": config.max_position, "model_type": hf_config["model_type"]},
+    )
+
+
+def _read_json(path: pathlib.Path, required: bool = False) -> dict[str, Any]:
+    if not path.is_file():
+        if required:
+            raise UserError(f"{path} not found")
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{path} is not readable JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise UserError(f"{path} does not hold a JSON object")
+    return data
+
+
+def _rope_theta(hf_config: dict[str, Any], root: pathlib.Path) -> float:
+    # transformers 5 writes `rope_parameters` (with rope_type and rope_theta); older versions write
+    # `rope_theta` and `rope_scaling`.
+    params = hf_config.get("rope_parameters") or {}
+    scaling = hf_config.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    if rope_type != "default":
+        raise UserError(f"{root}: rope scaling {rope_type!r} is not supported")
+    return float(params.get("rope_theta") or hf_config.get("rope_theta") or 10000.0)
+
+
+def _config(hf_config: dict[str, Any], root: pathlib.Path) -> ModelConfig:
+    model_type = hf_config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UserError(f"{root}: model_type {model_type!r} is not supported (only {', '.join(SUPPORTED_MODEL_TYPES)})")
+    if hf_config.get("attention_bias") or hf_config.get("mlp_bias"):
+        raise UserError(f"{root}: projections with biases are not supported")
+    try:
+        hidden = int(hf_config["hidden_size"])
+        num_heads = int(hf_config["num_attention_heads"])
+        max_position = int(hf_config["max_position_embeddings"])
+        sliding_window = hf_config.get("sliding_window")
+        if sliding_window and int(sliding_window) < max_position:
+            # Full attention equals sliding-window attention up to the window, so cap the context there.
+            logger.info("%s: context capped at the sliding window, %d tokens", root, sliding_window)
+            max_position = int(sliding_window)
+        return ModelConfig(
+            vocab_size=int(hf_config["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(hf_config["intermediate_size"]),
+            num_layers=int(hf_config["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=int(hf_config.get("num_key_value_heads") or num_heads),
+            head_dim=int(hf_config.get("head_dim") or hidden // num_heads),
+            rope_theta=_rope_theta(hf_config, root),
+            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
+            max_position=max_position,
+            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+        )
+    except KeyError as exc:
+        raise UserError(f"{root}/config.json lacks {exc.args[0]}") from exc
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{root}/config.json is invalid: {exc}") from exc
+
+
+def _safetensors_files(root: pathlib.Path) -> list[pathlib.Path]:
+    index = _read_json(root / _SHARD_INDEX)
+    if index:
+        names = sorted(set(index.get("weight_map", {}).values()))
+        files = [root / n for n in names]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise UserError(f"{root}: shards listed in {_SHARD_INDEX} are missing: {missing}")
+    else:
+        files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise UserError(f"{root}: no *.safetensors weights (other formats are not supported)")
+    return files
+
+
+def _read_weights(files: list[pathlib.Path]) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    if not key.endswith(_IGNORED_SUFFIXES):
+                        weights[key] = f.get_tensor(key).to(torch.float32)
+        except (SafetensorError, OSError) as exc:
+            raise UserError(f"{file} is not a readable safetensors file: {exc}") from exc
+    return weights
+
+
+def _token_content(value: Any) -> str | None:
+    """tokenizer_config.json writes special tokens either as strings or as AddedToken dicts."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _ids(value: Any) -> list[int]:
+    if value is None:
+        return []
+    return [int(v) for v in value] if isinstance(value, list) else [int(value)]
+
+
+def _chat_template_source(root: pathlib.Path, tokenizer_config: dict[str, Any]) -> str | None:
+    source = tokenizer_config.get("chat_template")
+    if isinstance(source, list):
+        # Several named templates: the "default" one is what apply_chat_template uses.
+        named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+        source = named.get("default")
+    if isinstance(source, str):
+        return source
+    # transformers >= 4.43 saves the template beside tokenizer_config.json instead.
+    jinja_file = root / "chat_template.jinja"
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    source = _read_json(root / "chat_template.json").get("chat_template")
+    return source if isinstance(source, str) else None
+
+
+def _tokenizer(root: pathlib.Path, hf_config: dict[str, Any]) -> HFTokenizer:
+    tokenizer_path = root / "tokenizer.json"
+    if not tokenizer_path.is_file():
+        raise UserError(f"{tokenizer_path} not found (only fast tokenizers are supported)")
+    try:
+        tokenizer = tokenizers.Tokenizer.from_file(str(tokenizer_path))
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed files.
+        raise UserError(f"{tokenizer_path} is not a readable tokenizer: {exc}") from exc
+    tokenizer_config = _read_json(root / "tokenizer_config.json")
+    generation_config = _read_json(root / "generation_config.json")
+
+    bos_text = _token_content(tokenizer_config.get("bos_token"))
+    bos_id = tokenizer.token_to_id(bos_text) if bos_text is not None else None
+    if bos_id is None and (config_bos := _ids(hf_config.get("bos_token_id"))):
+        bos_id = config_bos[0]
+        bos_text = tokenizer.id_to_token(bos_id)
+
+    eos_text = _token_content(tokenizer_config.get("eos_token"))
+    eos_ids: list[int] = []
+    if eos_text is not None and (eos_id := tokenizer.token_to_id(eos_text)) is not None:
+        eos_ids.append(eos_id)
+    eos_ids += _ids(hf_config.get("eos_token_id")) + _ids(generation_config.get("eos_token_id"))
+    if eos_text is None and eos_ids:
+        eos_text = tokenizer.id_to_token(eos_ids[0])
+
+    source = _chat_template_source(root, tokenizer_config)
+    template = (
+        ChatTemplate(source, bos_token=bos_text or "", eos_token=eos_text or "") if source else ChatTemplate.plain()
+    )
+    return HFTokenizer(tokenizer, bos_id, eos_ids, template)

@@ -1,0 +1,30 @@
+"""Resolves a `--model` argument (tiny, smollm2, or a local Hugging Face directory) to a LoadedModel."""
+
+from __future__ import annotations
+
+import os
+
+from hicache.errors import UserError
+from hicache.model.config import LoadedModel
+
+BUILTIN = ("tiny", "smollm2")
+
+
+def load_model(name: str) -> LoadedModel:
+    if name == "tiny":
+        from hicache.model.tiny import load_tiny
+
+        return load_tiny()
+    if name == "smollm2":
+        from hicache.model.gguf_loader import load_gguf, smollm2_path
+
+        return load_gguf(smollm2_path(), name)
+    if os.path.isdir(name):
+        from hicache.model.hf_loader import load_hf_dir
+
+        return load_hf_dir(name, name)
+    if name.endswith(".gguf") and os.path.isfile(name):
+        from hicache.model.gguf_loader import load_gguf
+
+        return load_gguf(name, name)
+    raise UserError(f"unknown model {name!r}: use tiny, smollm2, a .gguf file or a Hugging Face model directory")
