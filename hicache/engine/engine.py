@@ -210,6 +210,11 @@ class Engine:
     def leak_report(self) -> list[str]:
         return self.call_in_loop(self.scheduler.leak_report)  # type: ignore[return-value]
 
+    def pool_usage(self) -> dict[str, tuple[int, int]]:
+        """(used, capacity) in tokens per memory tier that exists."""
+        alloc = self.scheduler.allocator
+        return {"device": (alloc.used_pages * alloc.page_size, alloc.num_pages * alloc.page_size)}
+
     @property
     def num_running(self) -> int:
         return len(self.scheduler.running)
