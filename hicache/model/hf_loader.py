@@ -51,7 +51,7 @@ def load_hf_dir(path: str | os.PathLike[str], name: str) -> LoadedModel:
 
     tokenizer = _tokenizer(root, hf_config)
     if tokenizer.vocab_size > config.vocab_size:
-        raise UserError(f"{root}: tokenizer has {tokenizer.vocab_size} tokens but the embedding only {config.vocab_size}")
+        raise UserError(f"{root}: tokenizer has {tokenizer.vocab_size} tokens, the embedding {config.vocab_size}")
     identity = sha256_files([config_path, *files])
     logger.info("loaded %s (%d tensors) in %.2f s", root, len(weights), time.perf_counter() - started)
     return LoadedModel(

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hicache.dist.parallel import ParallelContext
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
-from hicache.model.batch import ForwardBatch
+from hicache.model.batch import Q_ALIGN, ForwardBatch
 from hicache.model.config import ModelConfig
 
 
@@ -133,7 +133,8 @@ class LlamaModel:
         pool.write(local, batch.out_slots, {"k": k, "v": v})
         attn = torch.empty(T, layer.num_heads, d, dtype=hidden.dtype, device=hidden.device)
         for seq in batch.seqs:
-            attn[seq.start : seq.start + seq.length] = self._attend(local, q[seq.start : seq.start + seq.length], seq.kv_slots, pool)
+            rows = slice(seq.start, seq.start + seq.length)
+            attn[rows] = self._attend(local, q[rows], seq.kv_slots, seq.kv_len, pool)
         out = self.pctx.all_reduce_tp(F.linear(attn.view(T, -1), layer.o_proj))
         hidden = hidden + out
         x = rms_norm(hidden, layer.post_norm, self.cfg.rms_norm_eps)
@@ -141,12 +142,18 @@ class LlamaModel:
         mlp = self.pctx.all_reduce_tp(F.linear(F.silu(gate) * up, layer.down_proj))
         return hidden + mlp
 
-    def _attend(self, local: int, q: torch.Tensor, kv_slots: torch.Tensor, pool: DeviceKVPool) -> torch.Tensor:
-        """Causal attention of n new queries over the request's L = prefix + n keys."""
+    def _attend(
+        self, local: int, q: torch.Tensor, kv_slots: torch.Tensor, kv_len: int, pool: DeviceKVPool
+    ) -> torch.Tensor:
+        """Causal attention of n new queries over the request's kv_len = prefix + n keys (kv_slots may
+        carry masked padding beyond kv_len)."""
         kv = pool.read(local, kv_slots)
-        n, L = q.shape[0], kv_slots.shape[0]
-        # Query i sits at position L - n + i and sees keys 0..L - n + i.
-        mask = torch.ones(n, L, dtype=torch.bool, device=q.device).tril(L - n)
+        n = q.shape[0]
+        rows = -(-n // Q_ALIGN) * Q_ALIGN
+        if rows > n:  # padding rows repeat the last query; their outputs are dropped
+            q = torch.cat([q, q[-1:].expand(rows - n, -1, -1)])
+        # Query i sits at position kv_len - n + i and sees keys 0..kv_len - n + i; padding is never seen.
+        mask = torch.ones(rows, kv_slots.shape[0], dtype=torch.bool, device=q.device).tril(kv_len - n)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             kv["k"].transpose(0, 1).unsqueeze(0),
@@ -155,4 +162,4 @@ class LlamaModel:
             scale=self.scale,
             enable_gqa=True,
         )
-        return out.squeeze(0).transpose(0, 1)
+        return out.squeeze(0).transpose(0, 1)[:n]

@@ -1,0 +1,208 @@
+"""The Hugging Face directory loader on a tiny Llama directory built here: weights, config, tokenizer
+and chat template round-trip; unsupported or incomplete directories are user errors."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, pre_tokenizers
+from tokenizers.models import BPE
+from tokenizers.trainers import BpeTrainer
+
+from hicache.errors import UserError
+from hicache.model.chat import ChatTemplate
+from hicache.model.hf_loader import load_hf_dir
+
+SPECIALS = ["<unk>", "<s>", "</s>", "<|eot|>"]
+TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}<|eot|>{% endfor %}"
+    "{% if add_generation_prompt %}[assistant] {% endif %}"
+)
+HIDDEN, FFN, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 16, 24, 4, 2, 8, 2
+
+
+def _tokenizer() -> Tokenizer:
+    tokenizer = Tokenizer(BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = BpeTrainer(vocab_size=300, special_tokens=SPECIALS, initial_alphabet=alphabet, show_progress=False)
+    tokenizer.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 20, trainer)
+    return tokenizer
+
+
+def _weights(vocab: int, tied: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    weights = {"model.embed_tokens.weight": torch.randn(vocab, HIDDEN), "model.norm.weight": torch.randn(HIDDEN)}
+    if not tied:
+        weights["lm_head.weight"] = torch.randn(vocab, HIDDEN)
+    for i in range(LAYERS):
+        p = f"model.layers.{i}."
+        weights[p + "input_layernorm.weight"] = torch.randn(HIDDEN)
+        weights[p + "post_attention_layernorm.weight"] = torch.randn(HIDDEN)
+        weights[p + "self_attn.q_proj.weight"] = torch.randn(HEADS * HEAD_DIM, HIDDEN)
+        weights[p + "self_attn.k_proj.weight"] = torch.randn(KV_HEADS * HEAD_DIM, HIDDEN)
+        weights[p + "self_attn.v_proj.weight"] = torch.randn(KV_HEADS * HEAD_DIM, HIDDEN)
+        weights[p + "self_attn.o_proj.weight"] = torch.randn(HIDDEN, HEADS * HEAD_DIM)
+        weights[p + "mlp.gate_proj.weight"] = torch.randn(FFN, HIDDEN)
+        weights[p + "mlp.up_proj.weight"] = torch.randn(FFN, HIDDEN)
+        weights[p + "mlp.down_proj.weight"] = torch.randn(HIDDEN, FFN)
+    return {name: w.to(dtype) for name, w in weights.items()}
+
+
+def _write_dir(
+    root: pathlib.Path, *, tied: bool = False, dtype: torch.dtype = torch.float32, **config_overrides: object
+) -> dict[str, torch.Tensor]:
+    """A complete tiny Llama checkpoint directory; returns the weights it holds."""
+    root.mkdir(parents=True, exist_ok=True)
+    tokenizer = _tokenizer()
+    tokenizer.save(str(root / "tokenizer.json"))
+    vocab = tokenizer.get_vocab_size() + 4  # padded embedding, as real checkpoints often have
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": HIDDEN,
+        "intermediate_size": FFN,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": KV_HEADS,
+        "head_dim": HEAD_DIM,  # deliberately not hidden_size // num_attention_heads
+        "rope_theta": 500000.0,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 128,
+        "tie_word_embeddings": tied,
+        "bos_token_id": 1,
+        "eos_token_id": [2, 3],
+    }
+    config.update(config_overrides)
+    (root / "config.json").write_text(json.dumps(config))
+    (root / "tokenizer_config.json").write_text(
+        json.dumps({"bos_token": "<s>", "eos_token": {"content": "</s>"}, "chat_template": TEMPLATE})
+    )
+    weights = _weights(vocab, tied, dtype)
+    save_file(weights, str(root / "model.safetensors"))
+    return weights
+
+
+def test_round_trip(tmp_path: pathlib.Path) -> None:
+    weights = _write_dir(tmp_path / "m")
+    model = load_hf_dir(tmp_path / "m", "tiny-hf")
+    c = model.config
+    assert (c.num_layers, c.hidden_size, c.intermediate_size) == (LAYERS, HIDDEN, FFN)
+    assert (c.num_heads, c.num_kv_heads, c.head_dim) == (HEADS, KV_HEADS, HEAD_DIM)
+    assert (c.rope_theta, c.rms_norm_eps, c.max_position) == (500000.0, 1e-5, 128)
+    assert c.vocab_size == weights["model.embed_tokens.weight"].shape[0] and not c.tie_word_embeddings
+    assert model.name == "tiny-hf" and re.fullmatch(r"[0-9a-f]{64}", model.identity)
+    assert model.weights.keys() == weights.keys()
+    for name, weight in weights.items():
+        assert model.weights[name].dtype == torch.float32
+        assert torch.equal(model.weights[name], weight), name
+
+
+def test_tokenizer_and_chat_template(tmp_path: pathlib.Path) -> None:
+    _write_dir(tmp_path / "m")
+    tok = load_hf_dir(tmp_path / "m", "tiny-hf").tokenizer
+    reference = Tokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
+    assert tok.vocab_size == reference.get_vocab_size()
+    assert tok.bos_token_id == 1 and tok.eos_token_ids == (2, 3)
+    text = "the lazy dog jumps, über 42!"
+    assert tok.encode(text) == reference.encode(text, add_special_tokens=False).ids
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.chat_template == ChatTemplate(TEMPLATE, bos_token="<s>", eos_token="</s>")
+    rendered = tok.chat_template.render([{"role": "user", "content": "the fox"}])
+    assert rendered == "<s>[user] the fox<|eot|>[assistant] "
+    ids = tok.encode(rendered)
+    assert ids[0] == 1 and ids.count(3) == 1
+    assert tok.decode(ids) == rendered
+
+
+def test_tied_bf16_checkpoint(tmp_path: pathlib.Path) -> None:
+    weights = _write_dir(tmp_path / "m", tied=True, dtype=torch.bfloat16)
+    model = load_hf_dir(tmp_path / "m", "tiny-hf")
+    assert model.config.tie_word_embeddings and "lm_head.weight" not in model.weights
+    for name, weight in weights.items():
+        assert model.weights[name].dtype == torch.float32
+        assert torch.equal(model.weights[name], weight.float()), name
+
+
+def test_transformers5_rope_parameters_and_jinja_template(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "m"
+    _write_dir(root, rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 1234.0})
+    (root / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
+    (root / "chat_template.jinja").write_text(TEMPLATE)
+    model = load_hf_dir(root, "m")
+    assert model.config.rope_theta == 1234.0
+    assert model.tokenizer.chat_template.source == TEMPLATE
+
+
+def test_sharded_checkpoint(tmp_path: pathlib.Path) -> None:
+    root = tmp_path / "m"
+    weights = _write_dir(root)
+    (root / "model.safetensors").unlink()
+    names = sorted(weights)
+    shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for shard, shard_names in shards.items():
+        save_file({n: weights[n] for n in shard_names}, str(root / shard))
+    index = {"weight_map": {n: shard for shard, shard_names in shards.items() for n in shard_names}}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    model = load_hf_dir(root, "m")
+    assert all(torch.equal(model.weights[n], w) for n, w in weights.items())
+    (root / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(UserError, match="missing"):
+        load_hf_dir(root, "m")
+
+
+def test_identity_tracks_weights(tmp_path: pathlib.Path) -> None:
+    _write_dir(tmp_path / "a")
+    _write_dir(tmp_path / "b", tied=True)
+    assert load_hf_dir(tmp_path / "a", "a").identity == load_hf_dir(tmp_path / "a", "a").identity
+    assert load_hf_dir(tmp_path / "a", "a").identity != load_hf_dir(tmp_path / "b", "b").identity
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "gpt2", None])
+def test_unsupported_model_type(tmp_path: pathlib.Path, model_type: str | None) -> None:
+    _write_dir(tmp_path / "m", model_type=model_type)
+    with pytest.raises(UserError, match="model_type"):
+        load_hf_dir(tmp_path / "m", "m")
+
+
+def test_rope_scaling_refused(tmp_path: pathlib.Path) -> None:
+    _write_dir(tmp_path / "m", rope_scaling={"rope_type": "llama3", "factor": 8.0})
+    with pytest.raises(UserError, match="rope scaling 'llama3'"):
+        load_hf_dir(tmp_path / "m", "m")
+
+
+def test_missing_directory(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(UserError, match="not found"):
+        load_hf_dir(tmp_path / "absent", "absent")
+
+
+@pytest.mark.parametrize(
+    "missing,message",
+    [
+        ("config.json", "config.json not found"),
+        ("model.safetensors", "no \\*.safetensors"),
+        ("tokenizer.json", "tokenizer.json not found"),
+    ],
+)
+def test_missing_files(tmp_path: pathlib.Path, missing: str, message: str) -> None:
+    _write_dir(tmp_path / "m")
+    (tmp_path / "m" / missing).unlink()
+    with pytest.raises(UserError, match=message):
+        load_hf_dir(tmp_path / "m", "m")
+
+
+def test_wrong_shapes_and_corrupt_weights(tmp_path: pathlib.Path) -> None:
+    _write_dir(tmp_path / "m", hidden_size=HIDDEN * 2)
+    with pytest.raises(UserError, match="shape"):
+        load_hf_dir(tmp_path / "m", "m")
+    _write_dir(tmp_path / "n")
+    (tmp_path / "n" / "model.safetensors").write_bytes(b"garbage")
+    with pytest.raises(UserError, match="not a readable safetensors file"):
+        load_hf_dir(tmp_path / "n", "n")
