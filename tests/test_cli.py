@@ -1,0 +1,44 @@
+"""`hicache generate` as a user runs it: a real subprocess, JSON output, one-line errors with exit 2."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def hicache(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hicache", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_prompts_file_runs_in_order_and_hits_cache(tmp_path):
+    history = "A long shared history for every prompt. " * 10
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(history + q) + "\n" for q in ("first?", "second?", "third?")))
+    proc = hicache("generate", "--model", "tiny", "--prompts-file", str(prompts), "--max-new-tokens", "5", "--json")
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(rows) == 3
+    for row in rows:
+        assert {"text", "token_ids", "prompt_tokens", "cached_tokens", "cached_tokens_by_tier"} <= row.keys()
+        assert sum(row["cached_tokens_by_tier"].values()) == row["cached_tokens"]
+    assert rows[0]["cached_tokens"] == 0
+    assert rows[1]["cached_tokens"] >= 384 and rows[2]["cached_tokens"] >= 384  # the shared history, in pages
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--model", "no-such-model", "--prompt", "x"], "unknown model"),
+        (["--model", "tiny", "--prompts-file", "/no/such/file"], "cannot read"),
+        (["--model", "tiny", "--prompt", "a" * 5000], "context length"),
+        (["--model", "tiny", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens must be positive"),
+        (["--model", "tiny", "--prompt", "x", "--page-size", "12"], "power of two"),
+        (["--model", "tiny"], "required"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    proc = hicache("generate", *args)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], proc.stderr
