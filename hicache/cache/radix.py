@@ -1,77 +1,128 @@
-"""Radix prefix tree over page-aligned token runs, mapping cached prefixes to logical KV pages.
+"""Radix prefix tree over page-aligned token runs, mapping cached prefixes to logical KV pages on the
+device tier and, with the hierarchical cache, on the host tier.
 
 Contracts:
 - Keys are cut at page boundaries: every node's key length is a multiple of the page size, so a match
   is always a whole number of pages and a node's pages are exactly its tokens' KV.
-- A node with lock_ref > 0 (it, or a descendant, is in use by a running request) is never evicted.
-  `lock` and `unlock` walk the path to the root; every lock is released on every path by its owner.
-- Eviction removes least-recently-used unlocked leaves and hands their pages to `on_evict`.
+- A node holds its KV on the device (`device_pages`), on the host (`host_pages`), or both; a node on
+  neither tier is removed. Device residency is a prefix of every path: a node on the device has its
+  parent on the device (device eviction takes nodes with no device-resident child; loads and inserts
+  fill paths top-down). So a match is a device part followed by a host-only part.
+- A node with lock_ref > 0 (it, or a descendant, is in use by a running request or an in-flight copy)
+  is never evicted from either tier. `lock` and `unlock` walk the path to the root.
+- Device eviction of a node that has a host copy keeps it as host-only; of a node without one removes it
+  (with its host-only descendants). Host eviction removes host-only, unlocked leaves. Least recently
+  used first in both.
 - `namespace` (a request's cache_salt) selects a separate root: different salts never share pages.
-- Recency is a logical clock, not wall time, so ranks that apply the same operations in the same
-  order make the same eviction choices.
+- Recency is a logical clock, not wall time, so ranks that apply the same operations in the same order
+  make the same eviction choices.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
+
+PagesFn = Callable[[list[int]], None]
 
 
 class TreeNode:
-    __slots__ = ("key", "device_pages", "children", "parent", "lock_ref", "last_access", "hit_count", "id")
+    __slots__ = (
+        "key", "device_pages", "host_pages", "hashes", "children", "parent",
+        "lock_ref", "last_access", "hit_count", "backup_pending", "id",
+    )  # fmt: skip
 
     _ids = itertools.count()
 
-    def __init__(self, key: tuple[int, ...], device_pages: list[int], parent: "TreeNode | None") -> None:
+    def __init__(
+        self,
+        key: tuple[int, ...],
+        device_pages: list[int] | None,
+        parent: "TreeNode | None",
+        host_pages: list[int] | None = None,
+    ) -> None:
         self.key = key
         self.device_pages = device_pages
+        self.host_pages = host_pages
+        self.hashes: list[bytes] | None = None  # storage page hashes, computed when first needed
         self.children: dict[tuple[int, ...], TreeNode] = {}
         self.parent = parent
         self.lock_ref = 0
         self.last_access = 0
         self.hit_count = 0
+        self.backup_pending = False  # host_pages assigned, device -> host copy not yet acknowledged
         self.id = next(TreeNode._ids)
 
     @property
     def is_root(self) -> bool:
         return self.parent is None
 
+    @property
+    def on_device(self) -> bool:
+        return self.device_pages is not None
+
+    @property
+    def backed_up(self) -> bool:
+        return self.host_pages is not None and not self.backup_pending
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.device_pages if self.device_pages is not None else self.host_pages or [])
+
     def __repr__(self) -> str:
-        return f"TreeNode(id={self.id}, tokens={len(self.key)}, lock_ref={self.lock_ref})"
+        return (
+            f"TreeNode(id={self.id}, tokens={len(self.key)}, lock_ref={self.lock_ref}, "
+            f"device={self.device_pages is not None}, host={self.host_pages is not None})"
+        )
 
 
 @dataclass(frozen=True)
 class MatchResult:
-    device_pages: list[int]
-    last_node: TreeNode
+    device_pages: list[int]  # the device-resident prefix
+    last_device_node: TreeNode
+    host_nodes: list[TreeNode]  # host-only nodes continuing the match, in path order
     page_size: int
 
     @property
     def num_tokens(self) -> int:
+        """Tokens usable without any copy."""
         return len(self.device_pages) * self.page_size
+
+    @property
+    def host_pages(self) -> list[int]:
+        return [p for n in self.host_nodes for p in n.host_pages or []]
+
+    @property
+    def host_tokens(self) -> int:
+        return len(self.host_pages) * self.page_size
+
+    @property
+    def last_node(self) -> TreeNode:
+        return self.host_nodes[-1] if self.host_nodes else self.last_device_node
 
 
 @dataclass(frozen=True)
 class InsertResult:
-    existing_tokens: int  # leading tokens the tree already held (their pages are the tree's, not the caller's)
-    pages: list[int]  # the tree's pages for the whole key after insertion
+    pages: list[int]  # the tree's device pages for the whole key; the caller frees its own that differ
     last_node: TreeNode
+    new_nodes: list[TreeNode] = field(default_factory=list)  # created by this insert, top-down
 
 
 class RadixTree:
-    def __init__(self, page_size: int, on_evict: Callable[[list[int]], None]) -> None:
+    def __init__(self, page_size: int, on_device_free: PagesFn, on_host_free: PagesFn | None = None) -> None:
         self.page_size = page_size
-        self._on_evict = on_evict
+        self._free_device = on_device_free
+        self._free_host = on_host_free
         self._clock = itertools.count(1)
         self.reset()
 
     def reset(self) -> None:
-        """Forget everything without freeing pages (the caller resets the pool with it)."""
+        """Forget everything without freeing pages (the caller resets the pools with it)."""
         self._roots: dict[str, TreeNode] = {}
-        self.evictable_pages = 0
-        self.protected_pages = 0
+        self.evictable_pages = 0  # device pages of unlocked nodes
+        self.protected_pages = 0  # device pages of locked nodes
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -88,14 +139,29 @@ class RadixTree:
     def _aligned(self, n: int) -> int:
         return n - n % self.page_size
 
-    def match_prefix(self, tokens: Sequence[int], namespace: str = "") -> MatchResult:
-        """Longest cached page-aligned prefix of `tokens`. Splits a node when the match ends inside it,
-        so the returned last_node covers exactly the matched prefix and can be locked."""
-        tokens = tuple(tokens[: self._aligned(len(tokens))])
-        node = self._root(namespace)
+    def match_prefix(self, tokens: Sequence[int], namespace: str = "", count_hit: bool = False) -> MatchResult:
+        """Longest cached page-aligned prefix of `tokens` on either tier. Splits a node when the match
+        ends inside it, so every matched node is covered exactly and can be locked."""
+        path = self._walk(tuple(tokens[: self._aligned(len(tokens))]), namespace)
         now = next(self._clock)
-        node.last_access = now
-        pages: list[int] = []
+        device_pages: list[int] = []
+        last_device = self._root(namespace)
+        host_nodes: list[TreeNode] = []
+        for node in path:
+            node.last_access = now
+            if count_hit:
+                node.hit_count += 1
+            if node.on_device and not host_nodes:
+                device_pages.extend(node.device_pages)  # type: ignore[arg-type]
+                last_device = node
+            else:
+                host_nodes.append(node)
+        return MatchResult(device_pages, last_device, host_nodes, self.page_size)
+
+    def _walk(self, tokens: tuple[int, ...], namespace: str) -> list[TreeNode]:
+        node = self._root(namespace)
+        node.last_access = next(self._clock)
+        path: list[TreeNode] = []
         pos = 0
         while pos < len(tokens):
             child = node.children.get(self._page_key(tokens, pos))
@@ -104,11 +170,10 @@ class RadixTree:
             n = self._common_pages(child.key, tokens, pos) * self.page_size
             if n < len(child.key):
                 child = self._split(child, n)
-            child.last_access = now
-            pages.extend(child.device_pages)
+            path.append(child)
             pos += n
             node = child
-        return MatchResult(pages, node, self.page_size)
+        return path
 
     def _common_pages(self, key: tuple[int, ...], tokens: tuple[int, ...], pos: int) -> int:
         p = self.page_size
@@ -121,46 +186,107 @@ class RadixTree:
     def _split(self, node: TreeNode, n_tokens: int) -> TreeNode:
         """Cut `node` after n_tokens; the new upper part takes its place under the parent."""
         assert 0 < n_tokens < len(node.key) and n_tokens % self.page_size == 0
-        n_pages = n_tokens // self.page_size
-        upper = TreeNode(node.key[:n_tokens], node.device_pages[:n_pages], node.parent)
+        k = n_tokens // self.page_size
+        upper = TreeNode(
+            node.key[:n_tokens],
+            None if node.device_pages is None else node.device_pages[:k],
+            node.parent,
+            None if node.host_pages is None else node.host_pages[:k],
+        )
+        if node.hashes is not None:
+            upper.hashes, node.hashes = node.hashes[:k], node.hashes[k:]
         upper.lock_ref = node.lock_ref
         upper.last_access = node.last_access
         upper.hit_count = node.hit_count
+        upper.backup_pending = node.backup_pending
         assert node.parent is not None
         node.parent.children[self._page_key(node.key, 0)] = upper
         node.key = node.key[n_tokens:]
-        node.device_pages = node.device_pages[n_pages:]
+        if node.device_pages is not None:
+            node.device_pages = node.device_pages[k:]
+        if node.host_pages is not None:
+            node.host_pages = node.host_pages[k:]
         node.parent = upper
         upper.children[self._page_key(node.key, 0)] = node
         return upper
 
     # ---- updates -------------------------------------------------------------------------------
 
+    def _account_device(self, node: TreeNode, sign: int) -> None:
+        n = sign * len(node.device_pages or [])
+        if node.lock_ref > 0:
+            self.protected_pages += n
+        else:
+            self.evictable_pages += n
+
     def insert(self, tokens: Sequence[int], pages: list[int], namespace: str = "") -> InsertResult:
-        """Cache `tokens` (a page multiple) whose KV lives in `pages`. Pages for a part the tree already
-        holds stay the caller's to free; the rest now belong to the tree."""
+        """Cache `tokens` (a page multiple) whose KV lives in device `pages`. Where the tree already has
+        the KV on the device, its pages win and the caller frees its own; where it has it only on the
+        host, the caller's pages are attached to the node."""
         if len(tokens) % self.page_size or len(pages) * self.page_size != len(tokens):
             raise ValueError("insert needs a page-aligned key and one page per page_size tokens")
         tokens = tuple(tokens)
-        match = self.match_prefix(tokens, namespace)
-        node = match.last_node
-        existing = match.num_tokens
-        if existing < len(tokens):
-            new_pages = pages[existing // self.page_size :]
-            child = TreeNode(tokens[existing:], list(new_pages), node)
+        path = self._walk(tokens, namespace)
+        now = next(self._clock)
+        tree_pages: list[int] = []
+        for node in path:
+            node.last_access = now
+            if node.device_pages is None:
+                node.device_pages = pages[len(tree_pages) : len(tree_pages) + len(node.key) // self.page_size]
+                self._account_device(node, +1)
+            tree_pages.extend(node.device_pages)
+        parent = path[-1] if path else self._root(namespace)
+        new_nodes = []
+        if len(tree_pages) < len(pages):
+            start = len(tree_pages) * self.page_size
+            child = TreeNode(tokens[start:], list(pages[len(tree_pages) :]), parent)
+            child.last_access = now
+            parent.children[self._page_key(child.key, 0)] = child
+            self._account_device(child, +1)
+            tree_pages.extend(child.device_pages)  # type: ignore[arg-type]
+            new_nodes.append(child)
+            parent = child
+        return InsertResult(tree_pages, parent, new_nodes)
+
+    def insert_host(self, tokens: Sequence[int], host_pages: list[int], namespace: str = "") -> list[int]:
+        """Cache the last len(host_pages) pages of `tokens` as host-only KV (read from storage); the
+        rest of `tokens` must already be cached. Returns the host pages the tree did not take (the
+        caller frees them): all of them if the prefix is gone, and those the tree already holds."""
+        tokens = tuple(tokens)
+        n_prefix = len(tokens) // self.page_size - len(host_pages)
+        path = self._walk(tokens, namespace)
+        covered = sum(len(n.key) for n in path) // self.page_size
+        if covered < n_prefix:
+            return list(host_pages)
+        rejected: list[int] = []
+        pos = 0  # page index along tokens
+        for node in path:
+            k = len(node.key) // self.page_size
+            mine = [(i - n_prefix) for i in range(pos, pos + k) if i >= n_prefix]
+            if node.host_pages is None and len(mine) == k:
+                node.host_pages = [host_pages[i] for i in mine]
+            else:
+                rejected.extend(host_pages[i] for i in mine)
+            pos += k
+        if covered < len(tokens) // self.page_size:
+            parent = path[-1] if path else self._root(namespace)
+            child = TreeNode(tokens[covered * self.page_size :], None, parent, list(host_pages[covered - n_prefix :]))
             child.last_access = next(self._clock)
-            node.children[self._page_key(child.key, 0)] = child
-            # A new leaf is unlocked unless an ancestor's lock covers it: locks are per path, and the
-            # new leaf is not on any locked path yet.
-            self.evictable_pages += len(new_pages)
-            node = child
-        return InsertResult(existing, match.device_pages + pages[existing // self.page_size :], node)
+            parent.children[self._page_key(child.key, 0)] = child
+        return rejected
+
+    def attach_device(self, node: TreeNode, device_pages: list[int]) -> None:
+        """A host-only node gets device pages (a load back from the host tier was issued)."""
+        assert node.device_pages is None and node.host_pages is not None
+        assert node.parent is not None and (node.parent.is_root or node.parent.on_device)
+        node.device_pages = list(device_pages)
+        self._account_device(node, +1)
 
     def lock(self, node: TreeNode) -> None:
         while node is not None and not node.is_root:
             if node.lock_ref == 0:
-                self.evictable_pages -= len(node.device_pages)
-                self.protected_pages += len(node.device_pages)
+                self.evictable_pages -= len(node.device_pages or [])
+                self.protected_pages += len(node.device_pages or [])
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
 
@@ -170,25 +296,72 @@ class RadixTree:
                 raise RuntimeError(f"unlock of an unlocked node {node}")
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.evictable_pages += len(node.device_pages)
-                self.protected_pages -= len(node.device_pages)
+                self.evictable_pages += len(node.device_pages or [])
+                self.protected_pages -= len(node.device_pages or [])
             node = node.parent  # type: ignore[assignment]
 
-    def evict(self, num_pages: int) -> int:
-        """Free at least `num_pages` pages from unlocked leaves, least recently used first. Returns the
-        number freed (less when not enough is evictable)."""
-        heap = [(n.last_access, n.id, n) for n in self.nodes() if not n.children and n.lock_ref == 0]
+    # ---- eviction ------------------------------------------------------------------------------
+
+    def _device_leaf(self, node: TreeNode) -> bool:
+        return (
+            node.on_device
+            and node.lock_ref == 0
+            and not node.is_root
+            and not any(c.on_device for c in node.children.values())
+        )
+
+    def evict(self, num_pages: int, keep_if: Callable[[TreeNode], bool] | None = None) -> int:
+        """Free at least `num_pages` device pages, least recently used first. A node whose KV is on the
+        host (or that `keep_if` backs up there, for write-back) stays as host-only; others are removed.
+        Returns the number of device pages freed (less when not enough is evictable)."""
+        heap = [(n.last_access, n.id, n) for n in self.nodes() if self._device_leaf(n)]
         heapq.heapify(heap)
         freed = 0
         while freed < num_pages and heap:
             _, _, node = heapq.heappop(heap)
+            pages = node.device_pages or []
+            self._account_device(node, -1)
+            freed += len(pages)
+            if node.backed_up or (keep_if is not None and keep_if(node)):
+                node.device_pages = None
+                self._free_device(pages)
+            else:
+                node.device_pages = None
+                self._free_device(pages)
+                self._remove_subtree(node)
             parent = node.parent
-            assert parent is not None
-            del parent.children[self._page_key(node.key, 0)]
-            self.evictable_pages -= len(node.device_pages)
-            freed += len(node.device_pages)
-            self._on_evict(node.device_pages)
-            if not parent.is_root and not parent.children and parent.lock_ref == 0:
+            if parent is not None and self._device_leaf(parent):
+                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+        return freed
+
+    def _remove_subtree(self, node: TreeNode) -> None:
+        """Unlink `node`; its (host-only) descendants' host pages go back to the host pool."""
+        assert node.parent is not None and node.lock_ref == 0
+        del node.parent.children[self._page_key(node.key, 0)]
+        stack = [node]
+        while stack:
+            n = stack.pop()
+            assert not n.on_device or n is node, "device residency must be a prefix of every path"
+            if n.host_pages is not None and self._free_host is not None:
+                self._free_host(n.host_pages)
+                n.host_pages = None
+            stack.extend(n.children.values())
+
+    def evict_host(self, num_pages: int) -> int:
+        """Free at least `num_pages` host pages from host-only, unlocked leaves, LRU first."""
+
+        def candidate(n: TreeNode) -> bool:
+            return n.host_pages is not None and not n.on_device and n.lock_ref == 0 and not n.children
+
+        heap = [(n.last_access, n.id, n) for n in self.nodes() if candidate(n)]
+        heapq.heapify(heap)
+        freed = 0
+        while freed < num_pages and heap:
+            _, _, node = heapq.heappop(heap)
+            freed += len(node.host_pages or [])
+            parent = node.parent
+            self._remove_subtree(node)
+            if parent is not None and not parent.is_root and candidate(parent):
                 heapq.heappush(heap, (parent.last_access, parent.id, parent))
         return freed
 
@@ -202,9 +375,21 @@ class RadixTree:
             yield node
             stack.extend(node.children.values())
 
+    def path_to_root(self, node: TreeNode) -> list[TreeNode]:
+        """Non-root nodes from the root down to `node`."""
+        path = []
+        while node is not None and not node.is_root:
+            path.append(node)
+            node = node.parent  # type: ignore[assignment]
+        return path[::-1]
+
     @property
     def total_pages(self) -> int:
         return self.evictable_pages + self.protected_pages
+
+    @property
+    def host_pages_held(self) -> int:
+        return sum(len(n.host_pages) for n in self.nodes() if n.host_pages is not None)
 
     def locked_nodes(self) -> list[TreeNode]:
         return [n for n in self.nodes() if n.lock_ref > 0]

@@ -18,6 +18,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from hicache.cache.prefix_cache import PrefixCache
 from hicache.config import EngineConfig
 from hicache.dist.parallel import ParallelContext
 from hicache.engine.model_runner import ModelRunner
@@ -134,7 +135,8 @@ class Engine:
         model = LlamaModel(loaded.config, loaded.weights, pctx, dtype, device)
         del loaded
         pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device)
-        self.scheduler = Scheduler(cfg, ModelRunner(model, pool), self.tokenizer, self.context_length)
+        cache = PrefixCache(pool, enabled=not cfg.disable_radix_cache)
+        self.scheduler = Scheduler(cfg, ModelRunner(model, pool), cache, self.tokenizer, self.context_length)
         self._handles: dict[int, RequestHandle] = {}
         self._inbox: list[Request] = []
         self._control: list[tuple[Callable[[], object], Future]] = []
@@ -212,8 +214,7 @@ class Engine:
 
     def pool_usage(self) -> dict[str, tuple[int, int]]:
         """(used, capacity) in tokens per memory tier that exists."""
-        alloc = self.scheduler.allocator
-        return {"device": (alloc.used_pages * alloc.page_size, alloc.num_pages * alloc.page_size)}
+        return self.scheduler.cache.usage()
 
     @property
     def num_running(self) -> int:

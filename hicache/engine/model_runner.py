@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -57,6 +58,8 @@ class ModelRunner:
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
         )
 
-    def forward(self, work: list[WorkItem]) -> torch.Tensor:
+    def forward(self, work: list[WorkItem], before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
         """Logits [rows needing logits, vocab] as float32 on the CPU."""
-        return self.model.forward(self.build(work), self.pool).cpu()
+        batch = self.build(work)
+        batch.before_layer = before_layer
+        return self.model.forward(batch, self.pool).cpu()

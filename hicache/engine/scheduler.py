@@ -17,7 +17,7 @@ from collections import deque
 
 import torch
 
-from hicache.cache.radix import RadixTree
+from hicache.cache.prefix_cache import PrefixCache
 from hicache.config import EngineConfig
 from hicache.engine.model_runner import ModelRunner, WorkItem
 from hicache.engine.request import FinishReason, Request, RequestEvent, TokenLogprob
@@ -29,16 +29,16 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, runner: ModelRunner, tokenizer: Tokenizer, context_length: int) -> None:
+    def __init__(
+        self, cfg: EngineConfig, runner: ModelRunner, cache: PrefixCache, tokenizer: Tokenizer, context_length: int
+    ) -> None:
         self.cfg = cfg
         self.runner = runner
-        self.pool = runner.pool
+        self.cache = cache
         self.allocator = runner.pool.allocator
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.page_size = cfg.page_size
-        self.tree = RadixTree(cfg.page_size, on_evict=self.allocator.free)
-        self.use_cache = not cfg.disable_radix_cache
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.reserved_total = 0
@@ -66,6 +66,7 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
+        self.cache.on_arrival(req)
 
     def abort(self, rid: int) -> None:
         for req in list(self.waiting) + self.running:
@@ -79,17 +80,18 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestEvent]:
+        self.cache.check()
         events = self._drop_aborted()
         work = self._schedule()
         if not work:
             return events
-        logits = self.runner.forward(work)
+        logits = self.runner.forward(work, self.cache.before_layer())
         row = 0
         for item in work:
             req = item.req
             req.kv_len = item.end
-            if self.use_cache and req.kv_len == req.prompt_len and not req.output_ids:
-                self._cache_prefix(req, req.kv_len)  # share the prompt with requests arriving meanwhile
+            if req.kv_len == req.prompt_len and not req.output_ids:
+                self.cache.cache_prefix(req, req.kv_len)  # share the prompt with requests arriving meanwhile
             if item.needs_logits:
                 token, logprob = sample(logits[row], req)
                 row += 1
@@ -100,6 +102,7 @@ class Scheduler:
         events = []
         for req in [r for r in self.waiting if r.aborted]:
             self.waiting.remove(req)
+            self.cache.release(req)
             events.append(RequestEvent(req.rid, (), finish_reason=FinishReason.ABORT))
         for req in [r for r in self.running if r.aborted]:
             self._finish(req)
@@ -114,11 +117,14 @@ class Scheduler:
                 n = min(req.prompt_len - req.kv_len, budget)
                 work.append(WorkItem(req, req.kv_len, req.kv_len + n))
                 budget -= n
-        while budget > 0 and self.waiting and len(self.running) < self.cfg.max_running_requests:
-            req = self.waiting[0]
-            if not self._admit(req):
+        for req in list(self.waiting):
+            if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
-            self.waiting.popleft()
+            if not self.cache.ready_to_admit(req):
+                continue  # its storage prefetch is still running; later arrivals may go first
+            if not self._admit(req):
+                break  # first come, first served: no overtaking on memory
+            self.waiting.remove(req)
             self.running.append(req)
             n = min(req.prompt_len - req.kv_len, budget)
             work.append(WorkItem(req, req.kv_len, req.kv_len + n))
@@ -128,25 +134,10 @@ class Scheduler:
         return work
 
     def _admit(self, req: Request) -> bool:
-        matched_pages: list[int] = []
-        if self.use_cache:
-            # At least the last prompt token is always computed: its logits give the first output token.
-            match = self.tree.match_prefix(req.prompt_ids[: req.prompt_len - 1], req.namespace)
-            self.tree.lock(match.last_node)
-            matched_pages = match.device_pages
-        need = self._pages_for(req.prompt_len + req.max_new_tokens) - len(matched_pages)
-        available = self.allocator.free_pages + self.tree.evictable_pages - self.reserved_total
-        if need > available:
-            if self.use_cache:
-                self.tree.unlock(match.last_node)
+        total = self._pages_for(req.prompt_len + req.max_new_tokens)
+        if not self.cache.admit(req, total, self.reserved_total):
             return False
-        if self.use_cache:
-            req.lock_node = match.last_node
-        req.pages = list(matched_pages)
-        req.kv_len = len(matched_pages) * self.page_size
-        req.cached_tokens_by_tier["device"] = req.kv_len
-        req.reserved_pages = need
-        self.reserved_total += need
+        self.reserved_total += req.reserved_pages
         if req.params.seed is not None:
             req.generator = torch.Generator().manual_seed(req.params.seed)
         return True
@@ -155,31 +146,11 @@ class Scheduler:
         want = self._pages_for(end) - len(req.pages)
         if want <= 0:
             return
-        short = want - self.allocator.free_pages
-        if short > 0 and self.use_cache:
-            self.tree.evict(short)
-        pages = self.allocator.alloc(want)
-        if pages is None or want > req.reserved_pages:
-            raise RuntimeError("KV reservation invariant broken: a running request could not allocate its pages")
-        req.pages.extend(pages)
+        if want > req.reserved_pages:
+            raise RuntimeError("KV reservation invariant broken: a request outgrew its reservation")
+        req.pages.extend(self.cache.alloc(want))
         req.reserved_pages -= want
         self.reserved_total -= want
-
-    def _cache_prefix(self, req: Request, upto: int) -> None:
-        """Hand the request's full pages of tokens [0, upto) to the tree and move its lock there."""
-        n = upto - upto % self.page_size
-        if n == 0:
-            return
-        res = self.tree.insert(req.tokens(n), req.pages[: n // self.page_size], req.namespace)
-        for i in range(res.existing_tokens // self.page_size):
-            if req.pages[i] != res.pages[i]:
-                # Someone cached the same tokens first: use their page, return our duplicate.
-                self.allocator.free([req.pages[i]])
-                req.pages[i] = res.pages[i]
-        self.tree.lock(res.last_node)
-        assert req.lock_node is not None
-        self.tree.unlock(req.lock_node)
-        req.lock_node = res.last_node
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestEvent:
         req.output_ids.append(token)
@@ -214,21 +185,15 @@ class Scheduler:
 
     def _finish(self, req: Request) -> None:
         self.running.remove(req)
-        if self.use_cache and req.lock_node is not None:
-            self._cache_prefix(req, req.kv_len)
-            self.tree.unlock(req.lock_node)
-            req.lock_node = None
-            kept = req.kv_len // self.page_size
-        else:
-            kept = 0
-        self.allocator.free(req.pages[kept:])
-        req.pages = []
+        self.cache.release(req)
         self.reserved_total -= req.reserved_pages
         req.reserved_pages = 0
 
     def abort_all(self, reason: FinishReason, message: str) -> list[RequestEvent]:
         """End every request now, releasing its pages and locks (after a failed step, or at shutdown)."""
         events = [RequestEvent(r.rid, (), finish_reason=reason, error=message) for r in [*self.waiting, *self.running]]
+        for req in list(self.waiting):
+            self.cache.release(req)
         self.waiting.clear()
         for req in list(self.running):
             self._finish(req)
@@ -237,20 +202,15 @@ class Scheduler:
     # ---- maintenance ---------------------------------------------------------------------------
 
     def flush(self) -> bool:
-        """Drop every cached prefix. Refused (False) while requests are waiting or running."""
+        """Drop every cached prefix in memory. Refused (False) while requests are waiting or running."""
         if self.has_work:
             return False
-        self.tree.evict(self.tree.total_pages)
-        self.tree.reset()
+        self.cache.flush()
         return True
 
     def leak_report(self) -> list[str]:
         """Problems a flush should have left none of: pages not back in the pool, nodes still locked."""
-        problems = []
-        if self.allocator.free_pages != self.allocator.num_pages:
-            problems.append(f"{self.allocator.num_pages - self.allocator.free_pages} device pages not freed")
-        if self.tree.locked_nodes():
-            problems.append(f"locked nodes: {self.tree.locked_nodes()}")
+        problems = self.cache.leak_report()
         if self.reserved_total:
             problems.append(f"{self.reserved_total} pages still reserved")
         return problems

@@ -27,7 +27,7 @@ ops = st.lists(
 class Harness:
     def __init__(self) -> None:
         self.alloc = PageAllocator(POOL_PAGES, PAGE)
-        self.tree = RadixTree(PAGE, on_evict=self._evicted)
+        self.tree = RadixTree(PAGE, on_device_free=self._evicted)
         self.content: dict[int, tuple] = {}  # page -> (namespace, token prefix ending with that page)
         self.reference: set[tuple] = set()  # (namespace, page-aligned prefix) ever inserted
         self.locks: list = []  # (node, namespace, tokens) held
@@ -49,7 +49,7 @@ class Harness:
         for i, p in enumerate(pages):
             self.content[p] = (ns, tuple(tokens[: (i + 1) * PAGE]))
         res = self.tree.insert(tokens, pages, ns)
-        dup = pages[: res.existing_tokens // PAGE]
+        dup = [p for p, t in zip(pages, res.pages) if p != t]
         for p in dup:
             del self.content[p]
         self.alloc.free(dup)

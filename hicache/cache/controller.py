@@ -1,0 +1,119 @@
+"""Asynchronous transfers between tiers: device -> host backups, host -> device loads (layer by layer),
+host <-> storage puts and reads.
+
+Copies run on worker threads (on CUDA the copies themselves are issued on a side stream by the same
+threads). Each operation has a completion event; backups and loads complete into ordered ACK queues that
+the scheduler consumes at its checks, through the rank-agreement interface, so every rank applies the
+same completions at the same logical point. Workers are supervised: an exception fails the operation
+(its KV is treated as a miss), is logged, and the worker keeps serving; a worker thread that dies is
+restarted on the next submission.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(eq=False)
+class TransferOp:
+    """One unit of asynchronous work with its completion state."""
+
+    kind: str
+    run: Callable[["TransferOp"], None]
+    payload: object = None
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+
+class SupervisedWorker:
+    """A FIFO worker thread. `debug_delay_s` delays each completion by a random amount (fault injection
+    for tests and for users debugging their own deployment)."""
+
+    def __init__(self, name: str, debug_delay_s: float = 0.0, seed: int = 0) -> None:
+        self.name = name
+        self._queue: queue.Queue[TransferOp | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._delay = debug_delay_s
+        self._rng = random.Random(seed)
+        self.restarts = 0
+        self.failures = 0
+
+    def submit(self, op: TransferOp) -> TransferOp:
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                if self._thread is not None:
+                    self.restarts += 1
+                    logger.error("transfer worker %s died; restarting it", self.name)
+                self._thread = threading.Thread(target=self._loop, name=f"hicache-{self.name}", daemon=True)
+                self._thread.start()
+        self._queue.put(op)
+        return op
+
+    def _loop(self) -> None:
+        while True:
+            op = self._queue.get()
+            if op is None:
+                return
+            try:
+                op.run(op)
+            except Exception as exc:  # noqa: BLE001 - the op becomes a miss, the worker goes on
+                op.error = exc
+                self.failures += 1
+                logger.exception("%s transfer failed; its pages are treated as a miss", op.kind)
+            if self._delay:
+                time.sleep(self._rng.uniform(0, self._delay))
+            op.done.set()
+
+    def stop(self) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                self._queue.put(None)
+                self._thread.join(timeout=10)
+            self._thread = None
+
+
+class AckQueue:
+    """Operations in issue order. The scheduler consumes an agreed-on number from the front."""
+
+    def __init__(self) -> None:
+        self._ops: deque[TransferOp] = deque()
+
+    def push(self, op: TransferOp) -> None:
+        self._ops.append(op)
+
+    def ready(self) -> int:
+        """How many leading operations have completed (this rank's view)."""
+        n = 0
+        for op in self._ops:
+            if not op.done.is_set():
+                break
+            n += 1
+        return n
+
+    def pop(self, n: int) -> list[TransferOp]:
+        """The first n operations, waiting for any still running here (another rank's view decided
+        that n are done; this rank's copies must finish before their results are applied)."""
+        ops = [self._ops.popleft() for _ in range(n)]
+        for op in ops:
+            op.done.wait()
+        return ops
+
+    def drain(self) -> list[TransferOp]:
+        return self.pop(len(self._ops))
+
+    def __len__(self) -> int:
+        return len(self._ops)
