@@ -11,8 +11,61 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 from hicache.errors import UserError
+from hicache.mem.host_pool import LAYOUTS
 
 logger = logging.getLogger(__name__)
+
+
+WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
+PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
+STORAGE_BACKENDS = ("file", "redis")
+
+
+@dataclass(frozen=True)
+class HiCacheConfig:
+    """The host and storage tiers (`--enable-hierarchical-cache` and the `--hicache-*` flags)."""
+
+    enable_hierarchical_cache: bool = False
+    hicache_ratio: float = 2.0
+    hicache_size: float = 0.0  # GB; overrides the ratio when > 0
+    hicache_mem_layout: str = "page_first"
+    hicache_write_policy: str = "write_through"
+    hicache_load_back_threshold: int = 64  # tokens; smaller host hits are recomputed instead
+    hicache_storage_backend: str | None = None
+    hicache_storage_dir: str | None = None
+    hicache_storage_url: str = "redis://127.0.0.1:6379/0"
+    hicache_storage_prefetch_threshold: int = 256
+    hicache_storage_prefetch_policy: str = "best_effort"
+    hicache_storage_prefetch_timeout_base: float = 1.0  # seconds
+    hicache_storage_prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 prefetched tokens
+
+    def __post_init__(self) -> None:
+        if self.hicache_ratio <= 0:
+            raise UserError(f"--hicache-ratio must be positive, got {self.hicache_ratio}")
+        if self.hicache_size < 0:
+            raise UserError(f"--hicache-size must be >= 0, got {self.hicache_size}")
+        _choice("--hicache-mem-layout", self.hicache_mem_layout, LAYOUTS)
+        _choice("--hicache-write-policy", self.hicache_write_policy, WRITE_POLICIES)
+        _choice("--hicache-storage-prefetch-policy", self.hicache_storage_prefetch_policy, PREFETCH_POLICIES)
+        if self.hicache_storage_backend is not None:
+            _choice("--hicache-storage-backend", self.hicache_storage_backend, STORAGE_BACKENDS)
+            if not self.enable_hierarchical_cache:
+                raise UserError("--hicache-storage-backend needs --enable-hierarchical-cache")
+        for name in ("hicache_load_back_threshold", "hicache_storage_prefetch_threshold"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 0")
+        for name in ("hicache_storage_prefetch_timeout_base", "hicache_storage_prefetch_timeout_per_ki_token"):
+            if getattr(self, name) < 0:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 0")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "HiCacheConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise UserError(f"{flag} must be one of {', '.join(choices)}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -27,6 +80,7 @@ class EngineConfig:
     dtype: str = "auto"
     disable_radix_cache: bool = False
     default_max_new_tokens: int = 128
+    hicache: HiCacheConfig = HiCacheConfig()
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -42,6 +96,8 @@ class EngineConfig:
             raise UserError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.hicache.enable_hierarchical_cache and self.disable_radix_cache:
+            raise UserError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise UserError("--device cuda was asked for but torch sees no CUDA device")
 
@@ -68,7 +124,8 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name) and f.name != "hicache"}
+        return cls(**values, hicache=HiCacheConfig.from_args(args))
 
 
 def cpu_has_native_bf16() -> bool:
@@ -96,3 +153,23 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     g.add_argument("--dtype", default=d.dtype, help="auto, float32 or bfloat16")
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse at all")
+    h = HiCacheConfig()
+    t = parser.add_argument_group("hierarchical cache")
+    t.add_argument("--enable-hierarchical-cache", action="store_true", help="add the host-memory tier")
+    t.add_argument("--hicache-ratio", type=float, default=h.hicache_ratio, help="host capacity / device capacity")
+    t.add_argument("--hicache-size", type=float, default=h.hicache_size, help="host capacity in GB (overrides the ratio)")
+    t.add_argument("--hicache-mem-layout", default=h.hicache_mem_layout, help="page_first or layer_first")
+    t.add_argument("--hicache-write-policy", default=h.hicache_write_policy,
+                   help="write_through, write_through_selective or write_back")
+    t.add_argument("--hicache-load-back-threshold", type=int, default=h.hicache_load_back_threshold,
+                   help="host hits shorter than this many tokens are recomputed")
+    t.add_argument("--hicache-storage-backend", default=None, help="file or redis: add the storage tier")
+    t.add_argument("--hicache-storage-dir", default=None, help="file backend directory (default: user cache dir)")
+    t.add_argument("--hicache-storage-url", default=h.hicache_storage_url, help="redis backend URL")
+    t.add_argument("--hicache-storage-prefetch-threshold", type=int, default=h.hicache_storage_prefetch_threshold,
+                   help="prefetch from storage only when at least this many tokens are there")
+    t.add_argument("--hicache-storage-prefetch-policy", default=h.hicache_storage_prefetch_policy,
+                   help="best_effort, wait_complete or timeout")
+    t.add_argument("--hicache-storage-prefetch-timeout-base", type=float, default=h.hicache_storage_prefetch_timeout_base)
+    t.add_argument("--hicache-storage-prefetch-timeout-per-ki-token", type=float,
+                   default=h.hicache_storage_prefetch_timeout_per_ki_token)

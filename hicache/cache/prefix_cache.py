@@ -34,8 +34,9 @@ class PrefixCache:
     def on_arrival(self, req: Request) -> None:
         """A request entered the waiting queue."""
 
-    def ready_to_admit(self, req: Request) -> bool:
-        """False while the request waits for something (a storage prefetch)."""
+    def ready_to_admit(self, req: Request, busy: bool) -> bool:
+        """False while the request waits for something (a storage prefetch). `busy`: other requests
+        are running, so waiting would not leave the engine idle."""
         return True
 
     def _load_back(self, req: Request, match: MatchResult, budget: int) -> TreeNode:

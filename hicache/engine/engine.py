@@ -18,8 +18,10 @@ from typing import Callable, Sequence
 
 import torch
 
+from hicache.cache.hicache import HierarchicalCache
 from hicache.cache.prefix_cache import PrefixCache
 from hicache.config import EngineConfig
+from hicache.dist.consensus import Consensus
 from hicache.dist.parallel import ParallelContext
 from hicache.engine.model_runner import ModelRunner
 from hicache.engine.request import FinishReason, Request, RequestEvent, SamplingParams, TokenLogprob, TIERS
@@ -135,7 +137,11 @@ class Engine:
         model = LlamaModel(loaded.config, loaded.weights, pctx, dtype, device)
         del loaded
         pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device)
-        cache = PrefixCache(pool, enabled=not cfg.disable_radix_cache)
+        cache: PrefixCache
+        if cfg.hicache.enable_hierarchical_cache:
+            cache = HierarchicalCache(pool, cfg.hicache, Consensus(pctx), self.model_identity, pctx.suffix)
+        else:
+            cache = PrefixCache(pool, enabled=not cfg.disable_radix_cache)
         self.scheduler = Scheduler(cfg, ModelRunner(model, pool), cache, self.tokenizer, self.context_length)
         self._handles: dict[int, RequestHandle] = {}
         self._inbox: list[Request] = []
@@ -224,11 +230,18 @@ class Engine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting) + len(self._inbox)
 
+    def cache_stats(self) -> dict[str, float]:
+        """Counters of the cache tiers (transfers, prefetch lifecycle, storage hits and corruption)."""
+        return self.call_in_loop(self.scheduler.cache.stats)  # type: ignore[return-value]
+
     def shutdown(self) -> None:
         with self._wake:
+            if self._stopped:
+                return
             self._stopped = True
             self._wake.notify()
         self._thread.join()
+        self.scheduler.cache.shutdown()
 
     def __enter__(self) -> "Engine":
         return self
@@ -265,6 +278,11 @@ class Engine:
                 events = self._fail_all(f"internal error: {exc}")
             for event in events:
                 self._dispatch(event)
+            if self.scheduler.waiting and not self.scheduler.running:
+                # Requests wait on something asynchronous (a storage prefetch): poll gently, so the
+                # transfer threads get the CPU, and wake at once for anything new.
+                with self._wake:
+                    self._wake.wait(timeout=0.002)
         self._fail_all_on_shutdown()
 
     def _dispatch(self, event: RequestEvent) -> None:

@@ -120,7 +120,7 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
-            if not self.cache.ready_to_admit(req):
+            if not self.cache.ready_to_admit(req, busy=bool(self.running)):
                 continue  # its storage prefetch is still running; later arrivals may go first
             if not self._admit(req):
                 break  # first come, first served: no overtaking on memory

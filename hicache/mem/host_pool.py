@@ -79,6 +79,11 @@ class HostKVPool:
             page = self.buffer[:, s : s + self.page_size]
         return page.contiguous().view(torch.uint8).numpy().tobytes()
 
+    def page_view(self, host_page: int) -> memoryview:
+        """A writable byte view of one page (page_first only), so storage reads land in place."""
+        assert self.layout == "page_first"
+        return memoryview(self.buffer[host_page].view(torch.uint8).reshape(-1).numpy())
+
     def write_page(self, host_page: int, payload: bytes | memoryview) -> None:
         """Inverse of `page_payload`."""
         src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype)

@@ -1,0 +1,71 @@
+"""Serving: Prometheus metrics of one server, on a registry of its own (no process-global state, so
+several apps can live in one process, as the tests run them).
+
+Counters and the TTFT histogram are fed by the request bridge as events arrive; pool occupancy and
+queue lengths are read from the engine when /metrics is scraped, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from hicache.engine.engine import Engine
+from hicache.engine.request import TIERS, FinishReason
+
+REQUEST_STATUSES = tuple(r.value for r in FinishReason) + ("rejected",)
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class _EngineCollector(Collector):
+    """Gauges read from the engine at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def collect(self) -> Iterator[Metric]:
+        used = GaugeMetricFamily("hicache_pool_used_tokens", "KV tokens in use (running or cached)", labels=["tier"])
+        capacity = GaugeMetricFamily("hicache_pool_capacity_tokens", "KV pool capacity in tokens", labels=["tier"])
+        for tier, (n_used, n_capacity) in self._engine.pool_usage().items():
+            used.add_metric([tier], n_used)
+            capacity.add_metric([tier], n_capacity)
+        yield used
+        yield capacity
+        yield GaugeMetricFamily("hicache_requests_running", "requests in the running batch", self._engine.num_running)
+        yield GaugeMetricFamily("hicache_requests_waiting", "requests waiting for admission", self._engine.num_waiting)
+
+
+class ServerMetrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        self.prompt_tokens = Counter(
+            "hicache_prompt_tokens", "prompt tokens of admitted requests", registry=self.registry
+        )
+        self.generation_tokens = Counter("hicache_generation_tokens", "tokens generated", registry=self.registry)
+        self.cached_tokens = Counter(
+            "hicache_cached_tokens", "prompt tokens served from cache, by memory tier", ["tier"], registry=self.registry
+        )
+        self.ttft = Histogram(
+            "hicache_time_to_first_token_seconds",
+            "time from submission to the first generated token",
+            buckets=TTFT_BUCKETS,
+            registry=self.registry,
+        )
+        self.requests = Counter(
+            "hicache_requests",
+            "finished requests by outcome (a finish reason, or rejected as bad input)",
+            ["status"],
+            registry=self.registry,
+        )
+        # Export every label from the start, so a dashboard sees zeros rather than missing series.
+        for tier in TIERS:
+            self.cached_tokens.labels(tier=tier)
+        for status in REQUEST_STATUSES:
+            self.requests.labels(status=status)
+        self.registry.register(_EngineCollector(engine))
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST

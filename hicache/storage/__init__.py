@@ -1,0 +1,57 @@
+"""The storage tier: content-addressed KV pages below host memory (DESIGN.md, "storage").
+
+keys.py names pages (chained page hashes + namespace digest), codec.py wraps each object in a verified
+envelope, backend.py states what a store must do, file_backend.py / redis_backend.py are the stores, and
+store.py (VerifiedStore) is what the cache controller calls: page hashes and payloads in and out, faults
+turned into counted misses.
+"""
+
+from __future__ import annotations
+
+import os
+
+from hicache.errors import UserError
+from hicache.storage.backend import StorageBackend, StorageUnavailable
+from hicache.storage.codec import CorruptObject, decode, encode
+from hicache.storage.file_backend import FileBackend, default_storage_dir
+from hicache.storage.keys import Namespace, page_hashes
+from hicache.storage.redis_backend import DEFAULT_URL, RedisBackend
+from hicache.storage.store import StorageStats, VerifiedStore
+
+BACKEND_KINDS = ("file", "redis")
+
+__all__ = [
+    "BACKEND_KINDS",
+    "CorruptObject",
+    "FileBackend",
+    "Namespace",
+    "RedisBackend",
+    "StorageBackend",
+    "StorageStats",
+    "StorageUnavailable",
+    "VerifiedStore",
+    "decode",
+    "default_storage_dir",
+    "encode",
+    "make_backend",
+    "page_hashes",
+]
+
+
+def make_backend(
+    kind: str, storage_dir: str | os.PathLike[str] | None = None, url: str | None = None
+) -> StorageBackend:
+    """The backend for `--hicache-storage-backend kind`: "file" (under storage_dir, default
+    default_storage_dir()) or "redis" (at url, default redis://127.0.0.1:6379/0). Connections are lazy:
+    an unreachable Redis is reported by the first operation as StorageUnavailable, not here."""
+    if kind == "file":
+        try:
+            return FileBackend(storage_dir)
+        except StorageUnavailable as exc:  # at start-up, an unusable directory is the user's to fix
+            raise UserError(str(exc)) from exc
+    if kind == "redis":
+        try:
+            return RedisBackend(url or DEFAULT_URL)
+        except ValueError as exc:
+            raise UserError(f"invalid Redis URL {url!r}: {exc}") from exc
+    raise UserError(f"unknown storage backend {kind!r}; choose one of {', '.join(BACKEND_KINDS)}")

@@ -1,0 +1,132 @@
+"""The storage tier's backend contract: a flat key -> bytes store, the last tier below host memory.
+
+Backends move opaque blobs (already wrapped by `codec`); they know nothing about pages, hashes or
+verification. `VerifiedStore` (store.py) is the only intended caller: it names objects, encodes, decodes,
+verifies and counts. Keeping backends this dumb is what lets a file directory, a Redis server or a future
+remote store be swapped without touching the cache controller.
+"""
+
+from __future__ import annotations
+
+import abc
+import re
+from collections.abc import Sequence
+
+from hicache.storage.codec import BytesLike
+
+# An object to store: one buffer, or a tuple of buffers stored back to back as one object. The tuple
+# form lets a backend that can write scattered buffers (files: header, then payload) skip a copy.
+Blob = BytesLike | tuple[BytesLike, ...]
+
+# Keys are produced by Namespace.object_key (hex, '_' and, for unified-layout chunks, '-'); anything
+# else is a bug or an attack. The length cap keeps every key a valid file name (255 bytes on ext4).
+_KEY_RE = re.compile(r"[0-9A-Za-z_-]{2,200}")
+
+
+class StorageUnavailable(Exception):
+    """The backend cannot reach or use its store right now (server down, timeout, disk full, I/O error).
+
+    Transient by assumption: callers count it, treat the operation as a miss (or a skipped write) and try
+    again on the next operation; a backend must recover by itself once the store is back."""
+
+
+def join_blob(blob: Blob) -> BytesLike:
+    """`blob` as one buffer (copying only when it comes in parts), for stores that take a single value."""
+    return b"".join(blob) if isinstance(blob, tuple) else blob
+
+
+def scatter(blob: BytesLike, buffers: Sequence[memoryview]) -> int:
+    """Copy `blob` into `buffers` in order, as far as either goes; return len(blob)."""
+    view = memoryview(blob)
+    offset = 0
+    for buf in buffers:
+        n = min(buf.nbytes, view.nbytes - offset)
+        if n <= 0:
+            break
+        buf[:n] = view[offset : offset + n]
+        offset += n
+    return view.nbytes
+
+
+def check_key(key: str) -> str:
+    """`key` unchanged if it is a valid object key, else ValueError (never a path, never an escape)."""
+    if not isinstance(key, str) or _KEY_RE.fullmatch(key) is None:
+        raise ValueError(f"invalid storage key {key!r}: expected 2-200 characters from [0-9A-Za-z_-]")
+    return key
+
+
+class StorageBackend(abc.ABC):
+    """A key -> blob store.
+
+    Contract every implementation keeps:
+    - Keys match [0-9A-Za-z_-]{2,200} (check_key); an invalid key raises ValueError before any I/O.
+    - A put is atomic: a reader sees the old object, the new one or none, never a mix or a prefix.
+      Objects are immutable by convention (content-addressed), so a re-put of a key writes the same bytes.
+    - Missing objects are None (or 0 for exists_prefix), never an exception.
+    - Failing to reach the store raises StorageUnavailable, within a bounded time (about a second per
+      round trip), and the next call tries again: there is no sticky broken state.
+    - Data is not verified here; a backend may return a torn or foreign object and `codec.decode` catches it.
+    - Methods are safe to call from several threads at once (the controller's I/O workers).
+    """
+
+    @abc.abstractmethod
+    def exists_prefix(self, keys: list[str]) -> int:
+        """How many leading `keys` exist: stops at the first missing one, in as few round trips as the
+        store allows (one batched query per chunk). Existence only; the object may still fail to verify."""
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The whole object, or None if absent."""
+
+    @abc.abstractmethod
+    def batch_get(self, keys: list[str]) -> list[bytes | None]:
+        """`get` for each key, batched; results in key order."""
+
+    def batch_get_into(self, keys: list[str], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
+        """Read each object straight into its caller-owned buffers (scattered in order: e.g. a 64-byte
+        header buffer, then a host-pool page) and return its full stored size, or None if absent.
+        Bytes past the buffers are not read; buffers past the object's end keep their old contents, so
+        callers compare the size with what they expected. Buffers are flat byte memoryviews.
+
+        The default fetches and copies; a backend that can read into memory directly (files: preadv;
+        an RDMA store: registered buffers) overrides it to skip the intermediate object."""
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys for {len(buffers)} buffer lists")
+        return [None if blob is None else scatter(blob, bufs) for blob, bufs in zip(self.batch_get(keys), buffers)]
+
+    @abc.abstractmethod
+    def put(self, key: str, blob: Blob) -> None:
+        """Store `blob` under `key`, replacing any object there, atomically."""
+
+    @abc.abstractmethod
+    def batch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
+        """`put` for each (key, blob), batched. Each object is atomic on its own; the batch is not."""
+
+    @abc.abstractmethod
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        """Bytes [offset, offset+length) of the object (shorter if it ends first), or None if absent.
+        For readers that need only a slice of an object (unified layout: a layer range of a page)."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object if present."""
+
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Remove every object this backend owns (tests, `/flush_cache`-style resets)."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release connections and handles. The backend is unusable afterwards."""
+
+    def __enter__(self) -> "StorageBackend":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+
+def check_range(offset: int, length: int) -> None:
+    """ValueError for a range no backend can serve."""
+    if offset < 0 or length < 0:
+        raise ValueError(f"invalid range: offset {offset}, length {length}")

@@ -1,0 +1,200 @@
+"""The default storage backend: one file per object in a local directory (embedded, no server needed).
+
+Layout: <root>/<first 2 key chars>/<key>. Keys lead with a page hash, so the 2-character fan-out spreads
+objects over up to 4096 directories (hex: 256) and keeps each directory small.
+
+Writes are atomic: the blob goes to a temp file in the object's own directory (same file system), then
+os.replace puts it in place, so a reader sees the whole old object, the whole new one, or nothing. There
+is no fsync per object by default: a crash can lose only cache (recomputable), and an object torn by a
+crash (a rename that reached the disk before its data did) fails the codec's checksum and is a miss.
+fsync=True makes each put durable at disk-flush speed (about 0.4 GB/s on the reference machine vs
+page-cache speed without it), for stores that must survive power loss warm.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import secrets
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from hicache.storage.backend import Blob, StorageBackend, StorageUnavailable, check_key, check_range
+
+logger = logging.getLogger(__name__)
+
+_FANOUT = 2
+_FANOUT_DIR_RE = re.compile(rf"[0-9A-Za-z_-]{{{_FANOUT}}}")
+
+
+def default_storage_dir() -> Path:
+    """$XDG_CACHE_HOME/hicache/storage, else ~/.cache/hicache/storage.
+
+    A dedicated subdirectory, not the hicache cache root itself: clear() removes every fan-out directory
+    under the root, which must never reach other things kept in ~/.cache/hicache."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    # The XDG spec says relative paths in these variables are invalid and must be ignored.
+    base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
+    return base / "hicache" / "storage"
+
+
+class FileBackend(StorageBackend):
+    """Objects as files under `root_dir` (default: default_storage_dir()); see the module docstring."""
+
+    def __init__(self, root_dir: str | os.PathLike[str] | None = None, *, fsync: bool = False) -> None:
+        self.root = Path(root_dir) if root_dir is not None else default_storage_dir()
+        self.fsync = fsync
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StorageUnavailable(f"cannot create storage directory {self.root}: {exc}") from exc
+        self._root = os.fspath(self.root.resolve())
+
+    def _dir(self, key: str) -> str:
+        return os.path.join(self._root, key[:_FANOUT])
+
+    def _path(self, key: str) -> str:
+        # check_key admits no '/', '.', NUL or other separator, so the result is always inside the root.
+        return os.path.join(self._root, check_key(key)[:_FANOUT], key)
+
+    def exists_prefix(self, keys: list[str]) -> int:
+        paths = [self._path(k) for k in keys]  # validate every key before touching the disk
+        for i, path in enumerate(paths):
+            if not os.path.exists(path):
+                return i
+        return len(paths)
+
+    def get(self, key: str) -> bytes | None:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageUnavailable(f"reading {path}: {exc}") from exc
+
+    def batch_get(self, keys: list[str]) -> list[bytes | None]:
+        for key in keys:
+            check_key(key)  # a bad key fails the whole batch before any I/O
+        return [self.get(k) for k in keys]
+
+    def batch_get_into(self, keys: list[str], buffers: Sequence[Sequence[memoryview]]) -> list[int | None]:
+        if len(keys) != len(buffers):
+            raise ValueError(f"{len(keys)} keys for {len(buffers)} buffer lists")
+        paths = [self._path(k) for k in keys]
+        return [self._read_into(path, bufs) for path, bufs in zip(paths, buffers)]
+
+    def _read_into(self, path: str, buffers: Sequence[memoryview]) -> int | None:
+        # One preadv per object straight from the page cache into the caller's memory: no intermediate
+        # bytes object, whose fresh pages cost more to fault in than the copy itself.
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageUnavailable(f"reading {path}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            want = min(size, sum(b.nbytes for b in buffers))
+            done = os.preadv(fd, buffers, 0)
+            while done < want:  # a short read (signal, >2 GiB): continue where it stopped
+                n = os.preadv(fd, _after(buffers, done), done)
+                if n == 0:
+                    return done  # the file shrank under us (not by our writers, which replace): say so
+                done += n
+            return size
+        except OSError as exc:
+            raise StorageUnavailable(f"reading {path}: {exc}") from exc
+        finally:
+            os.close(fd)
+
+    def put(self, key: str, blob: Blob) -> None:
+        final = self._path(key)
+        directory = self._dir(key)
+        # A dot-prefixed name can never be a key (keys have no '.'), so readers and exists never see it.
+        tmp = os.path.join(directory, f".{key}.{secrets.token_hex(6)}.tmp")
+        try:
+            try:
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            except FileNotFoundError:
+                os.makedirs(directory, exist_ok=True)
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+            try:
+                with open(fd, "wb") as f:
+                    for part in blob if isinstance(blob, tuple) else (blob,):
+                        f.write(part)  # large parts go straight to the kernel, uncopied
+                    if self.fsync:
+                        f.flush()
+                        os.fsync(f.fileno())
+                os.replace(tmp, final)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+            if self.fsync:
+                _fsync_dir(directory)  # make the rename itself durable
+        except OSError as exc:
+            raise StorageUnavailable(f"writing {final}: {exc}") from exc
+
+    def batch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
+        for key, _ in items:
+            check_key(key)
+        for key, blob in items:
+            self.put(key, blob)
+
+    def get_range(self, key: str, offset: int, length: int) -> bytes | None:
+        check_range(offset, length)
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                return f.read(length)
+        except FileNotFoundError:
+            return None
+        except OSError as exc:
+            raise StorageUnavailable(f"reading {path}: {exc}") from exc
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise StorageUnavailable(f"deleting {path}: {exc}") from exc
+
+    def clear(self) -> None:
+        # Only fan-out directories: the root may be a user-chosen directory holding other things.
+        with os.scandir(self._root) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False) and _FANOUT_DIR_RE.fullmatch(entry.name):
+                    shutil.rmtree(entry.path)
+        logger.info("cleared file storage at %s", self._root)
+
+    def close(self) -> None:
+        # Every operation opens and closes its own file: nothing is held between calls.
+        pass
+
+
+def _after(buffers: Sequence[memoryview], skip: int) -> list[memoryview]:
+    """`buffers` with their first `skip` bytes (in order) dropped."""
+    out = []
+    for buf in buffers:
+        if skip >= buf.nbytes:
+            skip -= buf.nbytes
+            continue
+        out.append(buf[skip:])
+        skip = 0
+    return out
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
