@@ -1,0 +1,110 @@
+"""Chained page hashes and the namespace: the properties content addressing relies on."""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from hicache.storage.keys import ROOT_HASH, Namespace, page_hashes
+
+TOKENS = st.lists(st.integers(0, 2**32 - 1), max_size=200)
+PAGE = st.sampled_from([1, 2, 3, 4, 16])
+
+
+def reference_chain(tokens: list[int], page_size: int) -> list[bytes]:
+    """The definition, written the slow obvious way."""
+    out, prev = [], bytes(32)
+    for i in range(len(tokens) // page_size):
+        page = tokens[i * page_size : (i + 1) * page_size]
+        prev = hashlib.sha256(prev + struct.pack(f"<{page_size}I", *page)).digest()
+        out.append(prev)
+    return out
+
+
+@given(TOKENS, PAGE)
+def test_matches_definition_and_is_deterministic(tokens: list[int], page_size: int) -> None:
+    hashes = page_hashes(tokens, page_size)
+    assert hashes == reference_chain(tokens, page_size)
+    assert hashes == page_hashes(list(tokens), page_size)
+    assert len(hashes) == len(tokens) // page_size  # full pages only
+
+
+@given(TOKENS, PAGE, st.data())
+def test_changing_a_token_changes_its_page_and_every_later_one(tokens: list[int], page_size: int, data) -> None:
+    n_pages = len(tokens) // page_size
+    if n_pages == 0:
+        return
+    pos = data.draw(st.integers(0, len(tokens) - 1))
+    changed = list(tokens)
+    changed[pos] = data.draw(st.integers(0, 2**32 - 1).filter(lambda t: t != tokens[pos]))
+    before, after = page_hashes(tokens, page_size), page_hashes(changed, page_size)
+    page = pos // page_size
+    assert before[:page] == after[:page]  # a change in the trailing partial page changes nothing
+    for i in range(page, n_pages):
+        assert before[i] != after[i]
+
+
+@given(TOKENS, PAGE, st.data())
+def test_prefix_of_tokens_gives_prefix_of_hashes(tokens: list[int], page_size: int, data) -> None:
+    cut = data.draw(st.integers(0, len(tokens)))
+    full = page_hashes(tokens, page_size)
+    assert page_hashes(tokens[:cut], page_size) == full[: cut // page_size]
+
+
+@given(TOKENS, PAGE, st.data())
+def test_prior_continues_the_chain(tokens: list[int], page_size: int, data) -> None:
+    full = page_hashes(tokens, page_size)
+    split = data.draw(st.integers(0, len(full))) * page_size  # a page boundary, as at a radix node
+    head = page_hashes(tokens[:split], page_size)
+    prior = head[-1] if head else None
+    assert head + page_hashes(tokens[split:], page_size, prior=prior) == full
+    assert page_hashes(tokens[split:], page_size, prior=ROOT_HASH) == page_hashes(tokens[split:], page_size)
+
+
+def test_input_types_agree() -> None:
+    tokens = list(range(100, 164))
+    expected = page_hashes(tokens, 16)
+    for variant in (np.array(tokens, dtype=np.int64), np.array(tokens, dtype=np.uint16), torch.tensor(tokens)):
+        assert page_hashes(variant, 16) == expected
+
+
+def test_bad_input() -> None:
+    with pytest.raises(ValueError):
+        page_hashes([1, 2], 0)
+    with pytest.raises(ValueError):
+        page_hashes([-1, 2], 1)
+    with pytest.raises(ValueError):
+        page_hashes([2**32], 1)
+    with pytest.raises(ValueError):
+        page_hashes([1, 2], 1, prior=b"short")
+    with pytest.raises(TypeError):
+        page_hashes([1.5, 2.0], 1)
+    assert page_hashes([], 16) == []
+
+
+def test_namespace_digest_and_key() -> None:
+    ns = Namespace(model="abc123", kv_dtype="bfloat16", page_size=16, layout="page_rows", rank="tp0of2")
+    assert len(ns.digest) == 16 and int(ns.digest, 16) >= 0
+    assert ns.digest == Namespace("abc123", "bfloat16", 16, "page_rows", "tp0of2", 1).digest
+    h = page_hashes(range(16), 16)[0]
+    assert ns.object_key(h) == f"{h.hex()}_{ns.digest}"
+    # Every field is part of the identity.
+    variants = [
+        Namespace("abc124", "bfloat16", 16, "page_rows", "tp0of2"),
+        Namespace("abc123", "float32", 16, "page_rows", "tp0of2"),
+        Namespace("abc123", "bfloat16", 32, "page_rows", "tp0of2"),
+        Namespace("abc123", "bfloat16", 16, "unified", "tp0of2"),
+        Namespace("abc123", "bfloat16", 16, "page_rows", "tp1of2"),
+        Namespace("abc123", "bfloat16", 16, "page_rows", "tp0of2", schema_version=2),
+    ]
+    assert len({ns.digest, *(v.digest for v in variants)}) == len(variants) + 1
+    with pytest.raises(ValueError):
+        ns.object_key(b"\x00" * 31)
+    with pytest.raises(ValueError):
+        Namespace("abc", "bfloat16", 0, "page_rows")

@@ -1,0 +1,137 @@
+"""RedisBackend against a real redis-server: round trips through VerifiedStore, damaged values, and an
+outage (server stopped, server hung) followed by a restart."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import redis
+
+from hicache.errors import UserError
+from hicache.storage import Namespace, RedisBackend, StorageUnavailable, VerifiedStore, make_backend, page_hashes
+from tests.storage.redis_server import RedisServer
+
+NS = Namespace(model="m", kv_dtype="bfloat16", page_size=16, layout="page_rows", rank="tp0of1")
+PAGE_BYTES = 16 * 23040  # one smollm2 bf16 page
+
+
+def payloads(n: int, salt: int = 0) -> list[bytes]:
+    return [bytes([(i + salt) % 256]) * PAGE_BYTES for i in range(n)]
+
+
+def test_round_trip_and_exists_prefix(redis_server: RedisServer) -> None:
+    backend = make_backend("redis", url=redis_server.url)
+    assert isinstance(backend, RedisBackend)
+    store = VerifiedStore(backend, NS, payload_bytes=PAGE_BYTES)
+    hashes = page_hashes(range(16 * 8), 16)
+    assert store.exists_prefix(hashes) == 0
+    assert store.put_pages(hashes[:5], payloads(5))
+    assert store.exists_prefix(hashes) == 5
+    got = store.get_pages(hashes)
+    assert [None if p is None else bytes(p) for p in got] == payloads(5) + [None] * 3
+    stats = store.stats
+    assert (stats.gets, stats.hits, stats.misses, stats.corrupt, stats.puts) == (8, 5, 3, 0, 5)
+    assert stats.bytes_written == stats.bytes_read == 5 * (PAGE_BYTES + 64)
+    # The objects are where the key scheme says, under the backend's prefix.
+    raw = redis.Redis.from_url(redis_server.url)
+    assert raw.exists(f"hicache:{NS.object_key(hashes[0])}") == 1
+    raw.close()
+    backend.close()
+
+
+def test_truncated_and_foreign_values_are_corrupt_misses(redis_server: RedisServer) -> None:
+    backend = RedisBackend(redis_server.url)
+    store = VerifiedStore(backend, NS)
+    hashes = page_hashes(range(16 * 3), 16)
+    assert store.put_pages(hashes, payloads(3))
+    raw = redis.Redis.from_url(redis_server.url)
+    name = f"hicache:{NS.object_key(hashes[1])}"
+    raw.set(name, raw.getrange(name, 0, 1000))  # truncated, as by a half-finished copy
+    other = Namespace(model="another model", kv_dtype="bfloat16", page_size=16, layout="page_rows")
+    # Another namespace's object under this namespace's key (only a bug or a copy could do this).
+    VerifiedStore(backend, other).put_pages(hashes[2:3], payloads(1))
+    raw.set(f"hicache:{NS.object_key(hashes[2])}", raw.get(f"hicache:{other.object_key(hashes[2])}"))
+    raw.close()
+
+    got = store.get_pages(hashes)
+    assert bytes(got[0]) == payloads(1)[0] and got[1] is None and got[2] is None
+    assert (store.stats.hits, store.stats.corrupt, store.stats.misses) == (1, 2, 2)
+    assert store.exists_prefix(hashes) == 1  # the corrupt objects were deleted
+    backend.close()
+
+
+def test_stopped_server_is_a_bounded_miss_and_restart_resumes(redis_server: RedisServer) -> None:
+    backend = RedisBackend(redis_server.url)
+    store = VerifiedStore(backend, NS)
+    hashes = page_hashes(range(16 * 4), 16)
+    assert store.put_pages(hashes[:2], payloads(2))
+
+    redis_server.stop()
+    with pytest.raises(StorageUnavailable):
+        backend.get(NS.object_key(hashes[0]))
+    for call in (
+        lambda: store.get_pages(hashes),
+        lambda: store.exists_prefix(hashes),
+        lambda: store.put_pages(hashes[2:], payloads(2, salt=2)),
+    ):
+        start = time.monotonic()
+        result = call()  # no exception escapes
+        assert time.monotonic() - start < 3.0
+        assert result in ([None] * 4, 0, False)
+    stats = store.stats
+    assert stats.errors == 3 and stats.misses == 4 and stats.hits == 0
+
+    redis_server.start()  # same port, empty store (no persistence)
+    assert store.exists_prefix(hashes) == 0  # the first call after the restart already works
+    assert store.put_pages(hashes, payloads(4, salt=7))
+    assert [bytes(p) for p in store.get_pages(hashes)] == payloads(4, salt=7)
+    assert store.stats.errors == 3
+    backend.close()
+
+
+def test_hung_server_costs_one_timeout(redis_server: RedisServer) -> None:
+    # SIGSTOP: the socket accepts but nothing answers, the worst case for a client. Each call must give
+    # up after about the socket timeout instead of retrying with backoff.
+    backend = RedisBackend(redis_server.url, timeout_s=0.5)
+    store = VerifiedStore(backend, NS)
+    hashes = page_hashes(range(16 * 2), 16)
+    assert store.put_pages(hashes, payloads(2))
+    pid = redis_server.pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        assert store.get_pages(hashes) == [None, None]
+        assert store.exists_prefix(hashes) == 0
+        assert time.monotonic() - start < 3.0
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert [bytes(p) for p in store.get_pages(hashes)] == payloads(2)
+    assert store.stats.errors == 2
+    backend.close()
+
+
+def test_configuration_errors() -> None:
+    with pytest.raises(UserError):
+        make_backend("redis", url="http://localhost:6379")
+    with pytest.raises(UserError):
+        make_backend("s3")
+    with pytest.raises(ValueError):
+        RedisBackend(prefix="bad*prefix")
+
+
+def test_silent_restart_between_calls_is_not_even_a_miss(redis_server: RedisServer) -> None:
+    # The pool holds a connection to the old server process; it must be replaced transparently, so the
+    # first call after a restart nobody saw still succeeds.
+    backend = RedisBackend(redis_server.url)
+    store = VerifiedStore(backend, NS)
+    hashes = page_hashes(range(16), 16)
+    assert store.put_pages(hashes, payloads(1))
+    redis_server.stop()
+    redis_server.start()
+    assert store.put_pages(hashes, payloads(1, salt=3))
+    assert [bytes(p) for p in store.get_pages(hashes)] == payloads(1, salt=3)
+    assert store.stats.errors == 0
+    backend.close()
