@@ -106,7 +106,7 @@ async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, A
                     break
                 now = time.perf_counter()
                 chunk = json.loads(data)
-                if "error" in chunk:
+                if chunk.get("error"):
                     result.error = f"stream error: {chunk['error']}"
                     break
                 text = _chunk_text(chunk)

@@ -9,6 +9,9 @@ that answer. Conversations start as a Poisson process of `request_rate` per seco
 
 Every prompt sent and answer received is logged in order; after the measured pass the log is replayed
 through `IdealCache` to compute each request's ideal hit, so no tokenization runs on the timed path.
+The log of an arm spans its warm-up, its warming pass and the restart (an infinite cache survives
+restarts), and is cut only where the server's cache was flushed: a warm-then-restart arm's ideal is
+what a perfect storage tier could serve.
 """
 
 from __future__ import annotations
@@ -53,8 +56,8 @@ WARMUP_MAX_TOKENS = 16
 class Arm:
     """One configuration to measure. `serve_args` are `hicache serve` flags for a fresh server; None
     targets `BenchConfig.base_url`. With `warm_then_restart`, the workload runs once, the server is
-    restarted with the same flags (nothing flushed), and the second pass is measured: what it hits is
-    what survived the restart (the storage tier)."""
+    restarted with the same flags (nothing flushed), and the second pass is measured: what it hits
+    beyond a cold pass survived the restart (the storage tier)."""
 
     name: str
     serve_args: tuple[str, ...] | None = None
@@ -62,11 +65,14 @@ class Arm:
 
     def __post_init__(self) -> None:
         if self.serve_args is not None:
+            object.__setattr__(self, "serve_args", tuple(self.serve_args))  # a list is fine too
             check_serve_args(self.serve_args)
 
 
 @dataclass(frozen=True)
 class BenchConfig:
+    """One benchmark: a workload run on every arm in turn. Field names follow the CLI flags."""
+
     workload: GSPParams | MultiRoundParams
     arms: tuple[Arm, ...]
     base_url: str | None = None
