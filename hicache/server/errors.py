@@ -49,8 +49,6 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     first = errors[0]
-    if first.get("type") == "json_invalid":
-        return f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     param = loc[0] if loc else None
     where = ".".join(loc) if loc else "body"
@@ -63,7 +61,8 @@ def install_error_handlers(app: FastAPI, on_rejected: Callable[[Request], None])
     """`on_rejected` is told about every 4xx, for the requests counter."""
 
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        on_rejected(request)
+        if exc.status < 500:  # a 503 or 500 is an aborted or failed request, counted as such already
+            on_rejected(request)
         return error_response(exc.status, exc.message, exc.code, exc.param)
 
     async def user_error(request: Request, exc: UserError) -> JSONResponse:
