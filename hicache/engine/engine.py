@@ -208,6 +208,8 @@ class Engine:
         """Run `fn` on the scheduler thread between two steps and return its result."""
         fut: Future = Future()
         with self._wake:
+            if self._stopped:
+                raise RuntimeError("the engine is shut down")
             self._control.append((fn, fut))
             self._wake.notify()
         return fut.result()
@@ -299,3 +301,7 @@ class Engine:
     def _fail_all_on_shutdown(self) -> None:
         for event in self._fail_all("the engine was shut down"):
             self._dispatch(event)
+        with self._wake:
+            control, self._control = self._control, []
+        for _, fut in control:
+            fut.set_exception(RuntimeError("the engine is shut down"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -29,9 +30,14 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_new_tokens is not None and self.max_new_tokens <= 0:
             raise UserError(f"max_new_tokens must be positive, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise UserError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise UserError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if 0 < self.temperature < 1e-5:
+            # Dividing logits by a vanishing temperature overflows; it means greedy anyway.
+            object.__setattr__(self, "temperature", 0.0)
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise UserError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise UserError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise UserError(f"top_k must be >= 0, got {self.top_k}")

@@ -134,12 +134,12 @@ class Scheduler:
         return work
 
     def _admit(self, req: Request) -> bool:
+        if req.params.seed is not None and req.generator is None:
+            req.generator = torch.Generator().manual_seed(req.params.seed)
         total = self._pages_for(req.prompt_len + req.max_new_tokens)
         if not self.cache.admit(req, total, self.reserved_total):
             return False
         self.reserved_total += req.reserved_pages
-        if req.params.seed is not None:
-            req.generator = torch.Generator().manual_seed(req.params.seed)
         return True
 
     def _ensure_pages(self, req: Request, end: int) -> None:
@@ -174,7 +174,8 @@ class Scheduler:
             return FinishReason.STOP, token
         if p.stop:
             # Only the tail can contain a stop string that was not there one token ago.
-            longest = max(len(s) for s in p.stop)
+            # A token carries at least one byte, so this many tokens cover the longest stop string.
+            longest = max(len(s.encode("utf-8")) for s in p.stop)
             tail = self.tokenizer.decode(req.output_ids[-(longest + 8) :])
             for s in p.stop:
                 if s in tail:
