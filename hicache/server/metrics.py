@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from hicache.engine.engine import Engine
@@ -34,8 +34,29 @@ class _EngineCollector(Collector):
             capacity.add_metric([tier], n_capacity)
         yield used
         yield capacity
+        yield from _tier_counters(self._engine.cache_stats())
         yield GaugeMetricFamily("hicache_requests_running", "requests in the running batch", self._engine.num_running)
         yield GaugeMetricFamily("hicache_requests_waiting", "requests waiting for admission", self._engine.num_waiting)
+
+
+def _tier_counters(stats: dict[str, float]) -> Iterator[Metric]:
+    """The cache tiers' counters: transfers, storage results, and each prefetch stage with the reason
+    every lost page was lost."""
+    lost = CounterMetricFamily(
+        "hicache_prefetch_lost_pages", "pages found in storage that did not serve a request, by reason", labels=["reason"]
+    )
+    stages = CounterMetricFamily(
+        "hicache_prefetch_pages", "storage prefetch lifecycle: queried, hit, allocated, read, inserted", labels=["stage"]
+    )
+    events = CounterMetricFamily("hicache_cache_events", "cache tier counters (transfers, storage)", labels=["event"])
+    for key, value in sorted(stats.items()):
+        if key.startswith("prefetch_lost_"):
+            lost.add_metric([key.removeprefix("prefetch_lost_").removesuffix("_pages")], value)
+        elif key.startswith("prefetch_"):
+            stages.add_metric([key.removeprefix("prefetch_").removesuffix("_pages")], value)
+        else:
+            events.add_metric([key], value)
+    yield from (lost, stages, events)
 
 
 class ServerMetrics:

@@ -45,5 +45,9 @@ def test_hits_are_reported_by_tier(tmp_path: pathlib.Path) -> None:
         assert metric(samples, "hicache_cached_tokens_total", tier="storage") == full_pages
         assert metric(samples, "hicache_pool_capacity_tokens", tier="device") == 512
         assert metric(samples, "hicache_pool_capacity_tokens", tier="host") > 0
+        # The prefetch's lifecycle and the storage results are exported too.
+        assert metric(samples, "hicache_prefetch_pages_total", stage="inserted") == full_pages // 16
+        assert metric(samples, "hicache_cache_events_total", event="storage_hits") == full_pages // 16
+        assert metric(samples, "hicache_cache_events_total", event="storage_corrupt") == 0
         assert_no_leaks(server.url)
         assert metric(scrape(server.url), "hicache_pool_used_tokens", tier="host") == 0
