@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hicache.dist.parallel import ParallelContext
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
-from hicache.model.batch import Q_ALIGN, ForwardBatch
+from hicache.model.batch import Q_ALIGN, DecodeGroup, ForwardBatch, SeqSlice
 from hicache.model.config import ModelConfig
 
 
@@ -112,17 +112,25 @@ class LlamaModel:
         if hidden is None:
             assert self.embed is not None, "only the first pipeline stage embeds tokens"
             hidden = self.embed[batch.input_ids]
+        decode, others = batch.split(self.device)
         for local, layer in enumerate(self.layers):
             if batch.before_layer is not None:
                 batch.before_layer(local)
-            hidden = self._layer(local, layer, hidden, batch, pool)
+            hidden = self._layer(local, layer, hidden, batch, pool, decode, others)
         if not self.pctx.is_last_stage:
             return hidden
         rows = rms_norm(hidden[batch.logit_rows], self.norm, self.cfg.rms_norm_eps)
         return F.linear(rows, self.lm_head).float()
 
     def _layer(
-        self, local: int, layer: LlamaLayer, hidden: torch.Tensor, batch: ForwardBatch, pool: DeviceKVPool
+        self,
+        local: int,
+        layer: LlamaLayer,
+        hidden: torch.Tensor,
+        batch: ForwardBatch,
+        pool: DeviceKVPool,
+        decode: DecodeGroup | None,
+        others: list[SeqSlice],
     ) -> torch.Tensor:
         T = hidden.shape[0]
         d = layer.head_dim
@@ -132,7 +140,9 @@ class LlamaModel:
         v = F.linear(x, layer.v_proj).view(T, layer.num_kv_heads, d)
         pool.write(local, batch.out_slots, {"k": k, "v": v})
         attn = torch.empty(T, layer.num_heads, d, dtype=hidden.dtype, device=hidden.device)
-        for seq in batch.seqs:
+        if decode is not None:
+            attn[decode.rows] = self._attend_decode(local, q[decode.rows], decode, pool)
+        for seq in others:
             rows = slice(seq.start, seq.start + seq.length)
             attn[rows] = self._attend(local, q[rows], seq.kv_slots, seq.kv_len, pool)
         out = self.pctx.all_reduce_tp(F.linear(attn.view(T, -1), layer.o_proj))
@@ -142,6 +152,19 @@ class LlamaModel:
         mlp = self.pctx.all_reduce_tp(F.linear(F.silu(gate) * up, layer.down_proj))
         return hidden + mlp
 
+    def _attend_decode(self, local: int, q: torch.Tensor, group: DecodeGroup, pool: DeviceKVPool) -> torch.Tensor:
+        """One query per sequence, B sequences in one call. Each query is padded to Q_ALIGN rows and
+        each sequence's keys to the group's length (masked), so every row sees exactly the kernel
+        shapes it would see alone: the result is bitwise the one `_attend` gives."""
+        B = q.shape[0]
+        kv = pool.read(local, group.slots)
+        k = kv["k"].view(B, group.length, *kv["k"].shape[1:]).transpose(1, 2)
+        v = kv["v"].view(B, group.length, *kv["v"].shape[1:]).transpose(1, 2)
+        # Materialized, not a stride-0 view: the kernel's result can depend on the operands' strides.
+        queries = q.unsqueeze(2).expand(-1, -1, Q_ALIGN, -1).contiguous()
+        out = F.scaled_dot_product_attention(queries, k, v, attn_mask=group.mask, scale=self.scale, enable_gqa=True)
+        return out[:, :, 0]
+
     def _attend(
         self, local: int, q: torch.Tensor, kv_slots: torch.Tensor, kv_len: int, pool: DeviceKVPool
     ) -> torch.Tensor:
@@ -150,10 +173,11 @@ class LlamaModel:
         kv = pool.read(local, kv_slots)
         n = q.shape[0]
         rows = -(-n // Q_ALIGN) * Q_ALIGN
-        if rows > n:  # padding rows repeat the last query; their outputs are dropped
-            q = torch.cat([q, q[-1:].expand(rows - n, -1, -1)])
         # Query i sits at position kv_len - n + i and sees keys 0..kv_len - n + i; padding is never seen.
-        mask = torch.ones(rows, kv_slots.shape[0], dtype=torch.bool, device=q.device).tril(kv_len - n)
+        mask = torch.ones(n, kv_slots.shape[0], dtype=torch.bool, device=q.device).tril(kv_len - n)
+        if rows > n:  # padding rows repeat the last query and its mask; their outputs are dropped
+            q = torch.cat([q, q[-1:].expand(rows - n, -1, -1)])
+            mask = torch.cat([mask, mask[-1:].expand(rows - n, -1)])
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             kv["k"].transpose(0, 1).unsqueeze(0),

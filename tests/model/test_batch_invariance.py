@@ -61,3 +61,6 @@ def test_logits_independent_of_chunking_and_batch(name, length):
     cuts += [length - 2, length - 1, length]  # the tail as decode steps
     chunked = _run(model, pool, ids, cuts, KV_ALIGN, extra=([5, 6, 7], 3 * KV_ALIGN))
     assert torch.equal(whole, chunked), f"max |diff| {float((whole - chunked).abs().max())}"
+    # Decode steps batched with another decoding sequence (one attention call for both).
+    batched = _run(model, pool, ids, cuts, KV_ALIGN, extra=([9], 3 * KV_ALIGN))
+    assert torch.equal(whole, batched), f"max |diff| {float((whole - batched).abs().max())}"
