@@ -37,6 +37,10 @@ class DeviceKVPool:
     def bytes_per_token(self) -> int:
         return self.layout.row_numel * self.num_layers * self.buffers[0].element_size()
 
+    def pages_of_layer(self, layer: int) -> torch.Tensor:
+        """Layer `layer` as a [pages, page_size * row] view: the unit tier copies move."""
+        return self.buffers[layer].view(self.allocator.num_pages, -1)
+
     def write(self, layer: int, slots: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
         self.buffers[layer].index_copy_(0, slots, self.layout.pack(parts).to(self.dtype))
 

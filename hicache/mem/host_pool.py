@@ -44,31 +44,33 @@ class HostKVPool:
     def page_bytes(self) -> int:
         return self.num_layers * self.page_size * self.row * self.buffer.element_size()
 
-    def _layer_view(self, layer: int, host_pages: torch.Tensor) -> torch.Tensor:
-        """[n_pages * page_size, row] rows of `layer` for the given host pages (a copy)."""
+    def _host_pages_of_layer(self, layer: int) -> torch.Tensor:
+        """Layer `layer` of every host page as a [pages, page_size * row] view (strided for page_first)."""
         if self.layout == "page_first":
-            return self.buffer[host_pages, layer].reshape(-1, self.row)
-        slots = (host_pages.unsqueeze(1) * self.page_size + torch.arange(self.page_size)).reshape(-1)
-        return self.buffer[layer].index_select(0, slots)
+            return self.buffer[:, layer].flatten(1)
+        return self.buffer[layer].view(self.allocator.num_pages, -1)
+
+    def _copy(self, dst: torch.Tensor, dst_pages: list[int], src: torch.Tensor, src_pages: list[int]) -> None:
+        """dst[dst_pages[i]] = src[src_pages[i]] for [pages, page_bytes] views. Runs of consecutive pages
+        on both sides (the allocators hand out lowest ids first, so runs are the common case) move in
+        one strided copy each: a single pass over the bytes, where a gather then a scatter is two."""
+        runs = _runs(dst_pages, src_pages)
+        if len(runs) * 4 > len(dst_pages):  # fragmented: two index ops beat many small copies
+            d = torch.tensor(dst_pages, dtype=torch.int64, device=dst.device)
+            s = torch.tensor(src_pages, dtype=torch.int64, device=src.device)
+            dst.index_copy_(0, d, src.index_select(0, s).to(dst.device, non_blocking=True))
+            return
+        for d0, s0, k in runs:
+            dst[d0 : d0 + k].copy_(src[s0 : s0 + k], non_blocking=True)
 
     def backup(self, device: DeviceKVPool, device_pages: list[int], host_pages: list[int]) -> None:
         """Copy whole pages device -> host, every layer."""
-        dslots = device.allocator.slots(device_pages).to(device.device)
-        hp = torch.tensor(host_pages, dtype=torch.int64)
-        n = len(host_pages)
         for layer in range(self.num_layers):
-            rows = device.buffers[layer].index_select(0, dslots).to("cpu", non_blocking=True)
-            if self.layout == "page_first":
-                self.buffer[:, layer].index_copy_(0, hp, rows.view(n, self.page_size, self.row))
-            else:
-                hslots = self.allocator.slots(host_pages)
-                self.buffer[layer].index_copy_(0, hslots, rows)
+            self._copy(self._host_pages_of_layer(layer), host_pages, device.pages_of_layer(layer), device_pages)
 
     def load_layer(self, device: DeviceKVPool, layer: int, host_pages: list[int], device_pages: list[int]) -> None:
         """Copy one layer of whole pages host -> device."""
-        rows = self._layer_view(layer, torch.tensor(host_pages, dtype=torch.int64))
-        dslots = device.allocator.slots(device_pages).to(device.device)
-        device.buffers[layer].index_copy_(0, dslots, rows.to(device.device, non_blocking=True))
+        self._copy(device.pages_of_layer(layer), device_pages, self._host_pages_of_layer(layer), host_pages)
 
     def page_payload(self, host_page: int) -> bytes:
         """One page, every layer, as bytes in page_first order (the storage object's payload)."""
@@ -93,3 +95,14 @@ class HostKVPool:
         else:
             s = host_page * self.page_size
             self.buffer[:, s : s + self.page_size].copy_(src)
+
+
+def _runs(dst: list[int], src: list[int]) -> list[tuple[int, int, int]]:
+    """(dst_start, src_start, length) of maximal runs where both sides advance by one page."""
+    runs: list[tuple[int, int, int]] = []
+    for d, s in zip(dst, src):
+        if runs and runs[-1][0] + runs[-1][2] == d and runs[-1][1] + runs[-1][2] == s:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((d, s, 1))
+    return runs
