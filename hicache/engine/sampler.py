@@ -23,6 +23,7 @@ def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None
             sorted_probs, order = torch.sort(probs, descending=True)
             # Keep the smallest set whose mass reaches top_p (the first token always stays).
             drop = torch.cumsum(sorted_probs, 0) - sorted_probs >= p.top_p
+            drop[0] = False  # even when top_p rounds to 0 in float32
             sorted_probs[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
         token = int(torch.multinomial(probs, 1, generator=req.generator))

@@ -103,3 +103,9 @@ def test_bad_sampling_params():
     for bad in (dict(max_new_tokens=0), dict(temperature=-1), dict(top_p=0), dict(logprobs=99)):
         with pytest.raises(UserError):
             SamplingParams(**bad)
+
+
+def test_vanishing_top_p_keeps_the_best_token(engine):
+    params = SamplingParams(max_new_tokens=5, temperature=1.0, top_p=7e-207, seed=1, ignore_eos=True)
+    greedy = engine.generate([[90, 91]], SamplingParams(max_new_tokens=5, ignore_eos=True))[0].token_ids
+    assert engine.generate([[90, 91]], params)[0].token_ids == greedy
