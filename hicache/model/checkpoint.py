@@ -65,3 +65,9 @@ def sha256_files(paths: Iterable[str | os.PathLike[str]]) -> str:
             while chunk := f.read(_HASH_CHUNK):
                 digest.update(chunk)
     return digest.hexdigest()
+
+
+def check_vocab(tokenizer_vocab: int, config: ModelConfig, source: str) -> None:
+    """A tokenizer that emits ids the embedding has no row for would index out of range at run time."""
+    if tokenizer_vocab > config.vocab_size:
+        raise UserError(f"{source}: tokenizer has {tokenizer_vocab} tokens, the embedding {config.vocab_size}")

@@ -25,7 +25,7 @@ from tokenizers.models import BPE
 
 from hicache.errors import UserError
 from hicache.model.chat import ChatTemplate
-from hicache.model.checkpoint import check_weights, sha256_files
+from hicache.model.checkpoint import check_vocab, check_weights, sha256_files
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.hf_tokenizer import HFTokenizer
 
@@ -122,8 +122,7 @@ def load_gguf(path: str | os.PathLike[str], name: str) -> LoadedModel:
         weights[prefix + "k_proj.weight"] = unpermute_qk(weights[prefix + "k_proj.weight"], config.num_kv_heads)
 
     tokenizer = _tokenizer(metadata)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise UserError(f"{path}: tokenizer has {tokenizer.vocab_size} tokens, the embedding {config.vocab_size}")
+    check_vocab(tokenizer.vocab_size, config, str(path))
     identity = sha256_files([path])
     logger.info("loaded GGUF %s (%d tensors) in %.2f s", path, len(weights), time.perf_counter() - started)
     return LoadedModel(

@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from hicache.errors import UserError
 from hicache.model.chat import ChatTemplate
-from hicache.model.checkpoint import check_weights, sha256_files
+from hicache.model.checkpoint import check_vocab, check_weights, sha256_files
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.hf_tokenizer import HFTokenizer
 
@@ -50,8 +50,7 @@ def load_hf_dir(path: str | os.PathLike[str], name: str) -> LoadedModel:
     check_weights(weights, config, str(root))
 
     tokenizer = _tokenizer(root, hf_config)
-    if tokenizer.vocab_size > config.vocab_size:
-        raise UserError(f"{root}: tokenizer has {tokenizer.vocab_size} tokens, the embedding {config.vocab_size}")
+    check_vocab(tokenizer.vocab_size, config, str(root))
     identity = sha256_files([config_path, *files])
     logger.info("loaded %s (%d tensors) in %.2f s", root, len(weights), time.perf_counter() - started)
     return LoadedModel(
