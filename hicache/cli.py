@@ -1,4 +1,5 @@
-"""The `hicache` command: generate, serve, bench, demo. A user error prints one line and exits 2."""
+"""The `hicache` command: generate, serve, bench, demo, consensus-check. A user error prints one line and
+exits 2."""
 
 from __future__ import annotations
 
@@ -41,10 +42,15 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from hicache import Engine, SamplingParams
+    from hicache.dist.launch import rank_only_node
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    cfg = EngineConfig.from_args(args)
+    ranks_only = rank_only_node(cfg)
+    if ranks_only is not None:
+        return ranks_only()
     prompts = _read_prompts(args)
-    with Engine(EngineConfig.from_args(args)) as engine:
+    with Engine(cfg) as engine:
         # In order, one at a time: a later prompt can reuse what an earlier one cached.
         for prompt in prompts:
             result = engine.generate([prompt], params)[0]
@@ -80,10 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     from hicache.bench.cli import add_bench_command
+    from hicache.debug.cli import add_consensus_check_command
     from hicache.demo import add_demo_command
     from hicache.server.cli import add_serve_command
 
-    return [add_demo_command, add_serve_command, add_bench_command]
+    return [add_demo_command, add_serve_command, add_bench_command, add_consensus_check_command]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -69,6 +69,70 @@ def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Ranks: tensor parallel (`--tp-size`) x pipeline parallel (`--pp-size`), one process per rank,
+    optionally over several nodes (`--nnodes`, `--node-rank`, `--dist-init-addr`, as SGLang names them)."""
+
+    tp_size: int = 1
+    pp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: str | None = None  # host:port of node 0's rendezvous; loopback with a free port by default
+    dist_timeout: float = 120.0  # seconds a collective may wait for a missing peer before it fails
+
+    def __post_init__(self) -> None:
+        for name in ("tp_size", "pp_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise UserError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise UserError(f"tp_size x pp_size = {self.world_size} ranks cannot be split evenly over {self.nnodes} nodes")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise UserError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise UserError(f"--dist-init-addr must be HOST:PORT, got {self.dist_init_addr!r}")
+        if self.dist_timeout <= 0:
+            raise UserError(f"--dist-timeout must be positive, got {self.dist_timeout}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp_size * self.pp_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ParallelConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    """Fault injection for tests of rank agreement, and for users reproducing a divergence."""
+
+    debug_transfer_delay_ms: float = 0.0  # each transfer completes up to this much later (random, per-rank seed)
+    debug_storage_fail_rate: float = 0.0  # fraction of storage page reads that fail ...
+    debug_storage_fail_rank: int = 0  # ... on this rank only
+    debug_disable_pp_sync: bool = False  # later PP stages poll their own ACK queues (a known bug; negative tests)
+
+    def __post_init__(self) -> None:
+        if self.debug_transfer_delay_ms < 0:
+            raise UserError(f"--debug-transfer-delay-ms must be >= 0, got {self.debug_transfer_delay_ms}")
+        if not 0 <= self.debug_storage_fail_rate <= 1:
+            raise UserError(f"--debug-storage-fail-rate must be in [0, 1], got {self.debug_storage_fail_rate}")
+        if self.debug_storage_fail_rank < 0:
+            raise UserError(f"--debug-storage-fail-rank must be >= 0, got {self.debug_storage_fail_rank}")
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "DebugConfig":
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     model: str = "tiny"
     page_size: int = 16
@@ -81,6 +145,8 @@ class EngineConfig:
     disable_radix_cache: bool = False
     default_max_new_tokens: int = 128
     hicache: HiCacheConfig = HiCacheConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    debug: DebugConfig = DebugConfig()
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -100,6 +166,9 @@ class EngineConfig:
             raise UserError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise UserError("--device cuda was asked for but torch sees no CUDA device")
+        world = self.parallel.world_size
+        if self.debug.debug_storage_fail_rate > 0 and self.debug.debug_storage_fail_rank >= world:
+            raise UserError(f"--debug-storage-fail-rank {self.debug.debug_storage_fail_rank} is not a rank (0..{world - 1})")
 
     @property
     def num_pages(self) -> int:
@@ -124,8 +193,14 @@ class EngineConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name) and f.name != "hicache"}
-        return cls(**values, hicache=HiCacheConfig.from_args(args))
+        nested = ("hicache", "parallel", "debug")
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name) and f.name not in nested}
+        return cls(
+            **values,
+            hicache=HiCacheConfig.from_args(args),
+            parallel=ParallelConfig.from_args(args),
+            debug=DebugConfig.from_args(args),
+        )
 
 
 def cpu_has_native_bf16() -> bool:
@@ -173,3 +248,21 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--hicache-storage-prefetch-timeout-base", type=float, default=h.hicache_storage_prefetch_timeout_base)
     t.add_argument("--hicache-storage-prefetch-timeout-per-ki-token", type=float,
                    default=h.hicache_storage_prefetch_timeout_per_ki_token)
+    p = ParallelConfig()
+    r = parser.add_argument_group("parallelism")
+    r.add_argument("--tp-size", type=int, default=p.tp_size, help="tensor parallel ranks (split KV heads and MLP columns)")
+    r.add_argument("--pp-size", type=int, default=p.pp_size, help="pipeline parallel stages (split layers)")
+    r.add_argument("--nnodes", type=int, default=p.nnodes, help="nodes the ranks are spread over")
+    r.add_argument("--node-rank", type=int, default=p.node_rank, help="this node's index (0 serves the API)")
+    r.add_argument("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous (multi-node)")
+    r.add_argument("--dist-timeout", type=float, default=p.dist_timeout,
+                   help="seconds a collective waits for a missing peer before the server fails")
+    q = DebugConfig()
+    b = parser.add_argument_group("fault injection (debugging rank agreement)")
+    b.add_argument("--debug-transfer-delay-ms", type=float, default=q.debug_transfer_delay_ms,
+                   help="delay each transfer's completion by a random amount up to N ms (seeded per rank)")
+    b.add_argument("--debug-storage-fail-rate", type=float, default=q.debug_storage_fail_rate,
+                   help="fraction of storage page reads that fail on --debug-storage-fail-rank")
+    b.add_argument("--debug-storage-fail-rank", type=int, default=q.debug_storage_fail_rank)
+    b.add_argument("--debug-disable-pp-sync", action="store_true",
+                   help="let later pipeline stages poll their own transfer queues (reproduces a divergence bug)")

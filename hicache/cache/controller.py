@@ -30,6 +30,9 @@ class TransferOp:
     kind: str
     run: Callable[["TransferOp"], None]
     payload: object = None
+    # What the op moves (which node, which pages), equal on every rank that issued the same op: ranks
+    # agree on how many ops to consume and then compare these, so a count over different ops is caught.
+    ident: int = 0
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
 

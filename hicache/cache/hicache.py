@@ -13,7 +13,11 @@
   the pages are read in the background. At admission the agreed-on completed prefix is inserted into
   the tree as host-only nodes and loaded back like any host hit. Every page lost on the way gets a
   reason code (see `PrefetchLoss`).
-- Every consumption of a completed transfer goes through `Consensus` (identity at one rank).
+- Every consumption of a completed transfer goes through `Consensus` (identity at one rank): ranks
+  agree on how many ACKs to consume, then fold the identities of what they consumed into the chain the
+  next agreement compares. Storage threads agree (MIN over every rank) on the hit length before
+  reading and on the pages read after each batch, and publish that agreed progress in order; the
+  scheduler consumes the number of progress entries the first stage chose.
 """
 
 from __future__ import annotations
@@ -27,9 +31,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from hicache.cache.controller import AckQueue, SupervisedWorker, TransferOp
-from hicache.cache.prefix_cache import PrefixCache
+from hicache.cache.prefix_cache import ADMIT_PARAMS, ADMIT_RESULTS, RELEASE_PARAMS, PrefixCache
 from hicache.cache.radix import MatchResult, TreeNode
-from hicache.config import HiCacheConfig
+from hicache.config import DebugConfig, HiCacheConfig
+from hicache.debug.consensus_checker import consensus_checked
+from hicache.debug.faults import FlakyReads
 from hicache.dist.consensus import Consensus
 from hicache.engine.request import Request
 from hicache.mem.device_pool import DeviceKVPool
@@ -65,8 +71,11 @@ class Prefetch:
     hit_pages: int = 0
     host_pages: list[int] = field(default_factory=list)
     read: TransferOp | None = None
-    completed: int = 0  # leading pages read and verified (written by the storage worker)
-    read_failed: bool = False  # a page was missing, corrupt or unreadable (written by the storage worker)
+    # Leading pages read and verified on every rank, one entry per agreed batch, in order (written by
+    # the storage worker): the ordered ACK queue of the read.
+    progress: list[int] = field(default_factory=list)
+    consume: int = 0  # how many progress entries admission uses (the first stage's choice)
+    read_failed: bool = False  # a page was missing, corrupt or unreadable on some rank
     stop: threading.Event = field(default_factory=threading.Event)
     done: bool = False  # nothing more will happen before admission consumes it
 
@@ -79,10 +88,14 @@ class HierarchicalCache(PrefixCache):
         consensus: Consensus,
         model_identity: str,
         rank_suffix: str = "",
+        debug: DebugConfig | None = None,
     ) -> None:
         super().__init__(pool, enabled=True)
         self.cfg = cfg
         self.consensus = consensus
+        debug = debug or DebugConfig()
+        rank = consensus.pctx.rank
+        delay = debug.debug_transfer_delay_ms / 1000
         probe = HostKVPool(pool, 1, cfg.hicache_mem_layout)
         if cfg.hicache_size > 0:
             host_pages = int(cfg.hicache_size * 1e9) // probe.page_bytes
@@ -91,8 +104,9 @@ class HierarchicalCache(PrefixCache):
         del probe
         self.host = HostKVPool(pool, max(host_pages, 1), cfg.hicache_mem_layout)
         self.tree._free_host = self.host.allocator.free
-        self.backup_worker = SupervisedWorker("backup")
-        self.load_worker = SupervisedWorker("load")
+        # Per-rank seeds: the ranks' copies finish in different orders, which is what agreement is for.
+        self.backup_worker = SupervisedWorker("backup", delay, seed=rank * 16)
+        self.load_worker = SupervisedWorker("load", delay, seed=rank * 16 + 1)
         self.backups = AckQueue()
         self.loads = AckQueue()
         self.counters: Counter[str] = Counter()
@@ -108,8 +122,13 @@ class HierarchicalCache(PrefixCache):
                 rank=rank_suffix,
             )
             backend = make_backend(cfg.hicache_storage_backend, cfg.hicache_storage_dir, cfg.hicache_storage_url)
+            if debug.debug_storage_fail_rate > 0 and rank == debug.debug_storage_fail_rank:
+                backend = FlakyReads(backend, debug.debug_storage_fail_rate, seed=rank)
+                logger.warning(
+                    "rank %d fails %.0f%% of storage reads (fault injection)", rank, 100 * debug.debug_storage_fail_rate
+                )
             self.store = VerifiedStore(backend, namespace, payload_bytes=self.host.page_bytes)
-            self.storage_worker = SupervisedWorker("storage")
+            self.storage_worker = SupervisedWorker("storage", delay, seed=rank * 16 + 2)
         logger.info(
             "hierarchical cache: host %d pages (%.2f GB, %s), write policy %s, storage %s",
             self.host.allocator.num_pages, self.host.allocator.num_pages * self.host.page_bytes / 1e9,
@@ -138,6 +157,7 @@ class HierarchicalCache(PrefixCache):
         self.tree.lock(node)  # its device pages must stay put while they are copied
         device_pages = list(node.device_pages)
         op = TransferOp("backup", lambda _: self.host.backup(self.pool, device_pages, host_pages), payload=node)
+        op.ident = hash((node.key, device_pages[0], len(device_pages)))
         self.backups.push(op)
         self.backup_worker.submit(op)
 
@@ -202,6 +222,7 @@ class HierarchicalCache(PrefixCache):
                 event.set()
 
         op = TransferOp("load", run, payload=layer_done)
+        op.ident = hash((tuple(n.key for n in match.host_nodes), device_pages[0], len(device_pages)))
         self.loads.push(op)
         self.load_worker.submit(op)
         self.counters["load_pages"] += len(host_pages)
@@ -277,26 +298,32 @@ class HierarchicalCache(PrefixCache):
             return
         hashes = page_hashes(key[: total * self.page_size], self.page_size)[start:]
         prefetch = Prefetch(req, hashes, start)
-        store = self.store
+        store, consensus = self.store, self.consensus
 
         def query(op: TransferOp) -> None:
-            op.payload = store.exists_prefix(hashes)
+            try:
+                found = store.exists_prefix(hashes)
+            except Exception:  # noqa: BLE001 - a miss here; the agreement below must still happen
+                logger.exception("storage existence query failed; treated as a miss")
+                found = 0
+            # MIN over every rank before reading: the common prefix all ranks can load.
+            op.payload = consensus.agree_min_all("storage_hit_pages", [found])[0]
 
         prefetch.query = self.storage_worker.submit(TransferOp("storage_query", query))
         self.prefetches[req.rid] = prefetch
         self.counters["prefetch_queried_pages"] += len(hashes)
 
-    def _advance_prefetches(self) -> None:
-        """Move prefetches whose existence query finished to reading (taking host memory now)."""
-        for prefetch in self.prefetches.values():
-            if prefetch.done or prefetch.read is not None or prefetch.query is None:
-                continue
-            ready = int(prefetch.query.done.is_set())
-            if not self.consensus.agree_min("prefetch_query_ready", [ready])[0]:
-                continue
-            prefetch.query.done.wait()
-            found = 0 if prefetch.query.failed else int(prefetch.query.payload)  # type: ignore[arg-type]
-            hit = self.consensus.agree_min("storage_hit_pages", [found])[0]
+    def _querying(self) -> list[Prefetch]:
+        """Prefetches whose existence query may have finished (the same list on every rank)."""
+        return [p for p in self.prefetches.values() if not p.done and p.read is None and p.query is not None]
+
+    def _advance_prefetches(self, agreed_ready: list[Prefetch]) -> None:
+        """Move prefetches whose existence query finished (on the first stage) to reading, taking
+        host memory now."""
+        for prefetch in agreed_ready:
+            assert prefetch.query is not None
+            prefetch.query.done.wait()  # finished on the first stage; here it may still be finishing
+            hit = 0 if prefetch.query.failed else int(prefetch.query.payload)  # type: ignore[arg-type]
             prefetch.hit_pages = hit
             self.counters["prefetch_hit_pages"] += hit
             if hit * self.page_size < self.cfg.hicache_storage_prefetch_threshold:
@@ -312,29 +339,42 @@ class HierarchicalCache(PrefixCache):
             prefetch.host_pages = host_pages
             prefetch.read = self.storage_worker.submit(TransferOp("storage_read", self._read_run(prefetch)))
 
-    def _read_run(self, prefetch: Prefetch) -> Callable[[TransferOp], None]:
+    def _read_batch(self, prefetch: Prefetch, first: int, last: int) -> int:
+        """Read pages [first, last) of the hit into their host pages; how many leading ones verified."""
         store, host = self.store, self.host
         assert store is not None
+        pages = prefetch.host_pages[first:last]
+        if host.layout == "page_first":
+            ok = store.get_pages_into(prefetch.hashes[first:last], [host.page_view(p) for p in pages])
+        else:
+            payloads = store.get_pages(prefetch.hashes[first:last])
+            ok = [p is not None for p in payloads]
+            for page, payload in zip(pages, payloads):
+                if payload is not None:
+                    host.write_page(page, payload)
+        return next((i for i, good in enumerate(ok) if not good), len(ok))
+
+    def _read_run(self, prefetch: Prefetch) -> Callable[[TransferOp], None]:
+        consensus = self.consensus
 
         def run(_: TransferOp) -> None:
+            done = 0
             for first in range(0, prefetch.hit_pages, PREFETCH_BATCH_PAGES):
-                if prefetch.stop.is_set():
-                    return
                 last = min(first + PREFETCH_BATCH_PAGES, prefetch.hit_pages)
-                pages = prefetch.host_pages[first:last]
-                if host.layout == "page_first":
-                    ok = store.get_pages_into(prefetch.hashes[first:last], [host.page_view(p) for p in pages])
-                else:
-                    payloads = store.get_pages(prefetch.hashes[first:last])
-                    ok = [p is not None for p in payloads]
-                    for page, payload in zip(pages, payloads):
-                        if payload is not None:
-                            host.write_page(page, payload)
-                for good in ok:
-                    if not good:
-                        prefetch.read_failed = True
-                        return
-                    prefetch.completed += 1
+                stopping = prefetch.stop.is_set()
+                local = done
+                if not stopping:
+                    try:
+                        local = first + self._read_batch(prefetch, first, last)
+                    except Exception:  # noqa: BLE001 - a miss; the agreement below must still happen
+                        logger.exception("storage read failed; its pages are treated as a miss")
+                # MIN over every rank after each batch: a slow stop or a failed read on one rank
+                # shortens everyone's prefix, and every rank leaves the loop at the same batch.
+                done, go = consensus.agree_min_all("prefetch_read", [local, int(not stopping)])
+                prefetch.progress.append(done)
+                if not go or done < last:
+                    prefetch.read_failed = bool(go)
+                    return
 
         return run
 
@@ -343,6 +383,7 @@ class HierarchicalCache(PrefixCache):
             self.counters[f"prefetch_lost_{reason.value}_pages"] += pages
             logger.debug("prefetch: %d pages lost (%s)", pages, reason.value)
 
+    @consensus_checked(params=("req.rid", "busy"), results=("result",))
     def ready_to_admit(self, req: Request, busy: bool) -> bool:
         prefetch = self.prefetches.get(req.rid)
         if prefetch is None or prefetch.done:
@@ -361,28 +402,34 @@ class HierarchicalCache(PrefixCache):
                 self.cfg.hicache_storage_prefetch_timeout_per_ki_token * prefetch.hit_pages * self.page_size / 1024
             )
             finished = prefetch.read.done.is_set() or time.monotonic() - prefetch.started >= limit
-        return bool(self.consensus.agree_min("prefetch_stop", [int(finished)])[0])
+        # The first stage decides for every stage whether to stop waiting and how many entries of the
+        # agreed read progress to use (later entries, already there on some ranks, are not used).
+        stop, consume = self.consensus.agree_min("prefetch_stop", [int(finished), len(prefetch.progress)])
+        prefetch.consume = consume
+        return bool(stop)
 
-    def _consume_prefetch(self, req: Request) -> None:
-        """Stop the request's prefetch and insert its agreed-on completed prefix as host-only nodes."""
+    @consensus_checked(params=("req.rid",), results=("result",))
+    def _consume_prefetch(self, req: Request) -> int:
+        """Stop the request's prefetch and insert its agreed-on completed prefix as host-only nodes;
+        returns the pages inserted."""
         prefetch = self.prefetches.pop(req.rid, None)
         if prefetch is None:
-            return
+            return 0
         if prefetch.query is not None and prefetch.read is None and not prefetch.done:
             prefetch.query.done.wait()  # no host memory was taken yet: nothing to insert
-            return
+            return 0
         if prefetch.read is None:
-            return
+            return 0
         prefetch.stop.set()
-        prefetch.read.done.wait()  # at most one batch in flight
-        completed = self.consensus.agree_min("prefetch_completed", [prefetch.completed])[0]
+        prefetch.read.done.wait()  # at most one batch in flight (its host pages are being written)
+        completed = prefetch.progress[prefetch.consume - 1] if prefetch.consume else 0
         self.counters["prefetch_read_pages"] += completed
         unread = prefetch.host_pages[completed:]
         if unread:
             self.host.allocator.free(unread)
             self._lose(PrefetchLoss.READ_FAILED if prefetch.read_failed else PrefetchLoss.NOT_READ_IN_TIME, len(unread))
         if completed == 0:
-            return
+            return 0
         end_page = prefetch.start_page + completed
         tokens = req.prompt_ids[: end_page * self.page_size]
         rejected = self.tree.insert_host(tokens, prefetch.host_pages[:completed], req.namespace)
@@ -394,6 +441,7 @@ class HierarchicalCache(PrefixCache):
         self.counters["prefetch_inserted_pages"] += inserted
         if inserted:
             self.storage_origin[req.rid] = (prefetch.start_page, end_page)
+        return inserted
 
     def _cancel_prefetch(self, req: Request) -> None:
         prefetch = self.prefetches.pop(req.rid, None)
@@ -409,6 +457,7 @@ class HierarchicalCache(PrefixCache):
 
     # ---- scheduler hooks -----------------------------------------------------------------------
 
+    @consensus_checked(params=ADMIT_PARAMS, results=ADMIT_RESULTS)
     def admit(self, req: Request, total_pages: int, reserved_elsewhere: int) -> bool:
         self._consume_prefetch(req)
         admitted = super().admit(req, total_pages, reserved_elsewhere)
@@ -419,21 +468,26 @@ class HierarchicalCache(PrefixCache):
                     self._backup(node)
         return admitted
 
+    @consensus_checked(params=RELEASE_PARAMS, results=())
     def release(self, req: Request) -> None:
         self._cancel_prefetch(req)
         super().release(req)
 
     def check(self) -> None:
-        agreed_backups, agreed_loads = self.consensus.agree_min("transfer_acks", [self.backups.ready(), self.loads.ready()])
+        # One agreement per check, on every rank, even when every queue is empty.
+        querying = self._querying()
+        ready = [self.backups.ready(), self.loads.ready(), *(int(p.query.done.is_set()) for p in querying)]  # type: ignore[union-attr]
+        agreed_backups, agreed_loads, *queries = self.consensus.agree_min("transfer_acks", ready)
+        backups, loads = self.backups.pop(agreed_backups), self.loads.pop(agreed_loads)
+        self.consensus.confirm("transfer_acks", [op.ident * 2 + op.failed for op in backups + loads])
         finished: list[TreeNode] = []
-        for op in self.backups.pop(agreed_backups):
+        for op in backups:
             finished.extend(self._finish_backup(op))
         self._queue_storage_put(finished)
-        for op in self.loads.pop(agreed_loads):
+        for op in loads:
             if op.failed:
                 logger.error("a host -> device load failed; the requests in its step failed with it")
-        if self.store is not None:
-            self._advance_prefetches()
+        self._advance_prefetches([p for p, ok in zip(querying, queries) if ok])
 
     # ---- maintenance ---------------------------------------------------------------------------
 
@@ -479,3 +533,4 @@ class HierarchicalCache(PrefixCache):
                 worker.stop()
         if self.store is not None:
             self.store.backend.close()
+        self.consensus.flush()

@@ -12,10 +12,16 @@ import logging
 from typing import Callable
 
 from hicache.cache.radix import MatchResult, RadixTree, TreeNode
+from hicache.debug.consensus_checker import consensus_checked
 from hicache.engine.request import Request
 from hicache.mem.device_pool import DeviceKVPool
 
 logger = logging.getLogger(__name__)
+
+# What must agree across ranks about an admission: its inputs, the decision, the matched length by tier.
+ADMIT_PARAMS = ("req.rid", "total_pages", "reserved_elsewhere")
+ADMIT_RESULTS = ("result", "req.kv_len", "req.cached_tokens_by_tier", "req.reserved_pages")
+RELEASE_PARAMS = ("req.rid", "req.kv_len")
 
 
 class PrefixCache:
@@ -62,6 +68,7 @@ class PrefixCache:
     def available_pages(self) -> int:
         return self.allocator.free_pages + self.tree.evictable_pages
 
+    @consensus_checked(params=ADMIT_PARAMS, results=ADMIT_RESULTS)
     def admit(self, req: Request, total_pages: int, reserved_elsewhere: int) -> bool:
         """Match and lock the request's cached prefix if the pages it may still need fit; sets
         req.pages, req.kv_len, req.lock_node, req.reserved_pages and its hits by tier."""
@@ -87,6 +94,7 @@ class PrefixCache:
         req.reserved_pages = total_pages - len(req.pages)
         return True
 
+    @consensus_checked(params=("n",), results=("result",))
     def alloc(self, n: int) -> list[int]:
         """n device pages, evicting unlocked cache if needed. Callers only ask for what admission
         reserved, so this cannot fail."""
@@ -115,6 +123,7 @@ class PrefixCache:
         req.lock_node = res.last_node
         self._on_new_nodes(res.new_nodes)
 
+    @consensus_checked(params=RELEASE_PARAMS, results=())
     def release(self, req: Request) -> None:
         """The request ended: cache what it computed, drop its lock, free the rest of its pages."""
         kept = 0

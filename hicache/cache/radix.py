@@ -25,6 +25,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+from hicache.debug.consensus_checker import consensus_checked
+
 PagesFn = Callable[[list[int]], None]
 
 
@@ -310,6 +312,7 @@ class RadixTree:
             and not any(c.on_device for c in node.children.values())
         )
 
+    @consensus_checked(params=("num_pages",), results=("result",))
     def evict(self, num_pages: int, keep_if: Callable[[TreeNode], bool] | None = None) -> int:
         """Free at least `num_pages` device pages, least recently used first. A node whose KV is on the
         host (or that `keep_if` backs up there, for write-back) stays as host-only; others are removed.
@@ -347,6 +350,7 @@ class RadixTree:
                 n.host_pages = None
             stack.extend(n.children.values())
 
+    @consensus_checked(params=("num_pages",), results=("result",))
     def evict_host(self, num_pages: int) -> int:
         """Free at least `num_pages` host pages from host-only, unlocked leaves, LRU first."""
 

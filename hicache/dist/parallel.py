@@ -24,15 +24,24 @@ def split_range(total: int, parts: int, index: int) -> tuple[int, int]:
 
 @dataclass(frozen=True)
 class ParallelContext:
-    """Ranks are laid out PP-major: rank = pp_rank * tp_size + tp_rank."""
+    """Ranks are laid out PP-major: rank = pp_rank * tp_size + tp_rank.
+
+    Groups (None at one rank; built by hicache.dist.launch). Compute groups carry activations; the
+    gloo "cpu" groups carry small control messages, so agreement never queues behind a compute
+    collective, and the storage threads have a group of their own because collectives on one group
+    must be issued in the same order on every rank, which two threads of one rank cannot promise.
+    """
 
     tp_size: int = 1
     tp_rank: int = 0
     pp_size: int = 1
     pp_rank: int = 0
-    tp_group: Any = None
-    tp_cpu_group: Any = None  # gloo group for small control collectives, off the compute path
-    world_group: Any = None
+    tp_group: Any = None  # this stage's TP ranks: the all-reduces after o_proj and down_proj
+    tp_cpu_group: Any = None  # the same ranks, gloo: MIN of ready ACK counts
+    pp_group: Any = None  # this TP index's stages: hidden states
+    pp_cpu_group: Any = None  # the same ranks, gloo: agreed counts sent down the pipeline (pp_sync)
+    world_group: Any = None  # every rank, gloo: requests, sampled tokens, control, the consensus checker
+    storage_group: Any = None  # every rank, gloo, used only by the storage threads: hit and read MINs
 
     @property
     def world_size(self) -> int:
@@ -41,6 +50,23 @@ class ParallelContext:
     @property
     def rank(self) -> int:
         return self.pp_rank * self.tp_size + self.tp_rank
+
+    def rank_of(self, pp_rank: int, tp_rank: int) -> int:
+        return pp_rank * self.tp_size + tp_rank
+
+    @property
+    def prev_stage_rank(self) -> int:
+        """Global rank of this TP index on the previous stage."""
+        return self.rank_of(self.pp_rank - 1, self.tp_rank)
+
+    @property
+    def next_stage_rank(self) -> int:
+        return self.rank_of(self.pp_rank + 1, self.tp_rank)
+
+    @property
+    def sampling_rank(self) -> int:
+        """The one rank that samples next tokens (last stage, first TP rank) and shares them."""
+        return self.rank_of(self.pp_size - 1, 0)
 
     @property
     def is_first_stage(self) -> bool:

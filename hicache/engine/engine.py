@@ -1,9 +1,12 @@
 """`Engine`: the offline and serving front of hicache.
 
-It loads the model, builds one rank's scheduler, and runs the scheduler loop on a background thread.
-Callers submit prompts from any thread and receive `RequestEvent`s through a `RequestHandle` (a queue,
-or a callback for asyncio servers). Tokenization and validation happen in the caller's thread, so a bad
-request fails there with a `UserError` and never reaches the loop.
+It loads the tokenizer and model configuration and starts a runtime: at one rank, the scheduler loop on
+a background thread of this process (local_runtime.py); with --tp-size x --pp-size > 1, one process per
+rank running the same scheduler in lockstep (hicache/dist/front.py). Callers submit prompts from any
+thread and receive `RequestEvent`s through a `RequestHandle` (a queue, or a callback for asyncio
+servers). Tokenization and validation happen in the caller's thread, so a bad request fails there with
+a `UserError` and never reaches a scheduler. If a rank dies, every in-flight request fails with the
+reason, the engine refuses new work, and `on_fatal` callbacks run (the server exits on them).
 """
 
 from __future__ import annotations
@@ -12,23 +15,17 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
-import torch
-
-from hicache.cache.hicache import HierarchicalCache
-from hicache.cache.prefix_cache import PrefixCache
 from hicache.config import EngineConfig
-from hicache.dist.consensus import Consensus
+from hicache.dist.front import RankRuntime
 from hicache.dist.parallel import ParallelContext
-from hicache.engine.model_runner import ModelRunner
+from hicache.engine.build import build_scheduler, check_topology, context_length
+from hicache.engine.local_runtime import LocalRuntime
 from hicache.engine.request import FinishReason, Request, RequestEvent, SamplingParams, TokenLogprob, TIERS
-from hicache.engine.scheduler import Scheduler
+from hicache.engine.scheduler import check_request_fits
 from hicache.errors import UserError
-from hicache.mem.device_pool import DeviceKVPool
-from hicache.model.llama import LlamaModel
 from hicache.model.loader import load_model
 
 logger = logging.getLogger(__name__)
@@ -131,26 +128,19 @@ class Engine:
         self.model_identity = loaded.identity
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
-        self.context_length = min(cfg.context_length or loaded.config.max_position, loaded.config.max_position)
-        pctx = ParallelContext()
-        device, dtype = cfg.resolved_device(), cfg.resolved_dtype()
-        model = LlamaModel(loaded.config, loaded.weights, pctx, dtype, device)
-        del loaded
-        pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device)
-        cache: PrefixCache
-        if cfg.hicache.enable_hierarchical_cache:
-            cache = HierarchicalCache(pool, cfg.hicache, Consensus(pctx), self.model_identity, pctx.suffix)
-        else:
-            cache = PrefixCache(pool, enabled=not cfg.disable_radix_cache)
-        self.scheduler = Scheduler(cfg, ModelRunner(model, pool), cache, self.tokenizer, self.context_length)
+        self.context_length = context_length(cfg, loaded.config)
         self._handles: dict[int, RequestHandle] = {}
-        self._inbox: list[Request] = []
-        self._control: list[tuple[Callable[[], object], Future]] = []
-        self._cancels: list[int] = []
-        self._wake = threading.Condition()
+        self._lock = threading.Lock()
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="hicache-scheduler", daemon=True)
-        self._thread.start()
+        self.fatal_error: str | None = None
+        self._fatal_callbacks: list[Callable[[str], None]] = []
+        self._runtime: LocalRuntime | RankRuntime
+        if cfg.parallel.world_size == 1:
+            self._runtime = LocalRuntime(build_scheduler(cfg, loaded, ParallelContext()), self._dispatch)
+        else:
+            check_topology(cfg, loaded.config)
+            del loaded  # every rank loads its own shard
+            self._runtime = RankRuntime(cfg, self._dispatch, self._fail)
 
     # ---- client side ---------------------------------------------------------------------------
 
@@ -181,15 +171,13 @@ class Engine:
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
         max_new = params.max_new_tokens or min(self.config.default_max_new_tokens, max(1, self.context_length - len(ids)))
-        self.scheduler.validate(len(ids), max_new)
+        check_request_fits(self.config, self.context_length, len(ids), max_new)
         req = Request(ids, params, max_new, namespace=cache_salt)
         handle = RequestHandle(self, req, on_event)
-        with self._wake:
-            if self._stopped:
-                raise RuntimeError("the engine is shut down")
+        with self._lock:
+            self._check_alive()
             self._handles[req.rid] = handle
-            self._inbox.append(req)
-            self._wake.notify()
+            self._runtime.submit(req)
         return handle
 
     def generate(
@@ -200,50 +188,55 @@ class Engine:
         return [h.result() for h in handles]
 
     def cancel(self, rid: int) -> None:
-        with self._wake:
-            self._cancels.append(rid)
-            self._wake.notify()
+        self._runtime.cancel(rid)
 
     def call_in_loop(self, fn: Callable[[], object]) -> object:
-        """Run `fn` on the scheduler thread between two steps and return its result."""
-        fut: Future = Future()
-        with self._wake:
-            if self._stopped:
-                raise RuntimeError("the engine is shut down")
-            self._control.append((fn, fut))
-            self._wake.notify()
-        return fut.result()
+        """Run `fn` on the scheduler thread between two steps and return its result (one rank only:
+        with several ranks the schedulers live in other processes; use the named commands)."""
+        if not isinstance(self._runtime, LocalRuntime):
+            raise RuntimeError("call_in_loop needs the single-rank engine (tp_size = pp_size = 1)")
+        with self._lock:
+            self._check_alive()
+        return self._runtime.call(fn)
+
+    def _control(self, command: str) -> object:
+        with self._lock:
+            self._check_alive()
+        return self._runtime.control(command)
 
     def flush_cache(self) -> bool:
-        return bool(self.call_in_loop(self.scheduler.flush))
+        return bool(self._control("flush"))
 
     def leak_report(self) -> list[str]:
-        return self.call_in_loop(self.scheduler.leak_report)  # type: ignore[return-value]
+        return self._control("leak_report")  # type: ignore[return-value]
 
     def pool_usage(self) -> dict[str, tuple[int, int]]:
         """(used, capacity) in tokens per memory tier that exists."""
-        return self.scheduler.cache.usage()
+        return self._runtime.pool_usage()
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        return self._runtime.num_running
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + len(self._inbox)
+        return self._runtime.num_waiting
 
     def cache_stats(self) -> dict[str, float]:
         """Counters of the cache tiers (transfers, prefetch lifecycle, storage hits and corruption)."""
-        return self.call_in_loop(self.scheduler.cache.stats)  # type: ignore[return-value]
+        return self._control("cache_stats")  # type: ignore[return-value]
+
+    def on_fatal(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(reason)` (from a background thread) if a rank dies or ranks diverge."""
+        self._fatal_callbacks.append(callback)
 
     def shutdown(self) -> None:
-        with self._wake:
+        with self._lock:
             if self._stopped:
                 return
             self._stopped = True
-            self._wake.notify()
-        self._thread.join()
-        self.scheduler.cache.shutdown()
+        self._runtime.shutdown()
+        self._fail_open_handles("the engine was shut down")
 
     def __enter__(self) -> "Engine":
         return self
@@ -251,57 +244,36 @@ class Engine:
     def __exit__(self, *exc) -> None:
         self.shutdown()
 
-    # ---- scheduler thread ----------------------------------------------------------------------
+    # ---- runtime side --------------------------------------------------------------------------
 
-    def _loop(self) -> None:
-        torch.set_grad_enabled(False)
-        while True:
-            with self._wake:
-                while not (self._stopped or self._inbox or self._control or self._cancels or self.scheduler.has_work):
-                    self._wake.wait()
-                if self._stopped:
-                    break
-                inbox, self._inbox = self._inbox, []
-                control, self._control = self._control, []
-                cancels, self._cancels = self._cancels, []
-            for req in inbox:
-                self.scheduler.add(req)
-            for rid in cancels:
-                self.scheduler.abort(rid)
-            for fn, fut in control:
-                try:
-                    fut.set_result(fn())
-                except Exception as exc:  # noqa: BLE001 - handed to the caller
-                    fut.set_exception(exc)
-            try:
-                events = self.scheduler.step()
-            except Exception as exc:
-                logger.exception("scheduler step failed; failing every in-flight request")
-                events = self._fail_all(f"internal error: {exc}")
-            for event in events:
-                self._dispatch(event)
-            if self.scheduler.waiting and not self.scheduler.running:
-                # Requests wait on something asynchronous (a storage prefetch): poll gently, so the
-                # transfer threads get the CPU, and wake at once for anything new.
-                with self._wake:
-                    self._wake.wait(timeout=0.002)
-        self._fail_all_on_shutdown()
+    def _check_alive(self) -> None:
+        if self.fatal_error is not None:
+            raise RuntimeError(f"the engine failed: {self.fatal_error.splitlines()[0]}")
+        if self._stopped:
+            raise RuntimeError("the engine is shut down")
 
     def _dispatch(self, event: RequestEvent) -> None:
-        handle = self._handles.get(event.rid)
-        if handle is None:
-            return
-        if event.finish_reason is not None:
-            del self._handles[event.rid]
+        with self._lock:
+            handle = self._handles.get(event.rid)
+            if handle is None:
+                return
+            if event.finish_reason is not None:
+                del self._handles[event.rid]
         handle._deliver(event)
 
-    def _fail_all(self, message: str) -> list[RequestEvent]:
-        return self.scheduler.abort_all(FinishReason.ERROR, message)
+    def _fail(self, reason: str) -> None:
+        """A rank died or ranks diverged: fail everything in flight and refuse new work."""
+        with self._lock:
+            if self.fatal_error is not None:
+                return
+            self.fatal_error = reason
+        logger.error("engine failed: %s", reason)
+        self._fail_open_handles(reason)
+        for callback in self._fatal_callbacks:
+            callback(reason)
 
-    def _fail_all_on_shutdown(self) -> None:
-        for event in self._fail_all("the engine was shut down"):
-            self._dispatch(event)
-        with self._wake:
-            control, self._control = self._control, []
-        for _, fut in control:
-            fut.set_exception(RuntimeError("the engine is shut down"))
+    def _fail_open_handles(self, message: str) -> None:
+        with self._lock:
+            handles, self._handles = self._handles, {}
+        for rid, handle in handles.items():
+            handle._deliver(RequestEvent(rid, (), finish_reason=FinishReason.ERROR, error=message))

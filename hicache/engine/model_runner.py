@@ -1,4 +1,6 @@
-"""Turns one step's work items (request, token range) into a ForwardBatch and runs the model on it."""
+"""Turns one step's work items (request, token range) into a ForwardBatch, runs this rank's part of the
+model on it (receiving and sending hidden states between pipeline stages), and samples next tokens
+on the sampling rank, which shares them with every rank (hicache/dist/pipeline.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ from typing import Callable
 
 import torch
 
-from hicache.engine.request import Request
+from hicache.dist.pipeline import StageLink
+from hicache.engine.request import Request, TokenLogprob
+from hicache.engine.sampler import sample
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.batch import KV_ALIGN, ForwardBatch, SeqSlice
 from hicache.model.llama import LlamaModel
@@ -31,6 +35,7 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, pool: DeviceKVPool) -> None:
         self.model = model
         self.pool = pool
+        self.link = StageLink(model.pctx)
 
     def build(self, work: list[WorkItem]) -> ForwardBatch:
         ids: list[int] = []
@@ -58,8 +63,26 @@ class ModelRunner:
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
         )
 
-    def forward(self, work: list[WorkItem], before_layer: Callable[[int], None] | None = None) -> torch.Tensor:
-        """Logits [rows needing logits, vocab] as float32 on the CPU."""
+    def forward(self, work: list[WorkItem], before_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
+        """Logits [rows needing logits, vocab] as float32 on the CPU on the last pipeline stage; None on
+        the others, whose output went to the next stage."""
         batch = self.build(work)
         batch.before_layer = before_layer
-        return self.model.forward(batch, self.pool).cpu()
+        model = self.model
+        hidden = self.link.recv_hidden(batch.num_tokens, model.cfg.hidden_size, model.dtype, self.pool.device)
+        out = model.forward(batch, self.pool, hidden)
+        if not model.pctx.is_last_stage:
+            self.link.send_hidden(out)
+            return None
+        return out.cpu()
+
+    def sample(self, logits: torch.Tensor | None, work: list[WorkItem]) -> list[tuple[int, TokenLogprob | None]]:
+        """The next token (and logprobs) of every item needing logits, in order, on every rank."""
+        items = [item for item in work if item.needs_logits]
+        if not items:
+            return []
+        samples = None
+        if self.link.samples_here:
+            assert logits is not None
+            samples = [sample(logits[row], item.req) for row, item in enumerate(items)]
+        return self.link.share_samples(samples, hash(tuple((i.req.rid, i.start, i.end) for i in items)))

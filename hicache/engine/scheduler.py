@@ -8,6 +8,11 @@ NOTE (memory invariant): a request is admitted only if the pages it may ever nee
 tokens, less its cached prefix) fit in free + evictable pages minus what running requests were already
 promised. Promised pages are tracked in `reserved_pages`; so a running request can always allocate,
 evicting unlocked cache if needed, and never runs out of KV memory mid-way.
+
+With several ranks every rank runs this scheduler on the same inputs (SPMD): the decisions below are
+deterministic functions of its state, asynchronous results enter only through the cache's agreed
+checks, and sampled tokens come from one rank, so every rank's state stays the same. The consensus
+checker (hicache/debug/consensus_checker.py) compares the marked decisions at each step.
 """
 
 from __future__ import annotations
@@ -19,23 +24,55 @@ import torch
 
 from hicache.cache.prefix_cache import PrefixCache
 from hicache.config import EngineConfig
+from hicache.debug.consensus_checker import ConsensusChecker, consensus_checked
 from hicache.engine.model_runner import ModelRunner, WorkItem
 from hicache.engine.request import FinishReason, Request, RequestEvent, TokenLogprob
-from hicache.engine.sampler import sample
 from hicache.errors import RequestTooLargeError
 from hicache.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
 
+def _pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+def check_request_fits(cfg: EngineConfig, context_length: int, prompt_len: int, max_new_tokens: int) -> None:
+    """Refuse at once what could never run, rather than letting it wait forever. Needs only the
+    configuration, so the engine front checks requests before they reach any rank."""
+    if prompt_len == 0:
+        raise RequestTooLargeError("the prompt is empty")
+    if prompt_len + max_new_tokens > context_length:
+        raise RequestTooLargeError(
+            f"prompt ({prompt_len} tokens) plus max new tokens ({max_new_tokens}) exceeds the context "
+            f"length of {context_length} tokens"
+        )
+    need = _pages_for(prompt_len + max_new_tokens, cfg.page_size)
+    if need > cfg.num_pages:
+        raise RequestTooLargeError(
+            f"prompt ({prompt_len} tokens) plus max new tokens ({max_new_tokens}) needs {need} KV pages but the "
+            f"pool has {cfg.num_pages} (raise --max-total-tokens)"
+        )
+
+
+def _work_summary(namespace) -> list[tuple[int, int, int]]:
+    return [(item.req.rid, item.start, item.end) for item in namespace["result"]]
+
+
 class Scheduler:
     def __init__(
-        self, cfg: EngineConfig, runner: ModelRunner, cache: PrefixCache, tokenizer: Tokenizer, context_length: int
+        self,
+        cfg: EngineConfig,
+        runner: ModelRunner,
+        cache: PrefixCache,
+        tokenizer: Tokenizer,
+        context_length: int,
+        checker: ConsensusChecker | None = None,
     ) -> None:
         self.cfg = cfg
+        self.checker = checker if checker is not None else ConsensusChecker(env={})
         self.runner = runner
         self.cache = cache
-        self.allocator = runner.pool.allocator
         self.tokenizer = tokenizer
         self.context_length = context_length
         self.page_size = cfg.page_size
@@ -46,23 +83,7 @@ class Scheduler:
     # ---- intake --------------------------------------------------------------------------------
 
     def _pages_for(self, tokens: int) -> int:
-        return -(-tokens // self.page_size)
-
-    def validate(self, prompt_len: int, max_new_tokens: int) -> None:
-        """Refuse at once what could never run, rather than letting it wait forever."""
-        if prompt_len == 0:
-            raise RequestTooLargeError("the prompt is empty")
-        if prompt_len + max_new_tokens > self.context_length:
-            raise RequestTooLargeError(
-                f"prompt ({prompt_len} tokens) plus max new tokens ({max_new_tokens}) exceeds the context "
-                f"length of {self.context_length} tokens"
-            )
-        need = self._pages_for(prompt_len + max_new_tokens)
-        if need > self.allocator.num_pages:
-            raise RequestTooLargeError(
-                f"prompt ({prompt_len} tokens) plus max new tokens ({max_new_tokens}) needs {need} KV pages but the "
-                f"pool has {self.allocator.num_pages} (raise --max-total-tokens)"
-            )
+        return _pages_for(tokens, self.page_size)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -83,18 +104,20 @@ class Scheduler:
         self.cache.check()
         events = self._drop_aborted()
         work = self._schedule()
+        # Every rank, every step, before any computation depends on the decisions just made.
+        self.checker.checkpoint()
         if not work:
             return events
         logits = self.runner.forward(work, self.cache.before_layer())
-        row = 0
+        samples = iter(self.runner.sample(logits, work))
         for item in work:
             req = item.req
+            needs_logits = item.needs_logits
             req.kv_len = item.end
             if req.kv_len == req.prompt_len and not req.output_ids:
                 self.cache.cache_prefix(req, req.kv_len)  # share the prompt with requests arriving meanwhile
-            if item.needs_logits:
-                token, logprob = sample(logits[row], req)
-                row += 1
+            if needs_logits:
+                token, logprob = next(samples)
                 events.append(self._append_token(req, token, logprob))
         return events
 
@@ -109,6 +132,7 @@ class Scheduler:
             events.append(RequestEvent(req.rid, (), finish_reason=FinishReason.ABORT))
         return events
 
+    @consensus_checked(results={"work": _work_summary})
     def _schedule(self) -> list[WorkItem]:
         work = [WorkItem(r, r.kv_len, r.kv_len + 1) for r in self.running if not r.in_prefill]
         budget = self.cfg.chunked_prefill_size

@@ -1,7 +1,10 @@
 """Serving: the `hicache serve` command — bind, load the engine, run the app under uvicorn, exit 0 on
 SIGTERM or SIGINT after a graceful shutdown.
 
-The socket is bound before the (slow) engine load, so a taken port fails at once with one line.
+The socket is bound before the (slow) engine load, so a taken port fails at once with one line. With
+several ranks, a rank that dies (or ranks that diverge) fails the engine; the server then logs the
+reason on one line and exits 1 instead of serving errors. Nodes other than node 0 (and torchrun ranks
+other than 0) run their ranks only and serve nothing.
 """
 
 from __future__ import annotations
@@ -63,15 +66,27 @@ def _server_class():  # uvicorn is imported only by the command that needs it
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from hicache.dist.launch import rank_only_node
     from hicache.engine.engine import Engine
     from hicache.server.app import create_app
 
+    cfg = EngineConfig.from_args(args)
+    ranks_only = rank_only_node(cfg)
+    if ranks_only is not None:
+        return ranks_only()
     sock = _listen(args.host, args.port)
-    engine = Engine(EngineConfig.from_args(args))
+    engine = Engine(cfg)
     name = args.served_model_name or args.model
     app = create_app(engine, name, api_key=args.api_key)
     config = uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
     server = _server_class()(config, on_exit=app.state.engine_client.abort_all)
+    failures: list[str] = []
+
+    def engine_failed(reason: str) -> None:
+        failures.append(reason)
+        server.should_exit = True  # uvicorn's loop checks this flag and shuts down gracefully
+
+    engine.on_fatal(engine_failed)
     host, port = sock.getsockname()[:2]
     logger.info("serving %s on http://%s:%d", name, host, port)
     # uvicorn re-raises the shutdown signal once it is done, for the previous handler to act on; the
@@ -82,6 +97,9 @@ def run_serve(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         signal.signal(signal.SIGTERM, previous)
+    if failures:
+        logger.error("exiting: %s", failures[0].splitlines()[0])
+        return 1
     return 0
 
 

@@ -1,0 +1,212 @@
+"""Starting ranks and joining them into a job: where each rank's process comes from (spawned by the engine
+front, by a follower node, or by torchrun), and the process groups of its ParallelContext.
+
+Launch modes:
+- one node (default): the front spawns tp*pp processes that rendezvous on tcp://127.0.0.1:<free port>
+  (or --dist-init-addr);
+- several nodes (--nnodes, --node-rank, --dist-init-addr, as in SGLang): node 0 runs the front and
+  its share of the ranks, every other node runs `run_follower_node` (its ranks only);
+- torchrun: each process is one rank (env://); rank 0 hosts the front and runs its rank on a thread,
+  the others run `run_torchrun_rank`.
+
+Every process group gets a finite timeout (--dist-timeout), so a rank that never arrives makes its
+peers fail instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from hicache.config import EngineConfig
+from hicache.dist.parallel import ParallelContext
+from hicache.dist.rank_worker import RankSpec, rank_main
+from hicache.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def torchrun_rank() -> int | None:
+    """This process's rank when torchrun (or any env:// launcher) started it, else None."""
+    if all(v in os.environ for v in TORCHRUN_VARS):
+        return int(os.environ["RANK"])
+    return None
+
+
+def _threads_per_rank(ranks_here: int) -> int:
+    return max(1, (os.cpu_count() or 1) // ranks_here)
+
+
+def init_distributed(spec: RankSpec, cfg: EngineConfig) -> ParallelContext:
+    """Join the job and build this rank's groups. Every rank creates every group, in the same order
+    (torch.distributed requires it), and keeps those it belongs to."""
+    par = cfg.parallel
+    device = cfg.resolved_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(spec.local_rank)
+    timeout = timedelta(seconds=par.dist_timeout)
+    compute = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(compute, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+    tp, pp = par.tp_size, par.pp_size
+    tp_rank, pp_rank = spec.rank % tp, spec.rank // tp
+
+    def group(ranks: list[int], backend: str) -> Any:
+        return dist.new_group(ranks, backend=backend, timeout=timeout)
+
+    everyone = list(range(spec.world_size))
+    world_group = group(everyone, "gloo")
+    storage_group = group(everyone, "gloo")
+    mine: dict[str, Any] = {}
+    if tp > 1:
+        for stage in range(pp):
+            ranks = [stage * tp + t for t in range(tp)]
+            compute_group, cpu_group = group(ranks, compute), group(ranks, "gloo")
+            if stage == pp_rank:
+                mine["tp_group"], mine["tp_cpu_group"] = compute_group, cpu_group
+    if pp > 1:
+        for index in range(tp):
+            ranks = [stage * tp + index for stage in range(pp)]
+            compute_group, cpu_group = group(ranks, compute), group(ranks, "gloo")
+            if index == tp_rank:
+                mine["pp_group"], mine["pp_cpu_group"] = compute_group, cpu_group
+    pctx = ParallelContext(
+        tp_size=tp, tp_rank=tp_rank, pp_size=pp, pp_rank=pp_rank,
+        world_group=world_group, storage_group=storage_group, **mine,
+    )  # fmt: skip
+    logger.info("rank %d joined as %s", spec.rank, pctx.suffix)
+    return pctx
+
+
+def _init_method(cfg: EngineConfig) -> str:
+    addr = cfg.parallel.dist_init_addr
+    return f"tcp://{addr}" if addr else f"tcp://127.0.0.1:{free_port()}"
+
+
+class LocalRanks:
+    """This node's ranks, with the queues to rank 0 (inbox) and from every rank (outbox): processes
+    spawned here, or under torchrun rank 0's thread in this process."""
+
+    def __init__(self, cfg: EngineConfig) -> None:
+        par = cfg.parallel
+        log_level = logging.getLogger().getEffectiveLevel()
+        self.processes: list[Any] = []
+        self.thread: threading.Thread | None = None
+        self.names: dict[int, str] = {}
+        if torchrun_rank() is not None:
+            world = int(os.environ["WORLD_SIZE"])
+            if world != par.world_size:
+                raise UserError(f"torchrun started {world} processes but --tp-size x --pp-size is {par.world_size}")
+            self.inbox: Any = queue.Queue()
+            self.outbox: Any = queue.Queue()
+            local = int(os.environ["LOCAL_RANK"])
+            threads = _threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+            spec = RankSpec(0, local, world, "env://", threads, log_level)
+            self.thread = threading.Thread(target=rank_main, args=(spec, cfg, self.inbox, self.outbox), daemon=True)
+            self.thread.start()
+            return
+        ctx = mp.get_context("spawn")
+        self.inbox = ctx.Queue()
+        self.outbox = ctx.Queue()
+        self.processes = _spawn(ctx, cfg, _init_method(cfg), self.inbox, self.outbox, log_level)
+
+    def exited(self) -> list[tuple[int, int]]:
+        """(rank, exit code) of every rank that is no longer running (the thread's as code 1)."""
+        gone = [(rank, p.exitcode) for rank, p in self.processes if p.exitcode is not None]
+        if self.thread is not None and not self.thread.is_alive():
+            gone.append((0, 1))
+        return gone
+
+    def join(self, timeout: float) -> None:
+        """Wait up to `timeout` for the ranks to end, then terminate what is left."""
+        for _, p in self.processes:
+            p.join(timeout)
+        for rank, p in self.processes:
+            if p.is_alive():
+                logger.warning("rank %d did not stop; terminating it", rank)
+                p.kill()
+                p.join(5)
+        if self.thread is not None:
+            self.thread.join(timeout)
+
+    def kill(self) -> None:
+        for _, p in self.processes:
+            if p.is_alive():
+                p.kill()
+        for _, p in self.processes:
+            p.join(5)
+
+
+def _spawn(ctx: Any, cfg: EngineConfig, init_method: str, inbox: Any, outbox: Any, log_level: int) -> list[tuple[int, Any]]:
+    par = cfg.parallel
+    per_node = par.ranks_per_node
+    threads = _threads_per_rank(per_node)
+    processes = []
+    for local in range(per_node):
+        rank = par.node_rank * per_node + local
+        spec = RankSpec(rank, local, par.world_size, init_method, threads, log_level, parent_pid=os.getpid())
+        process = ctx.Process(
+            target=rank_main, args=(spec, cfg, inbox if rank == 0 else None, outbox), name=f"hicache-rank{rank}", daemon=True
+        )
+        process.start()
+        processes.append((rank, process))
+    return processes
+
+
+def run_follower_node(cfg: EngineConfig) -> int:
+    """--node-rank > 0: run this node's ranks until node 0 shuts the job down; the exit status is 1
+    if any of them failed."""
+    ctx = mp.get_context("spawn")
+    outbox = ctx.Queue()
+    log_level = logging.getLogger().getEffectiveLevel()
+    processes = _spawn(ctx, cfg, _init_method(cfg), None, outbox, log_level)
+    logger.info("node %d: ranks %s running", cfg.parallel.node_rank, [r for r, _ in processes])
+    for _, p in processes:
+        p.join()
+    failed = [(rank, p.exitcode) for rank, p in processes if p.exitcode]
+    for rank, code in failed:
+        logger.error("rank %d exited with code %s", rank, code)
+    return 1 if failed else 0
+
+
+def run_torchrun_rank(cfg: EngineConfig) -> int:
+    """Under torchrun, every process but rank 0 is a bare rank: run it here until shutdown."""
+    rank = torchrun_rank()
+    assert rank is not None and rank > 0
+    local = int(os.environ["LOCAL_RANK"])
+    spec = RankSpec(
+        rank, local, int(os.environ["WORLD_SIZE"]), "env://",
+        _threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), logging.getLogger().getEffectiveLevel(),
+    )  # fmt: skip
+    try:
+        rank_main(spec, cfg, None, None)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    return 0
+
+
+def rank_only_node(cfg: EngineConfig) -> Callable[[], int] | None:
+    """For `generate` and `serve`: the function to run instead of the engine front when this process
+    only hosts ranks (a node other than node 0, or a torchrun rank other than 0)."""
+    rank = torchrun_rank()
+    if rank is not None:
+        return (lambda: run_torchrun_rank(cfg)) if rank > 0 else None
+    if cfg.parallel.node_rank > 0:
+        return lambda: run_follower_node(cfg)
+    return None

@@ -1,0 +1,206 @@
+"""One rank's process: builds this rank's scheduler (its layers, its KV heads, its own radix tree, pools and
+transfer workers) and runs the SPMD loop.
+
+Each iteration, rank 0 takes what the engine front sent (requests, cancels, control commands, shutdown)
+and broadcasts it on the world gloo group, so every rank applies the same operations in the same
+order; then every rank runs one scheduler step. Rank 0 reports the step's events to the front; answers
+to control commands are gathered to rank 0 and combined. When idle, rank 0 still broadcasts an empty
+message every HEARTBEAT_S, so no peer waits in a collective anywhere near the group timeout, and a
+dead front is noticed.
+
+Any exception ends the rank: with ranks in lockstep there is no safe way for one to skip a step. It is
+reported on the shared outbox (with whether it is the cause or a consequence of another rank's
+failure), and the front fails the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hicache.config import EngineConfig
+from hicache.debug.consensus_checker import RankDivergenceError
+from hicache.dist.parallel import ParallelContext
+from hicache.engine.build import build_scheduler
+from hicache.engine.commands import COMMANDS, combine
+from hicache.engine.request import FinishReason, RequestEvent
+from hicache.engine.scheduler import Scheduler
+from hicache.model.loader import load_model
+
+logger = logging.getLogger(__name__)
+
+HEARTBEAT_S = 1.0
+WAITING_POLL_S = 0.002  # requests wait on a storage prefetch and nothing runs: poll gently
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a rank process needs to join the job."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    init_method: str  # tcp://host:port, or env:// under torchrun
+    threads: int  # torch intra-op threads: this node's cores shared among its ranks
+    log_level: int
+    parent_pid: int | None = None  # spawned ranks leave when the front's process is gone
+
+
+def is_consequence(exc: BaseException) -> bool:
+    """True for errors that another rank's failure causes here (a peer that closed its connections or
+    stopped answering), which are not worth reporting as the cause."""
+    if isinstance(exc, RankDivergenceError):
+        return False
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return any(s in text for s in ("connection closed", "connection reset", "broken pipe", "timed out", "gloo"))
+
+
+class RankWorker:
+    def __init__(self, pctx: ParallelContext, scheduler: Scheduler, inbox: Any, outbox: Any, parent_pid: int | None):
+        self.pctx = pctx
+        self.scheduler = scheduler
+        self.inbox = inbox  # rank 0 only
+        self.outbox = outbox
+        self.parent_pid = parent_pid
+        self.received = 0  # requests taken from the front, for its count of waiting requests
+        self._reported = (0, 0, 0)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.pctx.rank == 0
+
+    def run(self) -> None:
+        while True:
+            messages = self._broadcast(self._take_inputs() if self.is_leader else None)
+            if not self._apply(messages):
+                break
+            self._report(self.scheduler.step())
+        self._report(self.scheduler.abort_all(FinishReason.ERROR, "the engine was shut down"))
+
+    # ---- rank 0: inputs from the front -----------------------------------------------------------
+
+    def _take_inputs(self) -> list[tuple]:
+        s = self.scheduler
+        if s.running:
+            timeout = 0.0
+        elif s.waiting:
+            timeout = WAITING_POLL_S
+        else:
+            timeout = HEARTBEAT_S
+        messages = []
+        try:
+            messages.append(self.inbox.get(timeout=timeout) if timeout else self.inbox.get_nowait())
+            while True:
+                messages.append(self.inbox.get_nowait())
+        except queue.Empty:
+            pass
+        if not messages and self.parent_pid is not None and os.getppid() != self.parent_pid:
+            logger.error("the engine front's process is gone; shutting the ranks down")
+            messages.append(("shutdown",))
+        return messages
+
+    def _broadcast(self, messages: list[tuple] | None) -> list[tuple]:
+        if self.pctx.world_size == 1:
+            return messages or []
+        box = [messages]
+        dist.broadcast_object_list(box, src=0, group=self.pctx.world_group)
+        return box[0]
+
+    # ---- every rank: the same operations in the same order ---------------------------------------
+
+    def _apply(self, messages: list[tuple]) -> bool:
+        s = self.scheduler
+        running = True
+        for message in messages:
+            kind = message[0]
+            if kind == "request":
+                s.add(message[1])
+                self.received += 1
+            elif kind == "cancel":
+                s.abort(message[1])
+            elif kind == "control":
+                self._control(message[1], message[2])
+            elif kind == "shutdown":
+                running = False
+        return running
+
+    def _control(self, control_id: int, command: str) -> None:
+        try:
+            answer: tuple[bool, Any] = (True, COMMANDS[command](self.scheduler))
+        except Exception as exc:  # noqa: BLE001 - handed to the caller
+            answer = (False, f"{type(exc).__name__}: {exc}")
+        answers: list[Any] = [None] * self.pctx.world_size if self.is_leader else []
+        if self.pctx.world_size == 1:
+            answers = [(self.pctx.suffix, answer)]
+        else:
+            dist.gather_object((self.pctx.suffix, answer), answers if self.is_leader else None, dst=0, group=self.pctx.world_group)
+        if not self.is_leader:
+            return
+        failed = [f"{name}: {value}" for name, (ok, value) in answers if not ok]
+        if failed:
+            self.outbox.put(("control", control_id, False, "; ".join(failed)))
+        else:
+            value = combine(command, [value for _, (_, value) in answers], [name for name, _ in answers])
+            self.outbox.put(("control", control_id, True, value))
+
+    def _report(self, events: list[RequestEvent]) -> None:
+        if not self.is_leader:
+            return
+        s = self.scheduler
+        status = (len(s.running), len(s.waiting), self.received)
+        if events or status != self._reported:
+            self.outbox.put(("events", events, *status))
+            self._reported = status
+
+
+def rank_main(spec: RankSpec, cfg: EngineConfig, inbox: Any, outbox: Any) -> None:
+    """Entry point of a rank process (and of rank 0's thread under torchrun)."""
+    from hicache.dist.launch import init_distributed
+
+    if spec.parent_pid is not None:  # a fresh process: nothing configured logging yet
+        logging.basicConfig(
+            level=spec.log_level, format=f"%(asctime)s %(levelname)s rank{spec.rank} %(name)s: %(message)s"
+        )
+    torch.set_num_threads(spec.threads)
+    torch.set_grad_enabled(False)
+    pctx = ParallelContext()
+    scheduler = None
+    try:
+        pctx = init_distributed(spec, cfg)
+        loaded = load_model(cfg.model)
+        scheduler = build_scheduler(cfg, loaded, pctx)
+        del loaded
+        dist.barrier(group=pctx.world_group)
+        if spec.rank == 0:
+            outbox.put(("ready",))
+        RankWorker(pctx, scheduler, inbox, outbox, spec.parent_pid).run()
+        scheduler.cache.shutdown()
+        scheduler.checker.close()
+        dist.barrier(group=pctx.world_group)
+    except BaseException as exc:
+        consequence = is_consequence(exc)
+        if isinstance(exc, RankDivergenceError):
+            # Every rank finds the same divergence; rank 0 shows the whole report, the others its first line.
+            logger.error("rank %d (%s): %s", spec.rank, pctx.suffix, str(exc) if spec.rank == 0 else str(exc).splitlines()[0])
+        elif consequence:
+            logger.warning("rank %d (%s) stops: %s", spec.rank, pctx.suffix, exc)
+        else:
+            logger.exception("rank %d (%s) failed: %s", spec.rank, pctx.suffix, exc)
+        if outbox is not None:
+            outbox.put(("fatal", spec.rank, pctx.suffix, f"{type(exc).__name__}: {exc}", consequence))
+        if scheduler is not None:
+            scheduler.checker.close()
+        raise SystemExit(1) from None
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    if spec.rank == 0:
+        outbox.put(("stopped",))

@@ -1,0 +1,53 @@
+"""Builds one rank's scheduler (model shard, device pool, cache tiers, consensus, checker) from the
+configuration and a ParallelContext. The single-rank engine and every rank process of a TP/PP
+deployment build it here, so both run the same code."""
+
+from __future__ import annotations
+
+from hicache.cache.hicache import HierarchicalCache
+from hicache.cache.prefix_cache import PrefixCache
+from hicache.config import EngineConfig
+from hicache.debug.consensus_checker import ConsensusChecker
+from hicache.dist.consensus import Consensus
+from hicache.dist.parallel import ParallelContext
+from hicache.engine.model_runner import ModelRunner
+from hicache.engine.scheduler import Scheduler
+from hicache.errors import UserError
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.model.config import LoadedModel, ModelConfig
+from hicache.model.llama import LlamaModel
+
+
+def context_length(cfg: EngineConfig, model: ModelConfig) -> int:
+    return min(cfg.context_length or model.max_position, model.max_position)
+
+
+def check_topology(cfg: EngineConfig, model: ModelConfig) -> None:
+    """The model must split evenly over the ranks asked for (checked before any rank starts)."""
+    tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
+    for what, count in (("KV heads", model.num_kv_heads), ("MLP columns", model.intermediate_size)):
+        if count % tp:
+            raise UserError(f"--tp-size {tp} does not divide the model's {count} {what}")
+    if model.num_layers < pp:
+        raise UserError(f"--pp-size {pp} is more than the model's {model.num_layers} layers")
+
+
+def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContext) -> Scheduler:
+    device, dtype = cfg.resolved_device(), cfg.resolved_dtype()
+    model = LlamaModel(loaded.config, loaded.weights, pctx, dtype, device)
+    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device)
+    checker = ConsensusChecker(pctx)
+    cache: PrefixCache
+    if cfg.hicache.enable_hierarchical_cache:
+        consensus = Consensus(pctx, pp_sync=not cfg.debug.debug_disable_pp_sync)
+        checker.instrument(consensus)
+        cache = HierarchicalCache(pool, cfg.hicache, consensus, loaded.identity, pctx.suffix, cfg.debug)
+    else:
+        cache = PrefixCache(pool, enabled=not cfg.disable_radix_cache)
+    checker.instrument(cache)
+    checker.instrument(cache.tree)
+    scheduler = Scheduler(
+        cfg, ModelRunner(model, pool), cache, loaded.tokenizer, context_length(cfg, loaded.config), checker
+    )
+    checker.instrument(scheduler)
+    return scheduler

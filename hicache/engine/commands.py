@@ -1,0 +1,35 @@
+"""Control commands the engine front runs on the scheduler between two steps (flush, leak report, cache
+counters, pool usage), by name, so that with several ranks the same command can be broadcast to every
+rank and the per-rank answers combined into one."""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from hicache.engine.scheduler import Scheduler
+
+COMMANDS: dict[str, Callable[[Scheduler], object]] = {
+    "flush": lambda s: s.flush(),
+    "leak_report": lambda s: s.leak_report(),
+    "cache_stats": lambda s: s.cache.stats(),
+    "pool_usage": lambda s: s.cache.usage(),
+}
+
+
+def combine(command: str, answers: Sequence[object], names: Sequence[str]) -> object:
+    """One answer from every rank's, in rank order (`names`: each rank's tp/pp suffix)."""
+    if command == "flush":
+        return all(answers)  # every rank refuses or accepts alike; a mix would itself be a divergence
+    if command == "leak_report":
+        return [f"{name}: {problem}" for name, problems in zip(names, answers) for problem in problems]  # type: ignore[attr-defined]
+    if command == "cache_stats":
+        # Every rank applies the same cache operations, so the tier counters agree; what can differ
+        # (storage faults, worker restarts) is reported for the worst rank.
+        merged: dict[str, float] = {}
+        for stats in answers:
+            for key, value in stats.items():  # type: ignore[attr-defined]
+                merged[key] = max(merged.get(key, value), value)
+        return merged
+    if command == "pool_usage":
+        return answers[0]  # token counts are logical: the same on every rank
+    raise ValueError(f"unknown control command {command!r}")

@@ -1,0 +1,123 @@
+"""The single-rank runtime: the scheduler of the only rank runs on a background thread of the caller's
+process. The engine front hands it requests, cancels and control commands and receives events through
+a callback. (With several ranks, hicache/dist/front.py plays this role over rank processes.)"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future
+from typing import Callable
+
+import torch
+
+from hicache.engine.commands import COMMANDS
+from hicache.engine.request import FinishReason, Request, RequestEvent
+from hicache.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+IDLE_POLL_S = 0.002  # while requests wait on a storage prefetch and nothing runs
+
+
+class LocalRuntime:
+    def __init__(self, scheduler: Scheduler, dispatch: Callable[[RequestEvent], None]) -> None:
+        self.scheduler = scheduler
+        self._dispatch = dispatch
+        self._inbox: list[Request] = []
+        self._control: list[tuple[Callable[[], object], Future]] = []
+        self._cancels: list[int] = []
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="hicache-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- front side ----------------------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        with self._wake:
+            if self._stopped:
+                raise RuntimeError("the engine is shut down")
+            self._inbox.append(req)
+            self._wake.notify()
+
+    def cancel(self, rid: int) -> None:
+        with self._wake:
+            self._cancels.append(rid)
+            self._wake.notify()
+
+    def control(self, command: str) -> object:
+        """Run a named command on the scheduler thread between two steps and return its result."""
+        return self.call(lambda: COMMANDS[command](self.scheduler))
+
+    def call(self, fn: Callable[[], object]) -> object:
+        """Run `fn` on the scheduler thread between two steps and return its result."""
+        fut: Future = Future()
+        with self._wake:
+            if self._stopped:
+                raise RuntimeError("the engine is shut down")
+            self._control.append((fn, fut))
+            self._wake.notify()
+        return fut.result()
+
+    def pool_usage(self) -> dict[str, tuple[int, int]]:
+        return self.scheduler.cache.usage()  # plain counters: safe to read between steps' updates
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting) + len(self._inbox)
+
+    def shutdown(self) -> None:
+        with self._wake:
+            if self._stopped:
+                return
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join()
+        self.scheduler.cache.shutdown()
+
+    # ---- scheduler thread ----------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        scheduler = self.scheduler
+        while True:
+            with self._wake:
+                while not (self._stopped or self._inbox or self._control or self._cancels or scheduler.has_work):
+                    self._wake.wait()
+                if self._stopped:
+                    break
+                inbox, self._inbox = self._inbox, []
+                control, self._control = self._control, []
+                cancels, self._cancels = self._cancels, []
+            for req in inbox:
+                scheduler.add(req)
+            for rid in cancels:
+                scheduler.abort(rid)
+            for fn, fut in control:
+                try:
+                    fut.set_result(fn())
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+            try:
+                events = scheduler.step()
+            except Exception as exc:
+                logger.exception("scheduler step failed; failing every in-flight request")
+                events = scheduler.abort_all(FinishReason.ERROR, f"internal error: {exc}")
+            for event in events:
+                self._dispatch(event)
+            if scheduler.waiting and not scheduler.running:
+                # Requests wait on something asynchronous (a storage prefetch): poll gently, so the
+                # transfer threads get the CPU, and wake at once for anything new.
+                with self._wake:
+                    self._wake.wait(timeout=IDLE_POLL_S)
+        for event in scheduler.abort_all(FinishReason.ERROR, "the engine was shut down"):
+            self._dispatch(event)
+        with self._wake:
+            control, self._control = self._control, []
+        for _, fut in control:
+            fut.set_exception(RuntimeError("the engine is shut down"))

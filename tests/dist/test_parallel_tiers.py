@@ -1,0 +1,150 @@
+"""TP and PP ranks keep the cache invariant with host and storage tiers: every rank has its own tree,
+pools and transfer workers, and they agree (hicache/dist/consensus.py) on what their asynchronous
+copies and storage reads have delivered.
+
+Reference runs: PP does not change any sum, so PP2 equals the single-rank cache-off run bit for bit.
+TP2 splits the o_proj/down_proj sums over two ranks (two bf16 partials added by the all-reduce), which
+is not bitwise the single-rank sum: on `tiny` about a third of the greedy continuations differ from
+TP1 somewhere (measured). So TP runs are held to the cache invariant at their own topology (cache-on
+equals the TP2 cache-off run exactly; TP2xPP2 has the same per-rank sums as TP2), and TP2's numerics
+to TP1's within two bf16 steps of the log-probabilities of the first generated token.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from hicache import Engine
+from hicache.config import DebugConfig, ParallelConfig
+from hicache.debug.consensus_checker import DIVERGENCE, ENV_ENABLE, ENV_LOG_DIR
+from tests.dist import workload as w
+
+# Two bf16 steps at the magnitude of tiny's logits (|logit| < 32: a step is at most 0.125).
+TP_LOGPROB_TOLERANCE = 0.25
+
+
+@pytest.fixture(scope="module")
+def tp1_reference():
+    with Engine(model="tiny", disable_radix_cache=True) as engine:
+        return w.run(engine)
+
+
+@pytest.fixture(scope="module")
+def tp2_reference():
+    with Engine(model="tiny", disable_radix_cache=True, parallel=ParallelConfig(tp_size=2)) as engine:
+        return w.run(engine)
+
+
+def cached_engine(storage_dir, tp=1, pp=1, debug=DebugConfig()) -> Engine:
+    return Engine(
+        model="tiny",
+        max_total_tokens=w.DEVICE_TOKENS,
+        hicache=w.tiers(storage_dir),
+        parallel=ParallelConfig(tp_size=tp, pp_size=pp),
+        debug=debug,
+    )
+
+
+def assert_every_tier_served(turns) -> None:
+    totals = w.tier_totals(turns)
+    assert all(totals[tier] > 0 for tier in ("device", "host", "storage")), totals
+
+
+def assert_clean(engine: Engine) -> None:
+    assert engine.flush_cache()
+    assert engine.leak_report() == []
+    used = engine.pool_usage()
+    assert used["device"][0] == 0 and used["host"][0] == 0
+
+
+def test_pp2_equals_single_rank_cache_off(tp1_reference, tmp_path):
+    with cached_engine(tmp_path / "store", pp=2) as engine:
+        turns = w.run(engine)
+        assert w.errors(turns) == []
+        assert w.tokens(turns) == w.tokens(tp1_reference)
+        assert_every_tier_served(turns)
+        assert_clean(engine)
+
+
+def test_tp2_equals_tp2_cache_off_and_stays_close_to_tp1(tp1_reference, tp2_reference, tmp_path):
+    with cached_engine(tmp_path / "store", tp=2) as engine:
+        turns = w.run(engine)
+        assert w.errors(turns) == []
+        assert w.tokens(turns) == w.tokens(tp2_reference)
+        assert_every_tier_served(turns)
+        assert_clean(engine)
+    for tp1, tp2 in zip(w.first_token_logprobs(tp1_reference), w.first_token_logprobs(tp2_reference)):
+        tp2_of = dict(tp2)
+        assert tp1[0][0] == tp2[0][0], "the greedy first token differs"
+        for token, logprob in tp1:
+            if token in tp2_of:
+                assert abs(logprob - tp2_of[token]) <= TP_LOGPROB_TOLERANCE, (token, logprob, tp2_of[token])
+
+
+def _delayed_run(storage_dir, log_dir, monkeypatch, disable_pp_sync: bool):
+    monkeypatch.setenv(ENV_ENABLE, "1")
+    monkeypatch.setenv(ENV_LOG_DIR, str(log_dir))
+    debug = DebugConfig(debug_transfer_delay_ms=50, debug_disable_pp_sync=disable_pp_sync)
+    engine = cached_engine(storage_dir, tp=2, pp=2, debug=debug)
+    monkeypatch.delenv(ENV_ENABLE)  # the ranks read it when they started; later engines run unchecked
+    return engine
+
+
+def consensus_check(log_dir) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "hicache", "consensus-check", str(log_dir)], capture_output=True, text=True, timeout=60
+    )
+
+
+@pytest.mark.timeout(180)
+def test_tp2_pp2_with_delayed_transfers_agree_and_equal(tp2_reference, tmp_path, monkeypatch):
+    """100 multi-turn requests, every copy completing up to 50 ms late in a different order on each
+    rank: the checker finds every rank's decisions equal, and so are the outputs."""
+    with _delayed_run(tmp_path / "store", tmp_path / "logs", monkeypatch, disable_pp_sync=False) as engine:
+        turns = w.run(engine)
+        assert w.errors(turns) == []
+        assert sum(len(t) for t in turns) >= 100
+        assert w.tokens(turns) == w.tokens(tp2_reference)
+        assert_every_tier_served(turns)
+        assert_clean(engine)
+    checked = consensus_check(tmp_path / "logs")
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert "4 ranks agree" in checked.stdout
+
+
+@pytest.mark.timeout(180)
+def test_disabled_pp_sync_is_caught_not_silent(tp2_reference, tmp_path, monkeypatch):
+    """The negative control: later stages poll their own ACK queues. The checker stops the engine at
+    the first diverging decision and names the ranks; every answer delivered before is correct."""
+    with _delayed_run(tmp_path / "store", tmp_path / "logs", monkeypatch, disable_pp_sync=True) as engine:
+        turns = w.run(engine)
+        reason = engine.fatal_error
+    assert reason is not None and DIVERGENCE in reason, reason
+    assert "differ from rank 0" in reason and "tp" in reason
+    assert w.errors(turns), "the engine failed, so the requests in flight must have failed"
+    reference = w.tokens(tp2_reference)
+    for turn, results in enumerate(turns):
+        for conv, r in enumerate(results):
+            if r.error is None:
+                assert r.token_ids == reference[turn][conv]
+    checked = consensus_check(tmp_path / "logs")
+    assert checked.returncode == 1
+    assert DIVERGENCE in checked.stdout
+
+
+def test_storage_reads_failing_on_one_rank_shorten_every_rank(tp1_reference, tmp_path, monkeypatch):
+    """Rank 1 (the second pipeline stage) fails a tenth of its storage page reads; every rank takes the
+    shorter prefix (the checker compares their admissions), and the outputs do not change."""
+    monkeypatch.setenv(ENV_ENABLE, "1")
+    monkeypatch.setenv(ENV_LOG_DIR, str(tmp_path / "logs"))
+    debug = DebugConfig(debug_storage_fail_rate=0.1, debug_storage_fail_rank=1)
+    with cached_engine(tmp_path / "store", pp=2, debug=debug) as engine:
+        turns = w.run(engine)
+        assert w.errors(turns) == []
+        assert w.tokens(turns) == w.tokens(tp1_reference)
+        stats = engine.cache_stats()
+        assert stats["storage_misses"] > 0 and stats["prefetch_lost_read_failed_pages"] > 0, stats
+        assert w.tier_totals(turns)["storage"] > 0
+        assert_clean(engine)
+    assert consensus_check(tmp_path / "logs").returncode == 0
