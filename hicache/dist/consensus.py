@@ -99,7 +99,8 @@ class Consensus:
             return list(values)
         tensor = torch.tensor([*values, self.chain, -self.chain, name_hash, -name_hash], dtype=torch.int64)
         dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.pctx.tp_cpu_group)
-        low_chain, high_chain, low_name, high_name = (int(x) for x in tensor[n:])
+        reduced = tensor.tolist()
+        low_chain, high_chain, low_name, high_name = reduced[n:]
         where = f"agreement #{self.count} '{name}' on rank {self.pctx.rank} ({self.pctx.suffix})"
         if low_name != -high_name:
             raise RankDivergenceError(f"TP ranks call different agreements at {where}: their call orders diverged")
@@ -107,12 +108,12 @@ class Consensus:
             raise RankDivergenceError(
                 f"TP ranks agreed on or consumed different operations before {where}: their cache states diverged"
             )
-        return tensor[:n].tolist()
+        return reduced[:n]
 
     def _receive(self, name: str, name_hash: int, n: int) -> list[int]:
         message = torch.empty(n + 2, dtype=torch.int64)
         dist.recv(message, src=self.pctx.prev_stage_rank, group=self.pctx.pp_cpu_group)
-        their_chain, their_name = int(message[n]), int(message[n + 1])
+        *values, their_chain, their_name = message.tolist()
         where = (
             f"pipeline stage {self.pctx.pp_rank} (rank {self.pctx.rank}, {self.pctx.suffix}) at agreement "
             f"#{self.count} '{name}'"
@@ -123,7 +124,7 @@ class Consensus:
             raise RankDivergenceError(
                 f"{where}: this stage agreed on or consumed different operations than the previous stage"
             )
-        return message[:n].tolist()
+        return values
 
     def _send(self, message: list[int]) -> None:
         tensor = torch.tensor(message, dtype=torch.int64)

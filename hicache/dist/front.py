@@ -153,7 +153,10 @@ class RankRuntime:
                 elif kind == "control":
                     _, control_id, ok, value = message
                     fut = self._controls.pop(control_id)
-                    fut.set_result(value) if ok else fut.set_exception(RuntimeError(value))
+                    if ok:
+                        fut.set_result(value)
+                    else:
+                        fut.set_exception(RuntimeError(value))
                 elif kind == "fatal":
                     time.sleep(FAILURE_GRACE_S / 2)  # the other ranks' reports and exits arrive meanwhile
                     self._fail(self._reason([message, *self._more_reports()], self.ranks.exited()))

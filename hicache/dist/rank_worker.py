@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import signal
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,8 +109,6 @@ class RankWorker:
         return messages
 
     def _broadcast(self, messages: list[tuple] | None) -> list[tuple]:
-        if self.pctx.world_size == 1:
-            return messages or []
         box = [messages]
         dist.broadcast_object_list(box, src=0, group=self.pctx.world_group)
         return box[0]
@@ -137,11 +136,9 @@ class RankWorker:
             answer: tuple[bool, Any] = (True, COMMANDS[command](self.scheduler))
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             answer = (False, f"{type(exc).__name__}: {exc}")
-        answers: list[Any] = [None] * self.pctx.world_size if self.is_leader else []
-        if self.pctx.world_size == 1:
-            answers = [(self.pctx.suffix, answer)]
-        else:
-            dist.gather_object((self.pctx.suffix, answer), answers if self.is_leader else None, dst=0, group=self.pctx.world_group)
+        answers: list[Any] = [None] * self.pctx.world_size
+        mine = (self.pctx.suffix, answer)
+        dist.gather_object(mine, answers if self.is_leader else None, dst=0, group=self.pctx.world_group)
         if not self.is_leader:
             return
         failed = [f"{name}: {value}" for name, (ok, value) in answers if not ok]
@@ -165,10 +162,12 @@ def rank_main(spec: RankSpec, cfg: EngineConfig, inbox: Any, outbox: Any) -> Non
     """Entry point of a rank process (and of rank 0's thread under torchrun)."""
     from hicache.dist.launch import init_distributed
 
-    if spec.parent_pid is not None:  # a fresh process: nothing configured logging yet
+    if spec.parent_pid is not None:  # a process the front spawned
         logging.basicConfig(
             level=spec.log_level, format=f"%(asctime)s %(levelname)s rank{spec.rank} %(name)s: %(message)s"
         )
+        # Ctrl-C reaches the whole process group; the front decides how the ranks stop.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(spec.threads)
     torch.set_grad_enabled(False)
     pctx = ParallelContext()

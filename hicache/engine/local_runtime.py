@@ -79,6 +79,7 @@ class LocalRuntime:
             self._wake.notify()
         self._thread.join()
         self.scheduler.cache.shutdown()
+        self.scheduler.checker.close()
 
     # ---- scheduler thread ----------------------------------------------------------------------
 
