@@ -21,7 +21,9 @@ from typing import Callable
 
 from hicache.config import EngineConfig
 from hicache.dist.launch import LocalRanks
+from hicache.dist.rank_worker import RankFailure
 from hicache.engine.request import Request, RequestEvent
+from hicache.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +77,10 @@ class RankRuntime:
             if message[0] == "ready":
                 return
             if message[0] == "fatal":
-                reports = [message, *self._more_reports()]
+                reports = [message[1], *self._more_reports()]
+                user_errors = [r for r in reports if r.error == UserError.__name__]
+                if user_errors:  # bad configuration found where it is used (e.g. a storage directory)
+                    raise UserError(user_errors[0].message)
                 raise RuntimeError(f"ranks failed to start: {self._reason(reports, self.ranks.exited())}")
         raise RuntimeError(f"ranks did not start within {STARTUP_TIMEOUT_S:.0f} s")
 
@@ -159,14 +164,14 @@ class RankRuntime:
                         fut.set_exception(RuntimeError(value))
                 elif kind == "fatal":
                     time.sleep(FAILURE_GRACE_S / 2)  # the other ranks' reports and exits arrive meanwhile
-                    self._fail(self._reason([message, *self._more_reports()], self.ranks.exited()))
+                    self._fail(self._reason([message[1], *self._more_reports()], self.ranks.exited()))
                     return
                 elif kind == "stopped":
                     return
         finally:
             self._stopped.set()
 
-    def _more_reports(self) -> list[tuple]:
+    def _more_reports(self) -> list[RankFailure]:
         """Failure reports that arrive within the grace period (other ranks fail as a consequence)."""
         reports = []
         deadline = time.monotonic() + FAILURE_GRACE_S
@@ -176,24 +181,22 @@ class RankRuntime:
             except queue.Empty:
                 continue
             if message[0] == "fatal":
-                reports.append(message)
+                reports.append(message[1])
         return reports
 
     @staticmethod
-    def _reason(reports: list[tuple], exited: list[tuple[int, int]]) -> str:
+    def _reason(reports: list[RankFailure], exited: list[tuple[int, int]]) -> str:
         """The cause, not its consequences: a rank's own failure (e.g. a divergence) before a rank
         that vanished without a word (killed), before peers that only lost their connection."""
-        causes = [r for r in reports if not r[4]]
+        causes = [r for r in reports if not r.consequence]
         if causes:
-            _, rank, name, text, _ = causes[0]
-            return f"rank {rank} ({name}) failed: {text}"
-        reported = {r[1] for r in reports}
+            return causes[0].describe()
+        reported = {r.rank for r in reports}
         silent = [(rank, code) for rank, code in exited if rank not in reported]
         if silent:
             return _exit_reason(*silent[0])
         if reports:
-            _, rank, name, text, _ = reports[0]
-            return f"rank {rank} ({name}) failed: {text}"
+            return reports[0].describe()
         return _exit_reason(*exited[0])
 
     def _fail(self, reason: str) -> None:

@@ -32,12 +32,27 @@ from hicache.engine.build import build_scheduler
 from hicache.engine.commands import COMMANDS, combine
 from hicache.engine.request import FinishReason, RequestEvent
 from hicache.engine.scheduler import Scheduler
+from hicache.errors import UserError
 from hicache.model.loader import load_model
 
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
 WAITING_POLL_S = 0.002  # requests wait on a storage prefetch and nothing runs: poll gently
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why a rank stopped, as reported to the front."""
+
+    rank: int
+    name: str  # tpXofY_ppZofW
+    error: str  # the exception's class name
+    message: str
+    consequence: bool  # caused by another rank's failure (a lost connection), not the cause
+
+    def describe(self) -> str:
+        return f"rank {self.rank} ({self.name}) failed: {self.error}: {self.message}"
 
 
 @dataclass(frozen=True)
@@ -191,10 +206,12 @@ def rank_main(spec: RankSpec, cfg: EngineConfig, inbox: Any, outbox: Any) -> Non
             logger.error("rank %d (%s): %s", spec.rank, pctx.suffix, str(exc) if spec.rank == 0 else str(exc).splitlines()[0])
         elif consequence:
             logger.warning("rank %d (%s) stops: %s", spec.rank, pctx.suffix, exc)
+        elif isinstance(exc, UserError):
+            logger.error("rank %d: %s", spec.rank, exc)
         else:
             logger.exception("rank %d (%s) failed: %s", spec.rank, pctx.suffix, exc)
         if outbox is not None:
-            outbox.put(("fatal", spec.rank, pctx.suffix, f"{type(exc).__name__}: {exc}", consequence))
+            outbox.put(("fatal", RankFailure(spec.rank, pctx.suffix, type(exc).__name__, str(exc), consequence)))
         if scheduler is not None:
             scheduler.checker.close()
         raise SystemExit(1) from None
