@@ -65,14 +65,18 @@ def _rank(rank: int, cfg: EngineConfig, init_method: str, threads: int, calls: i
     cache = scheduler.cache
     scalar = torch.zeros(1, dtype=torch.int64)
     out = {
-        "allreduce_us": _median_us(lambda: dist.all_reduce(scalar, op=dist.ReduceOp.MIN, group=pctx.world_group), calls),
+        "allreduce_us": _median_us(
+            lambda: dist.all_reduce(scalar, op=dist.ReduceOp.MIN, group=pctx.world_group), calls
+        ),
         "agree_us": _median_us(lambda: cache.consensus.agree_min("bench", [0, 0]), calls),  # type: ignore[attr-defined]
         "check_us": _median_us(cache.check, calls),
         "inputs_us": _median_us(lambda: dist.broadcast_object_list([[]], src=0, group=pctx.world_group), calls),
     }
     for i in range(DECODE_BATCH):  # the same requests, in the same order, on every rank
         prompt = [(j * 7 + i * 13) % 200 + 33 for j in range(DECODE_CONTEXT)]
-        scheduler.add(Request(prompt, SamplingParams(max_new_tokens=steps + 16, ignore_eos=True), steps + 16, rid=i + 1))
+        scheduler.add(
+            Request(prompt, SamplingParams(max_new_tokens=steps + 16, ignore_eos=True), steps + 16, rid=i + 1)
+        )
     while any(r.in_prefill for r in scheduler.running) or scheduler.waiting:
         scheduler.step()
     dist.barrier(group=pctx.world_group)
@@ -126,14 +130,16 @@ def main() -> None:
 
     print("## One consensus check vs one decode step\n")
     print(f"decode step: {DECODE_BATCH} requests, {DECODE_CONTEXT}-token contexts; model {args.model}\n")
-    print("| topology | gloo all-reduce (floor) | agree_min | cache.check() | input broadcast | decode step | check / step |")
-    print("| --- | --- | --- | --- | --- | --- | --- |")
+    columns = ("topology", "gloo all-reduce (floor)", "agree_min", "cache.check()", "input broadcast", "decode step")
+    print("| " + " | ".join(columns) + " | check / step |")
+    print("| --- " * (len(columns) + 1) + "|")
     for tp, pp in ((2, 1), (1, 2), (2, 2)):
         cfg = replace(base, parallel=ParallelConfig(tp_size=tp, pp_size=pp))
         c = consensus_costs(cfg, args.calls, args.steps)
+        share = 100 * c["check_us"] / c["decode_step_us"]
         print(
             f"| TP{tp} x PP{pp} | {c['allreduce_us']:.0f} µs | {c['agree_us']:.0f} µs | {c['check_us']:.0f} µs "
-            f"| {c['inputs_us']:.0f} µs | {c['decode_step_us'] / 1e3:.1f} ms | {100 * c['check_us'] / c['decode_step_us']:.1f} % |"
+            f"| {c['inputs_us']:.0f} µs | {c['decode_step_us'] / 1e3:.1f} ms | {share:.1f} % |"
         )
     checker = ConsensusChecker(env={})
     hook_ns = _median_us(checker.checkpoint, 100000) * 1e3
@@ -143,7 +149,11 @@ def main() -> None:
     print("| prompt tokens | TP1 | TP2 | TP2 / TP1 | PP2 | PP2 / TP1 |\n| --- | --- | --- | --- | --- | --- |")
     lengths = (512, 1024, 2048)
     ttft: dict[str, dict[int, float]] = {}
-    for name, par in (("TP1", ParallelConfig()), ("TP2", ParallelConfig(tp_size=2)), ("PP2", ParallelConfig(pp_size=2))):
+    for name, par in (
+        ("TP1", ParallelConfig()),
+        ("TP2", ParallelConfig(tp_size=2)),
+        ("PP2", ParallelConfig(pp_size=2)),
+    ):
         with Engine(replace(base, disable_radix_cache=True, hicache=HiCacheConfig(), parallel=par)) as engine:
             ttft_ms(engine, 64, 1)  # warm-up
             ttft[name] = {n: ttft_ms(engine, n, args.reps) for n in lengths}

@@ -87,7 +87,9 @@ class ParallelConfig:
         if not 0 <= self.node_rank < self.nnodes:
             raise UserError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
         if self.world_size % self.nnodes:
-            raise UserError(f"tp_size x pp_size = {self.world_size} ranks cannot be split evenly over {self.nnodes} nodes")
+            raise UserError(
+                f"tp_size x pp_size = {self.world_size} ranks cannot be split evenly over {self.nnodes} nodes"
+            )
         if self.nnodes > 1 and not self.dist_init_addr:
             raise UserError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
         if self.dist_init_addr is not None:
@@ -168,7 +170,8 @@ class EngineConfig:
             raise UserError("--device cuda was asked for but torch sees no CUDA device")
         world = self.parallel.world_size
         if self.debug.debug_storage_fail_rate > 0 and self.debug.debug_storage_fail_rank >= world:
-            raise UserError(f"--debug-storage-fail-rank {self.debug.debug_storage_fail_rank} is not a rank (0..{world - 1})")
+            rank = self.debug.debug_storage_fail_rank
+            raise UserError(f"--debug-storage-fail-rank {rank} is not a rank (0..{world - 1})")
 
     @property
     def num_pages(self) -> int:
@@ -250,7 +253,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    default=h.hicache_storage_prefetch_timeout_per_ki_token)
     p = ParallelConfig()
     r = parser.add_argument_group("parallelism")
-    r.add_argument("--tp-size", type=int, default=p.tp_size, help="tensor parallel ranks (split KV heads and MLP columns)")
+    r.add_argument("--tp-size", type=int, default=p.tp_size,
+                   help="tensor parallel ranks (split KV heads and MLP columns)")
     r.add_argument("--pp-size", type=int, default=p.pp_size, help="pipeline parallel stages (split layers)")
     r.add_argument("--nnodes", type=int, default=p.nnodes, help="nodes the ranks are spread over")
     r.add_argument("--node-rank", type=int, default=p.node_rank, help="this node's index (0 serves the API)")

@@ -476,7 +476,8 @@ class HierarchicalCache(PrefixCache):
     def check(self) -> None:
         # One agreement per check, on every rank, even when every queue is empty.
         querying = self._querying()
-        ready = [self.backups.ready(), self.loads.ready(), *(int(p.query.done.is_set()) for p in querying)]  # type: ignore[union-attr]
+        queried = [int(p.query.done.is_set()) for p in querying]  # type: ignore[union-attr]
+        ready = [self.backups.ready(), self.loads.ready(), *queried]
         agreed_backups, agreed_loads, *queries = self.consensus.agree_min("transfer_acks", ready)
         backups, loads = self.backups.pop(agreed_backups), self.loads.pop(agreed_loads)
         self.consensus.confirm("transfer_acks", [op.ident * 2 + op.failed for op in backups + loads])

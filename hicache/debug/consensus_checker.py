@@ -114,14 +114,15 @@ class Divergence:
 
     def report(self) -> str:
         first = next(e for e in self.entries.values() if e is not None)
-        lines = [
-            f"{DIVERGENCE} at entry #{first['seq']} ({first['call']}): rank(s) {', '.join(map(str, self.ranks))} "
-            f"differ from rank {self.reference_rank}"
-        ]
+        ranks = ", ".join(map(str, self.ranks))
+        at = f"entry #{first['seq']} ({first['call']})"
+        lines = [f"{DIVERGENCE} at {at}: rank(s) {ranks} differ from rank {self.reference_rank}"]
         for rank in (self.reference_rank, *self.ranks):
             entry = self.entries[rank]
-            shown = "<no entry: its log ends here>" if entry is None else json.dumps(
-                {k: entry[k] for k in ("call", "params", "result")}, sort_keys=True
+            shown = (
+                "<no entry: its log ends here>"
+                if entry is None
+                else json.dumps({k: entry[k] for k in ("call", "params", "result")}, sort_keys=True)
             )
             lines.append(f"  rank {rank} ({self.names.get(rank, '?')}): {shown}")
         return "\n".join(lines)
@@ -163,7 +164,8 @@ class ConsensusChecker:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._seq = 0
         self._batch: list[dict] = []
-        self._log = open(self.log_dir / f"rank{self.pctx.rank}.jsonl", "w", encoding="utf-8")
+        # Open for the checker's life (closed by close()): entries are appended at every checkpoint.
+        self._log = open(self.log_dir / f"rank{self.pctx.rank}.jsonl", "w", encoding="utf-8")  # noqa: SIM115
         header = {"rank": self.pctx.rank, "name": self.pctx.suffix, "world_size": self.pctx.world_size}
         self._log.write(json.dumps({"header": header}) + "\n")
         logger.warning("rank consensus checker on: rank %d logs to %s", self.pctx.rank, self._log.name)
@@ -274,4 +276,3 @@ def check_logs(directory: str | os.PathLike[str]) -> tuple[bool, str]:
     lengths = ", ".join(f"rank {r}: {len(v)}" for r, v in sorted(logs.items()))
     common = min(len(v) for v in logs.values())
     return True, f"{len(logs)} ranks agree on all {common} common entries ({lengths})"
-

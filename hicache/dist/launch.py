@@ -63,7 +63,9 @@ def init_distributed(spec: RankSpec, cfg: EngineConfig) -> ParallelContext:
         torch.cuda.set_device(spec.local_rank)
     timeout = timedelta(seconds=par.dist_timeout)
     compute = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(compute, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+    dist.init_process_group(
+        compute, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size, timeout=timeout
+    )
     tp, pp = par.tp_size, par.pp_size
     tp_rank, pp_rank = spec.rank % tp, spec.rank // tp
 
@@ -153,7 +155,9 @@ class LocalRanks:
             p.join(5)
 
 
-def _spawn(ctx: Any, cfg: EngineConfig, init_method: str, inbox: Any, outbox: Any, log_level: int) -> list[tuple[int, Any]]:
+def _spawn(
+    ctx: Any, cfg: EngineConfig, init_method: str, inbox: Any, outbox: Any, log_level: int
+) -> list[tuple[int, Any]]:
     par = cfg.parallel
     per_node = par.ranks_per_node
     threads = _threads_per_rank(per_node)
@@ -162,7 +166,10 @@ def _spawn(ctx: Any, cfg: EngineConfig, init_method: str, inbox: Any, outbox: An
         rank = par.node_rank * per_node + local
         spec = RankSpec(rank, local, par.world_size, init_method, threads, log_level, parent_pid=os.getpid())
         process = ctx.Process(
-            target=rank_main, args=(spec, cfg, inbox if rank == 0 else None, outbox), name=f"hicache-rank{rank}", daemon=True
+            target=rank_main,
+            args=(spec, cfg, inbox if rank == 0 else None, outbox),
+            name=f"hicache-rank{rank}",
+            daemon=True,
         )
         process.start()
         processes.append((rank, process))

@@ -27,7 +27,9 @@ class StageLink:
     def samples_here(self) -> bool:
         return self.pctx.rank == self.pctx.sampling_rank
 
-    def recv_hidden(self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    def recv_hidden(
+        self, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
         """The previous stage's output for this step's tokens (None on the first stage: it embeds)."""
         if self.pctx.is_first_stage:
             return None

@@ -203,13 +203,15 @@ def rank_main(spec: RankSpec, cfg: EngineConfig, inbox: Any, outbox: Any) -> Non
         consequence = is_consequence(exc)
         if isinstance(exc, RankDivergenceError):
             # Every rank finds the same divergence; rank 0 shows the whole report, the others its first line.
-            logger.error("rank %d (%s): %s", spec.rank, pctx.suffix, str(exc) if spec.rank == 0 else str(exc).splitlines()[0])
+            logger.error(
+                "rank %d (%s): %s", spec.rank, pctx.suffix, str(exc) if spec.rank == 0 else str(exc).splitlines()[0]
+            )
         elif consequence:
             logger.warning("rank %d (%s) stops: %s", spec.rank, pctx.suffix, exc)
         elif isinstance(exc, UserError):
             logger.error("rank %d: %s", spec.rank, exc)
         else:
-            logger.exception("rank %d (%s) failed: %s", spec.rank, pctx.suffix, exc)
+            logger.exception("rank %d (%s) failed", spec.rank, pctx.suffix)
         if outbox is not None:
             outbox.put(("fatal", RankFailure(spec.rank, pctx.suffix, type(exc).__name__, str(exc), consequence)))
         if scheduler is not None:

@@ -21,7 +21,8 @@ def combine(command: str, answers: Sequence[object], names: Sequence[str]) -> ob
     if command == "flush":
         return all(answers)  # every rank refuses or accepts alike; a mix would itself be a divergence
     if command == "leak_report":
-        return [f"{name}: {problem}" for name, problems in zip(names, answers) for problem in problems]  # type: ignore[attr-defined]
+        reports: Sequence[list[str]] = answers  # type: ignore[assignment]
+        return [f"{name}: {problem}" for name, problems in zip(names, reports) for problem in problems]
     if command == "cache_stats":
         # Every rank applies the same cache operations, so the tier counters agree; what can differ
         # (storage faults, worker restarts) is reported for the worst rank.

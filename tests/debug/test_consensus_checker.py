@@ -88,7 +88,9 @@ def test_disabled_changes_nothing():
 
 
 def test_call_order_differences_and_short_logs():
-    entry = lambda seq, call, result: {"seq": seq, "call": call, "params": {}, "result": {"result": result}}  # noqa: E731
+    def entry(seq: int, call: str, result: int) -> dict:
+        return {"seq": seq, "call": call, "params": {}, "result": {"result": result}}
+
     a = [entry(0, "admit", 1), entry(1, "consume", 2), entry(2, "admit", 3)]
     b = [entry(0, "admit", 1), entry(1, "admit", 3)]
     found = first_divergence({0: a, 1: b})
