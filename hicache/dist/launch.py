@@ -110,7 +110,6 @@ class LocalRanks:
         log_level = logging.getLogger().getEffectiveLevel()
         self.processes: list[Any] = []
         self.thread: threading.Thread | None = None
-        self.names: dict[int, str] = {}
         if torchrun_rank() is not None:
             world = int(os.environ["WORLD_SIZE"])
             if world != par.world_size:
