@@ -20,7 +20,38 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
+
 logger = logging.getLogger(__name__)
+
+
+class CopyStream:
+    """Where tier copies run. On CUDA: a side stream that first waits for the work queued on the
+    compute stream when the copy was issued (so a backup never reads KV a forward pass is still
+    writing), and whose completion is awaited on the worker thread before the op's event is set (so
+    an ACK means the bytes have landed). On the CPU, copies are synchronous and this is a no-op."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def fence(self) -> object | None:
+        """Call when issuing a copy, on the scheduler thread."""
+        if self._stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+    def run(self, fence: object | None, copy: Callable[[], None]) -> None:
+        """Call on the worker thread: run `copy` after the fence and wait until it has completed."""
+        if self._stream is None:
+            copy()
+            return
+        with torch.cuda.stream(self._stream):
+            self._stream.wait_event(fence)  # type: ignore[arg-type]
+            copy()
+        self._stream.synchronize()
 
 
 @dataclass(eq=False)

@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from hicache.cache.controller import AckQueue, SupervisedWorker, TransferOp
+from hicache.cache.controller import AckQueue, CopyStream, SupervisedWorker, TransferOp
 from hicache.cache.prefix_cache import ADMIT_PARAMS, ADMIT_RESULTS, RELEASE_PARAMS, PrefixCache
 from hicache.cache.radix import MatchResult, TreeNode
 from hicache.config import DebugConfig, HiCacheConfig
@@ -104,6 +104,7 @@ class HierarchicalCache(PrefixCache):
         del probe
         self.host = HostKVPool(pool, max(host_pages, 1), cfg.hicache_mem_layout)
         self.tree._free_host = self.host.allocator.free
+        self.copies = CopyStream(pool.device)
         # Per-rank seeds: the ranks' copies finish in different orders, which is what agreement is for.
         self.backup_worker = SupervisedWorker("backup", delay, seed=rank * 16)
         self.load_worker = SupervisedWorker("load", delay, seed=rank * 16 + 1)
@@ -156,7 +157,12 @@ class HierarchicalCache(PrefixCache):
         node.backup_pending = True
         self.tree.lock(node)  # its device pages must stay put while they are copied
         device_pages = list(node.device_pages)
-        op = TransferOp("backup", lambda _: self.host.backup(self.pool, device_pages, host_pages), payload=node)
+        fence = self.copies.fence()
+
+        def run(_: TransferOp) -> None:
+            self.copies.run(fence, lambda: self.host.backup(self.pool, device_pages, host_pages))
+
+        op = TransferOp("backup", run, payload=node)
         op.ident = hash((node.key, device_pages[0], len(device_pages)))
         self.backups.push(op)
         self.backup_worker.submit(op)
@@ -174,7 +180,8 @@ class HierarchicalCache(PrefixCache):
             self.counters["backup_skipped_host_full_pages"] += len(node.device_pages or [])
             return False
         # Write-back copies at eviction time, synchronously: the device pages are about to be reused.
-        self.host.backup(self.pool, list(node.device_pages or []), host_pages)
+        device_pages = list(node.device_pages or [])
+        self.copies.run(self.copies.fence(), lambda: self.host.backup(self.pool, device_pages, host_pages))
         node.host_pages = host_pages
         self._count_backup(len(host_pages))
         self._queue_storage_put([node])
@@ -215,10 +222,11 @@ class HierarchicalCache(PrefixCache):
             self.tree.attach_device(node, device_pages[offset : offset + k])
             offset += k
         layer_done = [threading.Event() for _ in range(self.pool.num_layers)]
+        fence = self.copies.fence()
 
         def run(_: TransferOp) -> None:
             for layer, event in enumerate(layer_done):
-                self.host.load_layer(self.pool, layer, host_pages, device_pages)
+                self.copies.run(fence, lambda: self.host.load_layer(self.pool, layer, host_pages, device_pages))
                 event.set()
 
         op = TransferOp("load", run, payload=layer_done)
