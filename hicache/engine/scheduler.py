@@ -32,6 +32,22 @@ from hicache.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
+# A waiting request that shares at least this many not-yet-cached prompt tokens with a request still
+# being prefilled waits for that prefill to land in the tree instead of computing the same tokens
+# alongside it (SGLang's in-batch prefix caching does the same).
+IN_BATCH_PREFIX_MIN_TOKENS = 32
+
+
+def common_prefix_len(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix; compares 64-token slices first, which is much faster in
+    Python than token by token for the long shared histories this is used on."""
+    n, step, limit = 0, 64, min(len(a), len(b))
+    while n + step <= limit and a[n : n + step] == b[n : n + step]:
+        n += step
+    while n < limit and a[n] == b[n]:
+        n += 1
+    return n
+
 
 def _pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
@@ -146,6 +162,8 @@ class Scheduler:
                 break
             if not self.cache.ready_to_admit(req, busy=bool(self.running)):
                 continue  # its storage prefetch is still running; later arrivals may go first
+            if self._prefix_in_flight(req):
+                continue  # another request is computing its prefix right now; take it from the tree next
             if not self._admit(req):
                 break  # first come, first served: no overtaking on memory
             self.waiting.remove(req)
@@ -156,6 +174,18 @@ class Scheduler:
         for item in work:
             self._ensure_pages(item.req, item.end)
         return work
+
+    def _prefix_in_flight(self, req: Request) -> bool:
+        """True if a request still in prefill is computing (beyond what it found cached) a prefix of at
+        least IN_BATCH_PREFIX_MIN_TOKENS that `req` shares. Waiting costs nothing: that prefill is the
+        work the engine does meanwhile, and the next step finds the prefix in the tree."""
+        for other in self.running:
+            if not other.in_prefill or other.namespace != req.namespace:
+                continue
+            shared = common_prefix_len(req.prompt_ids, other.prompt_ids)
+            if shared - other.cached_tokens >= IN_BATCH_PREFIX_MIN_TOKENS:
+                return True
+        return False
 
     def _admit(self, req: Request) -> bool:
         if req.params.seed is not None and req.generator is None:

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from hicache.dist.parallel import ParallelContext
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
-from hicache.model.batch import Q_ALIGN, DecodeGroup, ForwardBatch, SeqSlice
+from hicache.model.batch import KV_ALIGN, Q_ALIGN, DecodeGroup, ForwardBatch, SeqSlice
 from hicache.model.config import ModelConfig
 
 
@@ -30,6 +30,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+# Prefill queries are attended in pieces of this many rows (a multiple of Q_ALIGN), each over only the
+# keys it can see.
+Q_PIECE = 512
 
 
 class RotaryEmbedding:
@@ -169,19 +174,33 @@ class LlamaModel:
         self, local: int, q: torch.Tensor, kv_slots: torch.Tensor, kv_len: int, pool: DeviceKVPool
     ) -> torch.Tensor:
         """Causal attention of n new queries over the request's kv_len = prefix + n keys (kv_slots may
-        carry masked padding beyond kv_len)."""
+        carry masked padding beyond kv_len). Queries go in pieces of Q_PIECE rows, each over only the
+        KV_ALIGN-aligned keys it can see: a masked kernel does not skip blocks above the diagonal, so
+        this halves a fresh prefill's attention work, and it cannot change a bit (a query's result
+        does not depend on fully masked trailing key blocks, nor on the other rows of its call)."""
         kv = pool.read(local, kv_slots)
         n = q.shape[0]
+        first = kv_len - n  # position of query 0
+        pieces = []
+        for a in range(0, n, Q_PIECE):
+            b = min(n, a + Q_PIECE)
+            keys = -(-(first + b) // KV_ALIGN) * KV_ALIGN
+            pieces.append(self._attend_rows(q[a:b], kv["k"][:keys], kv["v"][:keys], first + a))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+    def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int) -> torch.Tensor:
+        """Queries at positions first.. over keys [0, len(k)), causal."""
+        n = q.shape[0]
         rows = -(-n // Q_ALIGN) * Q_ALIGN
-        # Query i sits at position kv_len - n + i and sees keys 0..kv_len - n + i; padding is never seen.
-        mask = torch.ones(n, kv_slots.shape[0], dtype=torch.bool, device=q.device).tril(kv_len - n)
+        # Query i sits at position first + i and sees keys 0..first + i; padding is never seen.
+        mask = torch.ones(n, k.shape[0], dtype=torch.bool, device=q.device).tril(first)
         if rows > n:  # padding rows repeat the last query and its mask; their outputs are dropped
             q = torch.cat([q, q[-1:].expand(rows - n, -1, -1)])
             mask = torch.cat([mask, mask[-1:].expand(rows - n, -1)])
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
-            kv["k"].transpose(0, 1).unsqueeze(0),
-            kv["v"].transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
             attn_mask=mask,
             scale=self.scale,
             enable_gqa=True,

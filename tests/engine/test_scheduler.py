@@ -109,3 +109,16 @@ def test_vanishing_top_p_keeps_the_best_token(engine):
     params = SamplingParams(max_new_tokens=5, temperature=1.0, top_p=7e-207, seed=1, ignore_eos=True)
     greedy = engine.generate([[90, 91]], SamplingParams(max_new_tokens=5, ignore_eos=True))[0].token_ids
     assert engine.generate([[90, 91]], params)[0].token_ids == greedy
+
+
+def test_shared_uncached_prefix_is_computed_once():
+    shared = [(i * 13) % 90 + 33 for i in range(600)]
+    prompts = [shared + [40, 41, 42], shared + [50, 51, 52]]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    with Engine(model="tiny", disable_radix_cache=True) as off:
+        expected = [r.token_ids for r in off.generate(prompts, params)]
+    with Engine(model="tiny") as engine:
+        first, second = engine.generate(prompts, params)
+        assert [first.token_ids, second.token_ids] == expected
+        # The second waited one step for the first's prefill instead of computing the same 600 tokens.
+        assert first.cached_tokens == 0 and second.cached_tokens == 592
