@@ -37,7 +37,7 @@ from hicache.errors import UserError
 
 DEFAULT_OUT = "hicache-demo"
 
-# Sized to finish in about two and a half minutes on a 2-core CPU with smollm2 (see docs/DEMO_BENCH.md):
+# Sized to finish in about two and a half minutes on a 2-core CPU with smollm2 (see docs/BENCHMARKS.md, section 3):
 # a history of ~800-900 tokens makes a miss cost seconds of prefill, and short answers keep decoding
 # (about 0.1 s a step on that CPU) from hiding the difference in time to first token.
 FULL = GSPParams(num_groups=3, prompts_per_group=2, system_prompt_len=768, question_len=24, output_len=4, num_turns=4)
