@@ -532,7 +532,9 @@ class HierarchicalCache(PrefixCache):
         if self.store is not None:
             for name, value in vars(self.store.stats).items():
                 stats[f"storage_{name}"] = value
-        stats["transfer_worker_restarts"] = self.backup_worker.restarts + self.load_worker.restarts
+        workers = [self.backup_worker, self.load_worker] + ([self.storage_worker] if self.store is not None else [])
+        stats["transfer_worker_restarts"] = sum(w.restarts for w in workers)
+        stats["transfer_failures"] = sum(w.failures for w in workers)
         return stats
 
     def shutdown(self) -> None:

@@ -198,3 +198,25 @@ def test_prefetch_policies_equal_cache_off(reference, tmp_path, policy):
         if policy == "wait_complete":
             assert tier_totals(turns)["storage"] > 0
         assert_clean(engine)
+
+
+def test_failed_backups_become_misses(reference, monkeypatch):
+    """A transfer that raises is logged, its pages are a miss (never served), the worker goes on."""
+    from hicache.mem.host_pool import HostKVPool
+
+    real = HostKVPool.backup
+    calls = {"n": 0}
+
+    def flaky(self, device, device_pages, host_pages):
+        calls["n"] += 1
+        if calls["n"] % 2:
+            raise RuntimeError("injected copy failure")
+        return real(self, device, device_pages, host_pages)
+
+    monkeypatch.setattr(HostKVPool, "backup", flaky)
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=hicache(hicache_ratio=4.0)) as engine:
+        turns = run_turns(engine, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference
+        stats = engine.cache_stats()
+        assert stats["transfer_failures"] > 0 and stats["backup_pages"] > 0  # half failed, half landed
+        assert_clean(engine)
