@@ -146,6 +146,10 @@ class AckQueue:
             op.done.wait()
         return ops
 
+    def running(self) -> list[TransferOp]:
+        """Operations issued and not yet completed on this rank."""
+        return [op for op in self._ops if not op.done.is_set()]
+
     def drain(self) -> list[TransferOp]:
         return self.pop(len(self._ops))
 

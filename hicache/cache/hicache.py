@@ -249,7 +249,7 @@ class HierarchicalCache(PrefixCache):
         return max(0, min(end, origin[1]) - max(first, origin[0]))
 
     def before_layer(self) -> Callable[[int], None] | None:
-        pending = [op for op in self.loads._ops if not op.done.is_set()]
+        pending = self.loads.running()
         if not pending:
             return None
 
@@ -423,10 +423,9 @@ class HierarchicalCache(PrefixCache):
         prefetch = self.prefetches.pop(req.rid, None)
         if prefetch is None:
             return 0
-        if prefetch.query is not None and prefetch.read is None and not prefetch.done:
-            prefetch.query.done.wait()  # no host memory was taken yet: nothing to insert
-            return 0
-        if prefetch.read is None:
+        if prefetch.read is None:  # no host memory was taken: nothing to insert
+            if prefetch.query is not None and not prefetch.done:
+                prefetch.query.done.wait()
             return 0
         prefetch.stop.set()
         prefetch.read.done.wait()  # at most one batch in flight (its host pages are being written)

@@ -167,8 +167,6 @@ def test_redis_outage_mid_run(reference, redis_server):  # noqa: F811
     cfg = hicache(hicache_storage_backend="redis", hicache_storage_url=redis_server.url)
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
     prompts = [[(i * k) % 90 + 33 for i in range(600)] for k in (3, 5, 7)]
-    with Engine(model="tiny", hicache=cfg) as off:
-        pass
     with Engine(model="tiny", disable_radix_cache=True) as off:
         expected = [r.token_ids for r in off.generate(prompts, params)]
     with Engine(model="tiny", hicache=cfg) as engine:

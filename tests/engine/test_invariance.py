@@ -45,7 +45,7 @@ def test_cache_on_equals_cache_off(reference, flags):
         assert engine.leak_report() == []
 
 
-def test_flush_refused_while_running_and_leak_free_after():
+def test_flush_during_a_request_leaks_nothing():
     with Engine(model="tiny", max_total_tokens=2048) as engine:
         handle = engine.submit(list(range(32, 100)), None)
         # Whether the flush lands before or after the request ends, nothing may leak.
