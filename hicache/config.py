@@ -146,6 +146,9 @@ class EngineConfig:
     dtype: str = "auto"
     disable_radix_cache: bool = False
     default_max_new_tokens: int = 128
+    # False: plain F.linear without the batch-invariant call shapes, for benchmarks that measure what
+    # invariance costs (no CLI flag: a prefix cache on plain ops can change answers).
+    batch_invariant_ops: bool = True
     hicache: HiCacheConfig = HiCacheConfig()
     parallel: ParallelConfig = ParallelConfig()
     debug: DebugConfig = DebugConfig()
