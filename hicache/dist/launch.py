@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hicache.config import EngineConfig
-from hicache.dist.parallel import ParallelContext
+from hicache.dist.parallel import Mesh, ParallelContext
 from hicache.dist.rank_worker import RankSpec, rank_main
 from hicache.errors import UserError
 
@@ -55,8 +55,7 @@ def _threads_per_rank(ranks_here: int) -> int:
 
 
 def init_distributed(spec: RankSpec, cfg: EngineConfig) -> ParallelContext:
-    """Join the job and build this rank's groups. Every rank creates every group, in the same order
-    (torch.distributed requires it), and keeps those it belongs to."""
+    """Join the job and build this rank's groups (ParallelContext.create)."""
     par = cfg.parallel
     device = cfg.resolved_device()
     if device.type == "cuda":
@@ -66,32 +65,7 @@ def init_distributed(spec: RankSpec, cfg: EngineConfig) -> ParallelContext:
     dist.init_process_group(
         compute, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size, timeout=timeout
     )
-    tp, pp = par.tp_size, par.pp_size
-    tp_rank, pp_rank = spec.rank % tp, spec.rank // tp
-
-    def group(ranks: list[int], backend: str) -> Any:
-        return dist.new_group(ranks, backend=backend, timeout=timeout)
-
-    everyone = list(range(spec.world_size))
-    world_group = group(everyone, "gloo")
-    storage_group = group(everyone, "gloo")
-    mine: dict[str, Any] = {}
-    if tp > 1:
-        for stage in range(pp):
-            ranks = [stage * tp + t for t in range(tp)]
-            compute_group, cpu_group = group(ranks, compute), group(ranks, "gloo")
-            if stage == pp_rank:
-                mine["tp_group"], mine["tp_cpu_group"] = compute_group, cpu_group
-    if pp > 1:
-        for index in range(tp):
-            ranks = [stage * tp + index for stage in range(pp)]
-            compute_group, cpu_group = group(ranks, compute), group(ranks, "gloo")
-            if index == tp_rank:
-                mine["pp_group"], mine["pp_cpu_group"] = compute_group, cpu_group
-    pctx = ParallelContext(
-        tp_size=tp, tp_rank=tp_rank, pp_size=pp, pp_rank=pp_rank,
-        world_group=world_group, storage_group=storage_group, **mine,
-    )  # fmt: skip
+    pctx = ParallelContext.create(spec.rank, Mesh(pp=par.pp_size, tp=par.tp_size), compute, timeout)
     logger.info("rank %d joined as %s", spec.rank, pctx.suffix)
     return pctx
 
