@@ -11,7 +11,6 @@ import logging
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -23,16 +22,11 @@ import httpx
 
 import hicache
 from hicache.errors import UserError
+from hicache.runtime.launch import free_port
 
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 def _child_env() -> dict[str, str]:
@@ -75,7 +69,7 @@ class ServerProcess:
     def start(self) -> None:
         if self._proc is not None:
             raise RuntimeError("the server is already running")
-        self.port = free_port()
+        self.port = free_port(HOST)
         command = [sys.executable, "-m", "hicache", "serve", *self.serve_args, "--host", HOST, "--port", str(self.port)]
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server, closed in stop()
         started = time.perf_counter()

@@ -19,8 +19,8 @@ from hicache.cache.controller import AckQueue, TransferOp
 from hicache.config import EngineConfig, ParallelConfig
 from hicache.debug.consensus_checker import RankDivergenceError
 from hicache.dist.consensus import Consensus
-from hicache.dist.launch import free_port, init_distributed
-from hicache.dist.rank_worker import RankSpec
+from hicache.runtime.launch import free_port
+from hicache.runtime.rank_worker import RankSpec, init_distributed
 
 TP, PP = 2, 2
 
