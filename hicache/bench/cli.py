@@ -30,7 +30,7 @@ from collections import Counter
 from dataclasses import replace
 
 from hicache.bench.client import ENDPOINTS
-from hicache.bench.runner import Arm, BenchConfig
+from hicache.bench.config import Arm, BenchConfig
 from hicache.bench.workload import DATASETS, GSP, GSPParams, MultiRoundParams
 from hicache.config import from_args
 from hicache.errors import UserError
