@@ -12,12 +12,11 @@ from datetime import timedelta
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hicache.dist.divergence import RankDivergenceError
 from hicache.dist.parallel import Mesh, ParallelContext
 from hicache.dist.pipeline import StageLink
-from hicache.runtime.launch import free_port
+from tests.dist.ranks import outcomes_of, report
 
 MESH = Mesh(pp=2, tp=2)
 TOKENS, HIDDEN = 5, 8
@@ -54,24 +53,12 @@ def _rank(rank: int, init: str, results) -> None:
     timeout = timedelta(seconds=30)
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=MESH.world_size, timeout=timeout)
     pctx = ParallelContext.create(rank, MESH, "gloo", timeout)
-    results.put((rank, scenario(pctx)))
-    dist.barrier(group=pctx.world_group)
-    dist.destroy_process_group()
+    report(rank, scenario(pctx), pctx, results)
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank, args=(r, init, results)) for r in range(MESH.world_size)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
-    return got
+    return outcomes_of(_rank, MESH.world_size)
 
 
 def test_hidden_states_reach_the_same_tp_index_on_the_next_stage_exactly(outcomes):
