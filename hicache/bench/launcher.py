@@ -20,7 +20,6 @@ from typing import IO
 
 import httpx
 
-import hicache
 from hicache.errors import UserError
 from hicache.runtime.launch import free_port
 
@@ -32,7 +31,7 @@ HOST = "127.0.0.1"
 def _child_env() -> dict[str, str]:
     """The environment with this `hicache` package first on the path, so the server runs the same code as
     the benchmark even when the package is not installed (a source checkout)."""
-    root = str(pathlib.Path(hicache.__file__).resolve().parent.parent)
+    root = str(pathlib.Path(__file__).resolve().parents[2])  # the directory that holds hicache/
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
