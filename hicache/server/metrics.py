@@ -13,7 +13,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hicache.engine.engine import Engine
+from hicache.runtime.engine import Engine
 from hicache.engine.request import TIERS, FinishReason
 
 REQUEST_STATUSES = tuple(r.value for r in FinishReason) + ("rejected",)

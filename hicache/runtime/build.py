@@ -1,6 +1,6 @@
-"""Builds one rank's scheduler (model shard, device pool, cache tiers, consensus, checker) from the
-configuration and a ParallelContext. The single-rank engine and every rank process of a TP/PP
-deployment build it here, so both run the same code."""
+"""Build (DESIGN.md, "runtime"): one rank's scheduler (model shard, device pool, cache tiers, consensus,
+checker) from the configuration and a ParallelContext. The single-rank engine and every rank process
+of a TP/PP deployment build it here, so both run the same code."""
 
 from __future__ import annotations
 
