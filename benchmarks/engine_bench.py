@@ -1,16 +1,21 @@
-"""Engine throughput and prefix-cache TTFT, against the machine's matmul limit measured in the same run.
+"""Engine throughput and prefix-cache TTFT, against the machine's matmul limit measured in the same run, and
+what the batch-invariant ops cost against plain ones.
 
-    .venv/bin/python benchmarks/engine_bench.py [--models tiny smollm2]
+    .venv/bin/python benchmarks/engine_bench.py [--models tiny smollm2] [--dtypes float32 bfloat16] [--profile]
 
-Prints: bf16/fp32 matmul GFLOP/s; per model prefill tokens/s at 512/1024/2048 tokens (and the model
-FLOP/s it implies against the matmul limit), decode tokens/s at batch 1, 8 and 32; TTFT of a turn that
-hits a 2K-token cached prefix against the same turn with the cache off; and where the time of a 2K
-prefill and of a batch-8 decode step goes (top operators, torch profiler).
+Prints the CPU and the matmul GFLOP/s (bf16, fp32); then per model and dtype, for the batch-invariant
+ops (what the engine runs) and for plain `F.linear` without padding (what an engine without the
+invariant would run), in the same process: prefill tokens/s at 512 and 2048 tokens (and the model
+FLOP/s that implies against the matmul limit), decode tokens/s at batch 1, 8 and 32, and the
+invariant/plain ratio of each; TTFT of a turn that hits a 2K-token cached prefix against the same
+turn with the cache off; with --profile, where the time of a 2K prefill and of a batch-8 decode step
+goes (top operators, torch profiler).
 """
 
 from __future__ import annotations
 
 import argparse
+import platform
 import sys
 import time
 
@@ -21,7 +26,23 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
 from benchmarks.common import best_time, matmul_gflops  # noqa: E402
 from hicache import Engine, SamplingParams  # noqa: E402
-from hicache.config import EngineConfig  # noqa: E402
+
+PREFILLS = (512, 2048)
+DECODE_BATCHES = (1, 8, 32)
+DECODE_STEPS = 32
+
+
+def cpu_name() -> str:
+    name, flags = platform.processor() or "cpu", set()
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    isa = "AVX512+BF16" if "avx512_bf16" in flags else "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
+    return f"{name} ({isa} in /proc/cpuinfo; torch dispatches {torch.backends.cpu.get_cpu_capability()})"
 
 
 def flops_per_token(engine: Engine) -> float:
@@ -35,41 +56,58 @@ def prompt(n: int, salt: int) -> list[int]:
     return [(i * 7919 + salt * 104729) % 30000 + 300 for i in range(n)]
 
 
-def bench_model(name: str, peak: float) -> None:
-    with Engine(model=name, max_total_tokens=65536, chunked_prefill_size=4096) as engine:
-        vocab = engine.tokenizer.vocab_size
-        ids = lambda n, s: [t % vocab for t in prompt(n, s)]  # noqa: E731
+def ids_for(engine: Engine):
+    vocab = engine.tokenizer.vocab_size
+    return lambda n, salt: [t % vocab for t in prompt(n, salt)]
+
+
+def throughput(name: str, dtype: str, invariant: bool) -> dict[str, float]:
+    """Prefill and decode tokens/s of one engine (radix cache off: every prompt is computed)."""
+    flags = dict(model=name, dtype=dtype, max_total_tokens=65536, chunked_prefill_size=4096, disable_radix_cache=True)
+    out = {}
+    with Engine(batch_invariant_ops=invariant, **flags) as engine:
+        ids = ids_for(engine)
         one = SamplingParams(max_new_tokens=1, ignore_eos=True)
         engine.generate([ids(64, 0)], one)
-        print(f"\n## {name}\n")
-        print("| measurement | value | vs limit |\n| --- | --- | --- |")
-        salt = 1
-        for n in (512, 1024, 2048):
-            def run() -> None:
-                nonlocal salt
-                salt += 1
-                engine.generate([ids(n, salt)], one)  # a fresh prompt: no cache hit
-            t = best_time(run, repeat=3)
-            achieved = flops_per_token(engine) * n / t / 1e9
-            print(f"| prefill {n} tokens | {n / t:.0f} tok/s ({t * 1000:.0f} ms) | {achieved:.0f} GFLOP/s = {achieved / peak:.2f} x matmul |")
-        for batch in (1, 8, 32):
-            new = 32
-            salt += 1
-            prompts = [ids(128, salt * 100 + b) for b in range(batch)]
-            params = SamplingParams(max_new_tokens=new, ignore_eos=True)
-            engine.generate(prompts, SamplingParams(max_new_tokens=1, ignore_eos=True))  # prefill cached
+        for n in PREFILLS:
+            out[f"prefill {n}"] = n / best_time(lambda: engine.generate([ids(n, n)], one), repeat=3)
+        for batch in DECODE_BATCHES:
+            prompts = [ids(128, 100 * batch + b) for b in range(batch)]
+            engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm the shapes
+            params = SamplingParams(max_new_tokens=DECODE_STEPS + 1, ignore_eos=True)
             start = time.perf_counter()
-            engine.generate(prompts, params)
-            t = time.perf_counter() - start
-            print(f"| decode batch {batch} | {batch * new / t:.1f} tok/s | |")
+            results = engine.generate(prompts, params)
+            elapsed = time.perf_counter() - start - max(r.ttft_s for r in results)  # decode steps only
+            out[f"decode batch {batch}"] = batch * DECODE_STEPS / elapsed
+    return out
+
+
+def bench_invariance_cost(name: str, dtype: str, peak: float, flops: float) -> None:
+    inv, plain = throughput(name, dtype, True), throughput(name, dtype, False)
+    print(f"\n### {name}, {dtype}\n")
+    print("| measurement | invariant ops | plain ops | invariant / plain | invariant vs matmul limit |")
+    print("| --- | --- | --- | --- | --- |")
+    for key in inv:
+        limit = ""
+        if key.startswith("prefill"):
+            limit = f"{flops * inv[key] / 1e9:.0f} GFLOP/s = {flops * inv[key] / 1e9 / peak:.2f} x"
+        print(f"| {key} | {inv[key]:.1f} tok/s | {plain[key]:.1f} tok/s | {inv[key] / plain[key]:.2f} | {limit} |")
+
+
+def bench_ttft(name: str) -> None:
+    common = dict(model=name, max_total_tokens=65536, chunked_prefill_size=4096)
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    with Engine(**common) as engine:
+        ids = ids_for(engine)
         history = ids(2048, 999)
         turn = history + ids(64, 998)
         engine.generate([history], one)  # cache the 2K history
         hit = min(best_time(lambda: engine.generate([turn], one), repeat=1, warmup=0) for _ in range(3))
-    with Engine(model=name, max_total_tokens=65536, chunked_prefill_size=4096, disable_radix_cache=True) as off:
+    with Engine(disable_radix_cache=True, **common) as off:
         off.generate([ids(64, 0)], one)
         miss = best_time(lambda: off.generate([turn], one), repeat=3)
-    print(f"| TTFT, 64-token turn after a cached 2K prefix | {hit * 1000:.0f} ms | cache off: {miss * 1000:.0f} ms, ratio {hit / miss:.3f} |")
+    print(f"\n{name} (engine dtype): TTFT of a 64-token turn after a cached 2K prefix {hit * 1000:.0f} ms, "
+          f"cache off {miss * 1000:.0f} ms, ratio {hit / miss:.3f}")
 
 
 def where_time_goes(name: str) -> None:
@@ -97,17 +135,20 @@ def where_time_goes(name: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     parser.add_argument("--profile", action="store_true", help="also print the operator breakdown")
     args = parser.parse_args()
-    dtype = EngineConfig().resolved_dtype()
-    bf16, fp32 = matmul_gflops(torch.bfloat16), matmul_gflops(torch.float32)
-    peak = bf16 if dtype == torch.bfloat16 else fp32
-    print(f"matmul 2048^2: bf16 {bf16:.0f} GFLOP/s, fp32 {fp32:.0f} GFLOP/s; engine dtype {dtype}; "
-          f"threads {torch.get_num_threads()}")
+    gflops = {"bfloat16": matmul_gflops(torch.bfloat16), "float32": matmul_gflops(torch.float32)}
+    print(f"CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"matmul 2048^2: bf16 {gflops['bfloat16']:.0f} GFLOP/s, fp32 {gflops['float32']:.0f} GFLOP/s")
     for name in args.models:
-        bench_model(name, peak)
+        with Engine(model=name) as probe:
+            flops = flops_per_token(probe)
+        for dtype in args.dtypes:
+            bench_invariance_cost(name, dtype, gflops[dtype], flops)
+        bench_ttft(name)
     if args.profile:
         for name in args.models:
             where_time_goes(name)

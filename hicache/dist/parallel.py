@@ -236,11 +236,6 @@ class ParallelContext:
         per = count // self.tp_size
         return self.tp_rank * per, (self.tp_rank + 1) * per
 
-    def all_reduce_tp(self, tensor: torch.Tensor) -> torch.Tensor:
-        if self.tp_size > 1:
-            torch.distributed.all_reduce(tensor, group=self.tp_group)
-        return tensor
-
     @property
     def suffix(self) -> str:
         """Identifies this rank's shard of the KV in storage keys and logs. CP ranks hold different pages

@@ -24,6 +24,8 @@ def build_decoder(
     """`invariant=False` builds the model on plain `F.linear` without padding, for benchmarks that
     measure what invariance costs; it is not checked (its report says so)."""
 
+    ops.configure_device(device)
+
     def build(plan_for: PlanFor) -> LlamaModel:
         return LlamaModel(loaded.config, loaded.weights, pctx, dtype, device, plan_for)
 

@@ -26,6 +26,17 @@ KV_ALIGN = 512
 Q_ALIGN = 8
 
 
+def configure_device(device: torch.device) -> None:
+    """Process-wide kernel settings the invariant needs on `device`.
+    Mechanism: on CUDA, cuBLAS may reduce bf16/fp16 split-K partial sums in reduced precision, and
+    TF32 changes float32 products; both are turned off so a GEMM's rounding depends only on its plan."""
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+        torch.backends.cudnn.allow_tf32 = False
+
+
 # ---- linear ----------------------------------------------------------------------------------------
 
 

@@ -13,10 +13,10 @@ from hicache.dist.parallel import ParallelContext
 from hicache.engine.model_runner import ModelRunner
 from hicache.engine.scheduler import Scheduler
 from hicache.errors import UserError
-from hicache.model.invariance import InvarianceReport
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.build import build_decoder
+from hicache.model.config import LoadedModel, ModelConfig
+from hicache.model.invariance import InvarianceReport
 
 
 def context_length(cfg: EngineConfig, model: ModelConfig) -> int:

@@ -1,5 +1,5 @@
 """Control commands (DESIGN.md, "runtime") the engine front runs on the scheduler between two steps
-(flush, leak report, cache counters, pool usage), by name, so that with several ranks the same command
+(flush, leak report, cache counters, pool usage, the batch-invariance self-check's report), by name, so that with several ranks the same command
 can be broadcast to every rank and the per-rank answers combined into one."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ COMMANDS: dict[str, Callable[[Scheduler], object]] = {
     "leak_report": lambda s: s.leak_report(),
     "cache_stats": lambda s: s.cache.stats(),
     "pool_usage": lambda s: s.cache.usage(),
+    "invariance": lambda s: s.runner.model.invariance.to_json(),
 }
 
 
@@ -33,4 +34,12 @@ def combine(command: str, answers: Sequence[object], names: Sequence[str]) -> ob
         return merged
     if command == "pool_usage":
         return answers[0]  # token counts are logical: the same on every rank
+    if command == "invariance":
+        # Every rank checked its own shard: the deployment is verified only if all of them are.
+        checks: Sequence[dict] = answers  # type: ignore[assignment]
+        return {
+            "verified": all(c["verified"] for c in checks),
+            "mechanisms": checks[0]["mechanisms"],
+            "detail": "; ".join(f"{name}: {c['detail']}" for name, c in zip(names, checks) if c["detail"]),
+        }
     raise ValueError(f"unknown control command {command!r}")

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 
 from hicache.config import EngineConfig
 from hicache.dist.parallel import ParallelContext
-from hicache.engine.request import FinishReason, Request, RequestEvent, SamplingParams, TokenLogprob, TIERS
+from hicache.engine.request import TIERS, FinishReason, Request, RequestEvent, SamplingParams, TokenLogprob
 from hicache.engine.scheduler import check_request_fits
 from hicache.errors import UserError
 from hicache.model.loader import load_model
@@ -147,6 +147,9 @@ class Engine:
             check_topology(cfg, loaded.config)
             del loaded  # every rank loads its own shard; the weights are not kept here meanwhile
             self._runtime = RankRuntime(cfg, self._dispatch, self._fail)
+        # What the start-up batch-invariance self-check found on every rank: `verified`, each op's
+        # mechanism, and what differed where it failed (hicache/model/invariance.py). Fixed from here on.
+        self.invariance: dict = self._runtime.control("invariance")  # type: ignore[assignment]
 
     # ---- client side ---------------------------------------------------------------------------
 
@@ -231,6 +234,7 @@ class Engine:
     def cache_stats(self) -> dict[str, float]:
         """Counters of the cache tiers (transfers, prefetch lifecycle, storage hits and corruption)."""
         return self._control("cache_stats")  # type: ignore[return-value]
+
 
     def on_fatal(self, callback: Callable[[str], None]) -> None:
         """Call `callback(reason)` (from a background thread) if a rank dies or ranks diverge."""

@@ -13,8 +13,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hicache.runtime.engine import Engine
 from hicache.engine.request import TIERS, FinishReason
+from hicache.runtime.engine import Engine
 
 REQUEST_STATUSES = tuple(r.value for r in FinishReason) + ("rejected",)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -37,6 +37,11 @@ class _EngineCollector(Collector):
         yield from _tier_counters(self._engine.cache_stats())
         yield GaugeMetricFamily("hicache_requests_running", "requests in the running batch", self._engine.num_running)
         yield GaugeMetricFamily("hicache_requests_waiting", "requests waiting for admission", self._engine.num_waiting)
+        yield GaugeMetricFamily(
+            "hicache_batch_invariance_verified",
+            "1 if the start-up self-check found every token's logits independent of chunking and batching",
+            float(self._engine.invariance["verified"]),
+        )
 
 
 def _tier_counters(stats: dict[str, float]) -> Iterator[Metric]:

@@ -9,9 +9,9 @@ import pathlib
 
 import pytest
 
+from hicache.bench.config import Arm, BenchConfig
 from hicache.bench.launcher import ServerProcess
 from hicache.bench.report import PLOTS, write_report
-from hicache.bench.config import Arm, BenchConfig
 from hicache.bench.runner import run_bench
 from hicache.bench.workload import GSPParams
 from hicache.cli import build_parser, main

@@ -10,8 +10,8 @@ import pathlib
 import numpy as np
 import pytest
 
-from hicache.bench.metrics import TIERS
 from hicache.bench.config import Arm, BenchConfig, serve_model
+from hicache.bench.metrics import TIERS
 from hicache.bench.runner import run_bench
 from hicache.bench.workload import GSPParams, MultiRoundParams, load_tokenizer
 from hicache.errors import UserError

@@ -67,7 +67,7 @@ def test_variant_environment_took_effect():
 def test_every_chunk_size_gives_the_whole_prefill_logits(model):
     """Chunks of c rows compare every position of a c-row call with the same row in one prefill;
     c = 1 makes every token a decode step of its own."""
-    length = 48
+    length = 32
     pool = _pool(model, 3, 64)
     ids = probe_inputs(model, length, seed=3)
     whole = feed(model, pool, ids, [length], 0)
@@ -75,8 +75,9 @@ def test_every_chunk_size_gives_the_whole_prefill_logits(model):
         cuts = [*range(c, length, c), length]
         chunked = feed(model, pool, ids, cuts, 64)
         assert torch.equal(whole, chunked), f"chunks of {c}: {_first_difference(whole, chunked)}"
-        shared = feed(model, pool, ids, cuts, 64, extra=(probe_inputs(model, 3, seed=4), 128))
-        assert torch.equal(whole, shared), f"chunks of {c} sharing steps: {_first_difference(whole, shared)}"
+        if c % 2:  # odd sizes again with a 3-token request in every step: calls of c + 3 rows
+            shared = feed(model, pool, ids, cuts, 64, extra=(probe_inputs(model, 3, seed=4), 128))
+            assert torch.equal(whole, shared), f"chunks of {c} sharing steps: {_first_difference(whole, shared)}"
 
 
 @pytest.mark.parametrize("length", [560, 1300])

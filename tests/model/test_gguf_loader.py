@@ -21,7 +21,6 @@ from hicache.model.gguf_loader import load_gguf, smollm2_path, unpermute_qk
 from tests.fixtures import SMOLLM2_REFERENCE
 
 
-
 @pytest.fixture(scope="module")
 def reference() -> dict:
     return json.loads(SMOLLM2_REFERENCE.read_text())

@@ -19,7 +19,9 @@ def client(url: str) -> openai.OpenAI:
 def test_models_and_health(server: str) -> None:
     models = client(server).models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    assert httpx.get(f"{server}/health").json() == {"status": "ok"}
+    health = httpx.get(f"{server}/health").json()
+    assert health["status"] == "ok"
+    assert health["batch_invariance"]["verified"] is True, health  # the start-up self-check passed here
 
 
 def test_completion(server: str) -> None:
