@@ -45,7 +45,7 @@ class ModelRunner:
         logit_rows: list[int] = []
         for item in work:
             r, s, e = item.req, item.start, item.end
-            kv_slots = self.pool.allocator.slots(r.pages, e)
+            kv_slots = self.pool.allocator.slots(r.kv.pages, e)
             padded = torch.zeros(-(-e // KV_ALIGN) * KV_ALIGN, dtype=torch.int64)
             padded[:e] = kv_slots
             seqs.append(SeqSlice(len(ids), e - s, padded.to(self.pool.device), e))
