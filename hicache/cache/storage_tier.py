@@ -130,10 +130,10 @@ class StorageTier:
             node.hashes = page_hashes(node.key, self.page_size, prior)
         return node.hashes
 
-    def put(self, nodes: list[TreeNode]) -> None:
-        """Queue the host copies of `nodes` for storage."""
+    def put(self, nodes: list[TreeNode]) -> TransferOp | None:
+        """Queue the host copies of `nodes` for storage (the put, to wait for; None: nothing to put)."""
         if not nodes:
-            return
+            return None
         hashes: list[bytes] = []
         payloads: list[bytes] = []
         for node in nodes:
@@ -147,8 +147,8 @@ class StorageTier:
             present = store.exists_prefix(hashes)
             store.put_pages(hashes[present:], payloads[present:])
 
-        self.worker.submit(TransferOp("storage_put", run))
         self.stats.put_pages += len(hashes)
+        return self.worker.submit(TransferOp("storage_put", run))
 
     # ---- prefetch: queried -> allocated -> read ------------------------------------------------
 
