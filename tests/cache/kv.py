@@ -55,11 +55,13 @@ def assert_kv(pool: DeviceKVPool, pages: Sequence[int], tokens: Sequence[int], t
         assert not bad, f"{tier} tier served wrong KV: layer {layer}, token positions {bad[:8]}"
 
 
-def assert_host_kv(host: HostKVPool, host_pages: Sequence[int], tokens: Sequence[int], tier: str) -> None:
-    """Host pages hold the KV of `tokens` (one page per PAGE tokens)."""
+def assert_host_kv(
+    host: HostKVPool, host_pages: Sequence[int], tokens: Sequence[int], tier: str, first_page: int = 0
+) -> None:
+    """Host pages hold the KV of pages first_page, first_page + 1, ... of the sequence `tokens`."""
     for layer in range(host.num_layers):
         want = expected(tokens, layer)
-        for i, page in enumerate(host_pages):
+        for i, page in enumerate(host_pages, start=first_page):
             got = torch.frombuffer(bytearray(host.page_payload(page)), dtype=torch.float32)
             got = got.view(host.num_layers, host.page_size, host.row)[layer]
             assert torch.equal(got, want[i * PAGE : (i + 1) * PAGE]), f"{tier} tier holds wrong KV: layer {layer}, page {i}"
