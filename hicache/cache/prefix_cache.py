@@ -167,6 +167,8 @@ class PrefixCache:
 
     @consensus_checked(params=RELEASE_PARAMS, results=())
     def release(self, handle: KVHandle, tokens: Sequence[int]) -> None:
+        if handle.state is KVState.READY and len(tokens) < handle.kv_len:
+            raise ValueError(f"release of request {handle.rid}: {len(tokens)} tokens for {handle.kv_len} computed")
         self._on_release(handle)
         if handle.state is KVState.READY:
             kept = 0
