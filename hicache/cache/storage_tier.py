@@ -97,7 +97,8 @@ def open_store(
     backend = make_backend(cfg.hicache_storage_backend, cfg.hicache_storage_dir, cfg.hicache_storage_url)
     if debug.debug_storage_fail_rate > 0 and rank == debug.debug_storage_fail_rank:
         backend = FlakyReads(backend, debug.debug_storage_fail_rate, seed=rank)
-        logger.warning("rank %d fails %.0f%% of storage reads (fault injection)", rank, 100 * debug.debug_storage_fail_rate)
+        rate = 100 * debug.debug_storage_fail_rate
+        logger.warning("rank %d fails %.0f%% of storage reads (fault injection)", rank, rate)
     return VerifiedStore(backend, namespace, payload_bytes=page_bytes)
 
 
@@ -295,7 +296,8 @@ class StorageTier:
         if completed == 0:
             return Fetched()
         end_page = prefetch.start_page + completed
-        rejected = self.tree.insert_host(prompt[: end_page * self.page_size], prefetch.host_pages[:completed], namespace)
+        tokens = prompt[: end_page * self.page_size]
+        rejected = self.tree.insert_host(tokens, prefetch.host_pages[:completed], namespace)
         if rejected:
             self.host.free(rejected)
             reason = PrefetchLoss.PREFIX_EVICTED if len(rejected) == completed else PrefetchLoss.ALREADY_CACHED

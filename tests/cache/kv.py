@@ -64,7 +64,8 @@ def assert_host_kv(
         for i, page in enumerate(host_pages, start=first_page):
             got = torch.frombuffer(bytearray(host.page_payload(page)), dtype=torch.float32)
             got = got.view(host.num_layers, host.page_size, host.row)[layer]
-            assert torch.equal(got, want[i * PAGE : (i + 1) * PAGE]), f"{tier} tier holds wrong KV: layer {layer}, page {i}"
+            good = torch.equal(got, want[i * PAGE : (i + 1) * PAGE])
+            assert good, f"{tier} tier holds wrong KV: layer {layer}, page {i}"
 
 
 def tiers(
@@ -76,6 +77,13 @@ def tiers(
     host_pool = HostKVPool(pool, host_pages, layout)
     device = DeviceTier(pool, on_host_free=host_pool.allocator.free)
     return device, HostTier(pool, host_pool, device.tree, one_rank(), policy, threshold)
+
+
+def compute(device: DeviceTier, tokens: Sequence[int]) -> list:
+    """Compute `tokens` (a page multiple) into new device pages and cache them; the new nodes."""
+    pages = device.alloc(len(tokens) // PAGE)
+    write_kv(device.pool, pages, tokens)
+    return device.insert(tokens, pages, "").new_nodes
 
 
 def settle(tier: HostTier) -> list:

@@ -11,16 +11,9 @@ import pytest
 from hicache.cache.host_tier import HostTier, WritePolicy
 from hicache.config import WRITE_POLICIES
 from hicache.mem.host_pool import LAYOUTS, HostKVPool
-from tests.cache.kv import LAYERS, PAGE, assert_host_kv, assert_kv, settle, tiers, write_kv
+from tests.cache.kv import LAYERS, PAGE, assert_host_kv, assert_kv, compute, settle, tiers
 
 A = list(range(3 * PAGE))
-
-
-def computed(device, tokens):
-    """Compute `tokens` into new device pages and cache them; the insert's new nodes."""
-    pages = device.alloc(len(tokens) // PAGE)
-    write_kv(device.pool, pages, tokens)
-    return device.insert(tokens, pages, "").new_nodes
 
 
 def evict_to_host(device, host: HostTier) -> None:
@@ -35,7 +28,7 @@ def test_policies_match_the_flag_values():
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_write_through_backs_up_at_creation(layout):
     device, host = tiers(policy=WritePolicy.WRITE_THROUGH, layout=layout)
-    nodes = computed(device, A)
+    nodes = compute(device, A)
     host.on_new_nodes(nodes)
     assert nodes[0].backup_pending and nodes[0].lock_ref == 1, "host tier: a backup in flight locks its node"
     finished = settle(host)
@@ -46,7 +39,7 @@ def test_write_through_backs_up_at_creation(layout):
 
 def test_write_through_selective_backs_up_at_the_second_hit():
     device, host = tiers(policy=WritePolicy.WRITE_THROUGH_SELECTIVE)
-    nodes = computed(device, A)
+    nodes = compute(device, A)
     host.on_new_nodes(nodes)
     path = device.tree.path_to_root(device.tree.match_prefix(A, count_hit=True).last_node)
     host.on_hit(path)
@@ -59,7 +52,7 @@ def test_write_through_selective_backs_up_at_the_second_hit():
 
 def test_write_back_copies_at_eviction():
     device, host = tiers(device_pages=4, policy=WritePolicy.WRITE_BACK)
-    nodes = computed(device, A)
+    nodes = compute(device, A)
     host.on_new_nodes(nodes)
     assert nodes[0].host_pages is None, "host tier: write-back copied before eviction"
     device.alloc(4, keep_if=host.write_back)
@@ -70,18 +63,18 @@ def test_write_back_copies_at_eviction():
 
 def test_no_host_memory_skips_the_backup():
     device, host = tiers(host_pages=2)
-    nodes = computed(device, A)
+    nodes = compute(device, A)
     host.on_new_nodes(nodes)
     assert nodes[0].host_pages is None and host.stats.backup_skipped_host_full_pages == 3
 
 
 def test_host_eviction_makes_room_for_a_backup():
     device, host = tiers(device_pages=8, host_pages=3, policy=WritePolicy.WRITE_BACK)
-    computed(device, A)
+    compute(device, A)
     device.alloc(8, keep_if=host.write_back)  # A now host-only, filling the host pool
     device.allocator.free(list(range(8)))
     b = [t + 50 for t in A]
-    computed(device, b)
+    compute(device, b)
     device.alloc(8, keep_if=host.write_back)
     assert device.tree.match_prefix(A).host_tokens == 0, "host tier: the older host-only prefix was kept"
     assert device.tree.match_prefix(b).host_tokens == len(b)
@@ -94,7 +87,7 @@ def test_a_failed_backup_is_a_miss(monkeypatch):
         raise RuntimeError("injected copy failure")
 
     monkeypatch.setattr(host.host, "backup", broken)
-    nodes = computed(device, A)
+    nodes = compute(device, A)
     host.on_new_nodes(nodes)
     assert settle(host) == []
     assert nodes[0].host_pages is None and nodes[0].lock_ref == 0
@@ -105,7 +98,7 @@ def test_a_failed_backup_is_a_miss(monkeypatch):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_load_back_restores_the_bytes(layout):
     device, host = tiers(device_pages=6, policy=WritePolicy.WRITE_BACK, layout=layout)
-    computed(device, A)
+    compute(device, A)
     evict_to_host(device, host)
     match = device.tree.match_prefix(A)
     assert match.host_tokens == len(A)
@@ -123,7 +116,7 @@ def test_load_back_restores_the_bytes(layout):
 
 def test_load_back_is_all_or_nothing():
     device, host = tiers(device_pages=6, policy=WritePolicy.WRITE_BACK, threshold=4 * PAGE)
-    computed(device, A)
+    compute(device, A)
     evict_to_host(device, host)
     match = device.tree.match_prefix(A)
     assert host.load_back(match, budget=3, alloc=device.alloc) == [], "loaded a hit under the threshold"
@@ -135,7 +128,7 @@ def test_load_back_is_all_or_nothing():
 
 def test_layer_events_let_a_layer_go_before_the_next_has_loaded(monkeypatch):
     device, host = tiers(device_pages=6, policy=WritePolicy.WRITE_BACK)
-    computed(device, A)
+    compute(device, A)
     evict_to_host(device, host)
     gate = threading.Event()
     real = HostKVPool.load_layer
@@ -158,7 +151,7 @@ def test_layer_events_let_a_layer_go_before_the_next_has_loaded(monkeypatch):
 
 def test_drain_applies_every_backup_and_leaves_nothing_locked():
     device, host = tiers()
-    host.on_new_nodes(computed(device, A))
+    host.on_new_nodes(compute(device, A))
     assert [len(group) for group in host.drain()] == [1]
     assert device.tree.locked_nodes() == [] and len(host.backups) == 0
     device.evict_all()

@@ -13,7 +13,7 @@ from hicache.cache.device_tier import DeviceTier
 from hicache.cache.stats import PrefetchLoss
 from hicache.cache.storage_tier import StorageTier, open_store
 from hicache.config import DebugConfig, HiCacheConfig
-from tests.cache.kv import PAGE, assert_host_kv, one_rank, settle, tiers, write_kv
+from tests.cache.kv import PAGE, assert_host_kv, compute, one_rank, settle, tiers
 from tests.storage.redis_server import redis_server  # noqa: F401 - a fixture
 
 PROMPT = list(range(40, 40 + 6 * PAGE + 1))  # six full pages, and the last token (always computed)
@@ -55,11 +55,8 @@ def storage_tier(backend: dict, host_pages: int = 32, fail_rate: float = 0.0, **
 def store_pages(backend: dict, tokens: list[int]) -> None:
     """Compute `tokens`, back them up to the host and put them in storage, as a first server would."""
     tier, device = storage_tier(backend)
-    host = tier.host
-    pages = device.alloc(len(tokens) // PAGE)
-    write_kv(device.pool, pages, tokens)
-    host.on_new_nodes(device.insert(tokens, pages, "").new_nodes)
-    op = tier.put(settle(host))
+    tier.host.on_new_nodes(compute(device, tokens))
+    op = tier.put(settle(tier.host))
     assert op is not None
     op.done.wait()
     assert not op.failed and tier.store.stats.puts == len(tokens) // PAGE, "storage tier: the put did not land"
@@ -83,6 +80,12 @@ def read_all(tier: StorageTier, rid: int = 1) -> None:
 
 def lost(tier: StorageTier) -> dict[str, int]:
     return {reason.value: n for reason, n in tier.stats.prefetch.lost.items() if n}
+
+
+def assert_consumed(tier: StorageTier, inserted: int, **losses: int) -> None:
+    """Admission takes request 1's prefetch in: `inserted` pages reach the tree, `losses` are lost."""
+    got = tier.consume(1, PROMPT, "").inserted
+    assert (got, lost(tier)) == (inserted, losses), f"storage tier: {got} pages inserted, lost {lost(tier)}"
 
 
 def test_the_prefetch_lifecycle_brings_the_bytes(backend):
@@ -113,16 +116,14 @@ def test_too_small_a_hit_is_lost_below_threshold(backend):
     tier, _ = storage_tier(backend, hicache_storage_prefetch_threshold=3 * PAGE)
     prefetch(tier)
     assert tier.ready_to_admit(1, busy=False)
-    assert tier.consume(1, PROMPT, "").inserted == 0
-    assert lost(tier) == {"below_threshold": 2}, f"storage tier: {lost(tier)}"
+    assert_consumed(tier, 0, below_threshold=2)
 
 
 def test_no_host_memory_is_lost_host_full(backend):
     store_pages(backend, STORED)
     tier, _ = storage_tier(backend, host_pages=4)
     prefetch(tier)
-    assert tier.consume(1, PROMPT, "").inserted == 0
-    assert lost(tier) == {"host_full": 6}, f"storage tier: {lost(tier)}"
+    assert_consumed(tier, 0, host_full=6)
 
 
 def test_unreadable_pages_are_lost_read_failed(backend):
@@ -130,8 +131,7 @@ def test_unreadable_pages_are_lost_read_failed(backend):
     tier, _ = storage_tier(backend, fail_rate=1.0)
     prefetch(tier)
     read_all(tier)
-    assert tier.consume(1, PROMPT, "").inserted == 0
-    assert lost(tier) == {"read_failed": 6}, f"storage tier: {lost(tier)}"
+    assert_consumed(tier, 0, read_failed=6)
     assert tier.store.stats.misses > 0
     assert tier.host.host.allocator.free_pages == 32, "storage tier: the unread pages kept their host memory"
 
@@ -144,8 +144,7 @@ def test_stopping_before_the_read_is_lost_not_read_in_time(backend):
     prefetch(tier)
     assert tier.ready_to_admit(1, busy=True), "best effort never holds up a busy engine"
     gate.set()
-    assert tier.consume(1, PROMPT, "").inserted == 0
-    assert lost(tier) == {"not_read_in_time": 6}, f"storage tier: {lost(tier)}"
+    assert_consumed(tier, 0, not_read_in_time=6)
 
 
 def test_pages_the_tree_got_meanwhile_are_lost_already_cached(backend):
@@ -154,26 +153,21 @@ def test_pages_the_tree_got_meanwhile_are_lost_already_cached(backend):
     prefetch(tier)
     read_all(tier)
     host = tier.host
-    pages = device.alloc(2)  # another request computes the first two pages meanwhile, backed up
-    write_kv(device.pool, pages, STORED[: 2 * PAGE])
-    host.on_new_nodes(device.insert(STORED[: 2 * PAGE], pages, "").new_nodes)
+    host.on_new_nodes(compute(device, STORED[: 2 * PAGE]))  # another request computes them meanwhile
     settle(host)
-    assert tier.consume(1, PROMPT, "").inserted == 4
-    assert lost(tier) == {"already_cached": 2}, f"storage tier: {lost(tier)}"
+    assert_consumed(tier, 4, already_cached=2)
     assert_host_kv(host.host, tier.tree.match_prefix(STORED).host_pages, STORED, "storage", first_page=2)
 
 
 def test_a_prefix_evicted_meanwhile_loses_the_continuation(backend):
     store_pages(backend, STORED)
     tier, device = storage_tier(backend)
-    pages = device.alloc(2)  # the tree holds the first two pages, on the device only
-    device.insert(STORED[: 2 * PAGE], pages, "")
+    compute(device, STORED[: 2 * PAGE])  # the tree holds the first two pages, on the device only
     prefetch(tier)
     assert tier.prefetches[1].start_page == 2, "storage tier: prefetched what the tree had"
     read_all(tier)
     device.evict_all()
-    assert tier.consume(1, PROMPT, "").inserted == 0
-    assert lost(tier) == {"prefix_evicted": 4}, f"storage tier: {lost(tier)}"
+    assert_consumed(tier, 0, prefix_evicted=4)
 
 
 def test_a_request_gone_is_lost_cancelled(backend):
@@ -188,10 +182,7 @@ def test_a_request_gone_is_lost_cancelled(backend):
 def test_content_addressing_writes_a_page_once(backend):
     store_pages(backend, STORED)
     tier, device = storage_tier(backend)
-    host = tier.host
-    pages = device.alloc(6)
-    write_kv(device.pool, pages, STORED)
-    host.on_new_nodes(device.insert(STORED, pages, "").new_nodes)
-    tier.put(settle(host)).done.wait()
+    tier.host.on_new_nodes(compute(device, STORED))
+    tier.put(settle(tier.host)).done.wait()
     assert tier.store.stats.puts == 0, "storage tier: wrote again what the store had"
     assert tier.stats.put_pages == 6
