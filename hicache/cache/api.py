@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
     from hicache.cache.radix import TreeNode
@@ -127,59 +127,71 @@ class KVHandle:
         self.state = state
 
 
+@runtime_checkable
 class KVCache(Protocol):
-    """What a scheduler needs from a KV cache. All calls run on the scheduler thread."""
+    """What a scheduler needs from a KV cache. All calls run on the scheduler thread, and with several
+    ranks every rank makes the same calls in the same order (the asynchronous results they take in
+    are agreed across ranks inside the calls)."""
 
     page_size: int
 
     def open(self, rid: int, prompt: Sequence[int], namespace: str) -> KVHandle:
-        """A request arrived: its handle, WAITING. Changes the tree: no (with a storage tier, a
-        prefetch of the prompt's stored continuation may start in the background)."""
+        """A request arrived: its handle, WAITING. Changes the tree: no (with a storage tier a prefetch
+        of what storage holds beyond the tree's match may start in the background). Locks: nothing."""
 
     def ready_to_admit(self, handle: KVHandle, busy: bool) -> bool:
         """False while the request waits for something (a storage prefetch). `busy`: other requests
-        run, so waiting would not leave the engine idle. Changes the tree: no."""
+        run, so waiting would not leave the engine idle. Changes the tree: no. Locks: nothing."""
 
     def admit(self, handle: KVHandle, total_pages: int) -> Admission:
         """WAITING → READY if the `total_pages` the request may ever need, less its cached prefix, fit in
         free + evictable pages minus what other handles were promised; else it stays WAITING, holding
-        nothing. Changes the tree: yes (a finished prefetch is inserted, the match may split a node,
-        a host continuation gets device pages, eviction may run). Locks the prefix while READY."""
+        nothing. Changes the tree: yes (a finished prefetch is inserted, the match may split a node and
+        counts a hit, a host continuation gets device pages, eviction may run). Locks: the matched
+        prefix while deciding, then its deepest usable node, held until release. Raises RuntimeError
+        for a handle that is not WAITING."""
 
     def extend(self, handle: KVHandle, end: int) -> None:
         """Give a READY handle pages for tokens [0, end), out of its reservation. Changes the tree: it
-        may evict unlocked nodes. Raises RuntimeError if that outgrows the reservation."""
+        may evict unlocked nodes (never the handle's locked prefix). Raises RuntimeError if that
+        outgrows the reservation."""
 
     def cache_prefix(self, handle: KVHandle, tokens: Sequence[int]) -> None:
         """Share the full pages of `tokens` (the request's sequence, computed up to len(tokens)) through
-        the tree, and move the handle's lock to their last node. Changes the tree: yes."""
+        the tree; where the tree had them first, its pages replace the handle's. Changes the tree: yes.
+        Locks: moves the handle's lock to the last of those pages' nodes (the new one first)."""
 
     def release(self, handle: KVHandle, tokens: Sequence[int]) -> None:
         """The request ended (finished or aborted), in any state: cache what it computed (`tokens`: its
-        sequence, at least kv_len long), drop its lock, free the rest, return what it was promised.
-        Changes the tree: yes."""
+        sequence, at least kv_len long), drop its lock, free the rest, return what it was promised,
+        cancel a prefetch still running for it; RELEASED. Changes the tree: yes. Raises ValueError
+        for fewer tokens than it computed, RuntimeError for a handle already released."""
 
     def check(self) -> None:
-        """Consume completed asynchronous transfers (once per scheduler step, on every rank)."""
+        """Take in completed asynchronous transfers (once per scheduler step, on every rank, even with
+        nothing in flight: it is an agreement across ranks). Changes the tree: yes (backed-up nodes
+        unlock and gain their host copy; failed ones lose it)."""
 
     def before_layer(self) -> Callable[[int], None] | None:
-        """A hook for the forward pass: wait for layer i of the loads in flight (None: nothing loads)."""
+        """A hook for the forward pass: wait for layer i of the loads in flight (None: nothing loads).
+        Raises RuntimeError from the hook if a load failed."""
 
     def flush(self) -> None:
-        """Drop every cached prefix on every in-memory tier (storage keeps its objects). Call only with
-        no open READY handle."""
+        """Drop every cached prefix on every in-memory tier (storage keeps its objects). Changes the
+        tree: it empties it. Call only with no open READY handle."""
 
     def leak_report(self) -> list[str]:
-        """What a flush should have left none of: pages out of their pools, locked nodes, promises."""
+        """What a flush should have left none of: pages out of their pools, locked nodes, promises,
+        prefetches."""
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """(used, capacity) in tokens per tier that exists."""
 
     def stats(self) -> CacheStats:
-        """Counters of the tiers (transfers, prefetch lifecycle, storage results)."""
+        """A snapshot of the tiers' counters (transfers, prefetch lifecycle, storage results)."""
 
     def checked_parts(self) -> list[object]:
         """The objects whose consensus-checked decisions the rank consensus checker records."""
 
     def shutdown(self) -> None:
-        """Stop background work."""
+        """Finish the copies in flight and stop background work."""

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.cache.api import TIERS, KVState, PrefixMatch
+from hicache.cache.api import TIERS, KVCache, KVState, PrefixMatch
 from hicache.cache.prefix_cache import PrefixCache
 from tests.cache.kv import PAGE, assert_kv, device_pool, write_kv
 
@@ -39,6 +39,7 @@ def run_prompt(cache: PrefixCache, rid: int, prompt: list[int], new_tokens: int 
 
 def test_a_handles_life():
     cache = PrefixCache(device_pool(16))
+    assert isinstance(cache, KVCache)
     handle = cache.open(1, PROMPT, "")
     assert handle.state is KVState.WAITING and handle.pages == [] and handle.kv_len == 0
     admission = cache.admit(handle, pages_for(len(PROMPT) + 4))

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from hicache.cache.api import KVHandle, PrefixMatch
+from hicache.cache.api import KVCache, KVHandle, PrefixMatch
 from hicache.cache.hierarchical import HierarchicalCache
 from hicache.cache.stats import CacheStats, HostStats, PrefetchLoss, StorageTierStats, WorkerStats
 from hicache.config import HiCacheConfig
@@ -67,6 +67,7 @@ def _tier_of(cached: PrefixMatch) -> str:
 
 def test_a_prefix_pushed_out_of_the_device_comes_back_from_the_host(tmp_path):
     cache = cache_for(tmp_path)
+    assert isinstance(cache, KVCache)
     serve(cache, 1, A)
     serve(cache, 2, B)  # six device pages: A's are evicted, kept on the host (written through)
     again = serve(cache, 3, A)
