@@ -2,7 +2,7 @@
 external storage, and never changes an answer."""
 
 from hicache.config import EngineConfig
-from hicache.engine.engine import Engine, GenerationResult
+from hicache.runtime.engine import Engine, GenerationResult
 from hicache.engine.request import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "GenerationResult", "SamplingParams"]

@@ -1,12 +1,14 @@
-"""Typed engine configuration: one dataclass per concern, validated at start-up, flags named as SGLang
-names them where the concept is the same. `add_engine_args` / `EngineConfig.from_args` are the only
-bridge between the CLI and the engine, so `generate`, `serve` and the benchmark's launcher share them."""
+"""Configuration (DESIGN.md, "configuration, CLI flags"): one dataclass per concern, validated at start-up,
+flags named as SGLang names them where the concept is the same. `add_engine_args` and
+`EngineConfig.from_args` (one generic `from_args` over the dataclass fields) are the only bridge between
+the CLI and the engine, so `generate`, `serve` and the benchmark's launcher share them."""
 
 from __future__ import annotations
 
 import argparse
 import logging
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, is_dataclass
+from typing import Any, TypeVar, get_type_hints
 
 import torch
 
@@ -16,13 +18,41 @@ from hicache.mem.host_pool import LAYOUTS
 logger = logging.getLogger(__name__)
 
 
+T = TypeVar("T")
+
+
+def from_args(cls: type[T], args: argparse.Namespace, prefix: str = "", **given: Any) -> T:
+    """A dataclass from parsed flags: each field from the attribute `prefix + name` when the parser has it
+    (else its default), a nested dataclass field built the same way from the same flags, and `given`
+    values taking precedence. The one bridge from argparse to every config dataclass, so adding a field
+    and its flag is all a new option takes."""
+    hints = get_type_hints(cls)
+    values: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if f.name in given:
+            values[f.name] = given[f.name]
+        elif is_dataclass(hints[f.name]):
+            values[f.name] = from_args(hints[f.name], args, prefix)
+        elif hasattr(args, prefix + f.name):
+            values[f.name] = getattr(args, prefix + f.name)
+    return cls(**values)
+
+
+class FromArgs:
+    """`Config.from_args(args)` for the config dataclasses below (see `from_args`)."""
+
+    @classmethod
+    def from_args(cls: type[T], args: argparse.Namespace) -> T:
+        return from_args(cls, args)
+
+
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_BACKENDS = ("file", "redis")
 
 
 @dataclass(frozen=True)
-class HiCacheConfig:
+class HiCacheConfig(FromArgs):
     """The host and storage tiers (`--enable-hierarchical-cache` and the `--hicache-*` flags)."""
 
     enable_hierarchical_cache: bool = False
@@ -58,10 +88,6 @@ class HiCacheConfig:
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0")
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "HiCacheConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
-
 
 def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
@@ -69,7 +95,7 @@ def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
+class ParallelConfig(FromArgs):
     """Ranks: tensor parallel (`--tp-size`) x pipeline parallel (`--pp-size`), one process per rank,
     optionally over several nodes (`--nnodes`, `--node-rank`, `--dist-init-addr`, as SGLang names them)."""
 
@@ -107,13 +133,9 @@ class ParallelConfig:
     def ranks_per_node(self) -> int:
         return self.world_size // self.nnodes
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "ParallelConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
-
 
 @dataclass(frozen=True)
-class DebugConfig:
+class DebugConfig(FromArgs):
     """Fault injection for tests of rank agreement, and for users reproducing a divergence."""
 
     debug_transfer_delay_ms: float = 0.0  # each transfer completes up to this much later (random, per-rank seed)
@@ -129,13 +151,9 @@ class DebugConfig:
         if self.debug_storage_fail_rank < 0:
             raise UserError(f"--debug-storage-fail-rank must be >= 0, got {self.debug_storage_fail_rank}")
 
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "DebugConfig":
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
-
 
 @dataclass(frozen=True)
-class EngineConfig:
+class EngineConfig(FromArgs):
     model: str = "tiny"
     page_size: int = 16
     max_total_tokens: int = 32768
@@ -146,6 +164,9 @@ class EngineConfig:
     dtype: str = "auto"
     disable_radix_cache: bool = False
     default_max_new_tokens: int = 128
+    # False: plain F.linear without the batch-invariant call shapes, for benchmarks that measure what
+    # invariance costs (no CLI flag: a prefix cache on plain ops can change answers).
+    batch_invariant_ops: bool = True
     hicache: HiCacheConfig = HiCacheConfig()
     parallel: ParallelConfig = ParallelConfig()
     debug: DebugConfig = DebugConfig()
@@ -193,17 +214,6 @@ class EngineConfig:
 
     def log(self) -> None:
         logger.info("engine config: %s (device=%s, dtype=%s)", asdict(self), self.resolved_device(), self.resolved_dtype())
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
-        nested = ("hicache", "parallel", "debug")
-        values = {f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name) and f.name not in nested}
-        return cls(
-            **values,
-            hicache=HiCacheConfig.from_args(args),
-            parallel=ParallelConfig.from_args(args),
-            debug=DebugConfig.from_args(args),
-        )
 
 
 def cpu_has_native_bf16() -> bool:

@@ -30,8 +30,9 @@ from collections import Counter
 from dataclasses import replace
 
 from hicache.bench.client import ENDPOINTS
-from hicache.bench.runner import Arm, BenchConfig
+from hicache.bench.config import Arm, BenchConfig
 from hicache.bench.workload import DATASETS, GSP, GSPParams, MultiRoundParams
+from hicache.config import from_args
 from hicache.errors import UserError
 
 
@@ -85,44 +86,22 @@ def _arms(args: argparse.Namespace) -> tuple[Arm, ...]:
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    workload: GSPParams | MultiRoundParams
     if args.dataset == GSP:
-        workload: GSPParams | MultiRoundParams = GSPParams(
-            num_groups=args.gsp_num_groups,
-            prompts_per_group=args.gsp_prompts_per_group,
-            system_prompt_len=args.gsp_system_prompt_len,
-            question_len=args.gsp_question_len,
-            output_len=args.gsp_output_len,
-            num_turns=args.gsp_num_turns,
-            range_ratio=args.gsp_range_ratio,
-            seed=args.seed,
-        )
+        workload = from_args(GSPParams, args, prefix="gsp_", seed=args.seed)
     else:
-        workload = MultiRoundParams(
-            num_users=args.num_users,
-            num_rounds=args.num_rounds,
-            shared_system_prompt_len=args.shared_system_prompt_len,
-            user_history_prompt_len=args.user_history_prompt_len,
-            question_len=args.question_len,
-            answer_len=args.answer_len,
-            user_join_interval_s=args.user_join_interval,
-            seed=args.seed,
-        )
+        workload = from_args(MultiRoundParams, args, user_join_interval_s=args.user_join_interval)
     base_url = args.base_url.rstrip("/") if args.base_url else None
     if base_url and base_url.endswith("/v1"):
         base_url = base_url[: -len("/v1")]  # an OpenAI-style base URL; the benchmark needs the server root
-    return BenchConfig(
+    # Fields named like their flags come from `args`; the rest are derived here.
+    return from_args(
+        BenchConfig,
+        args,
         workload=workload,
         arms=_arms(args),
         base_url=base_url,
-        endpoint=args.endpoint,
-        model=args.model,
-        tokenizer=args.tokenizer,
-        max_concurrency=args.max_concurrency,
-        request_rate=args.request_rate,
-        flush_cache=args.flush_cache,
-        warmup_requests=args.warmup_requests,
         extra_body=_json_object(args.extra_body),
-        output_file=args.output_file,
         request_timeout_s=args.request_timeout,
         progress=not args.disable_tqdm,
     )

@@ -11,7 +11,6 @@ import logging
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -21,24 +20,18 @@ from typing import IO
 
 import httpx
 
-import hicache
 from hicache.errors import UserError
+from hicache.runtime.launch import free_port
 
 logger = logging.getLogger(__name__)
 
 HOST = "127.0.0.1"
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
 def _child_env() -> dict[str, str]:
     """The environment with this `hicache` package first on the path, so the server runs the same code as
     the benchmark even when the package is not installed (a source checkout)."""
-    root = str(pathlib.Path(hicache.__file__).resolve().parent.parent)
+    root = str(pathlib.Path(__file__).resolve().parents[2])  # the directory that holds hicache/
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     return env
@@ -75,7 +68,7 @@ class ServerProcess:
     def start(self) -> None:
         if self._proc is not None:
             raise RuntimeError("the server is already running")
-        self.port = free_port()
+        self.port = free_port(HOST)
         command = [sys.executable, "-m", "hicache", "serve", *self.serve_args, "--host", HOST, "--port", str(self.port)]
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server, closed in stop()
         started = time.perf_counter()

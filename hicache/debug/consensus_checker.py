@@ -1,10 +1,11 @@
 """Rank consensus checker (DESIGN.md, "debugging"): finds the first cache or scheduling decision on
 which ranks disagree, before it surfaces as a shape mismatch or a hung collective.
 
-- `@consensus_checked(params=..., results=...)` marks a scheduler or cache method and selects which of
-  its arguments (before the call) and results (after it) must be equal on every rank. The mark is an
-  attribute on the function, which the decorator returns unchanged: an unchecked engine runs exactly
-  the code it would run without the checker.
+- `@consensus_checked(params=..., results=...)` (defined in hicache/dist/divergence.py, re-exported
+  here) marks a scheduler or cache method and selects which of its arguments (before the call) and
+  results (after it) must be equal on every rank. The mark is an attribute on the function, which the
+  decorator returns unchanged: an unchecked engine runs exactly the code it would run without the
+  checker.
 - `ConsensusChecker` is owned by one rank's scheduler. It reads `HICACHE_ENABLE_RANK_CONSENSUS_CHECKER`
   when it is built; when enabled, `instrument(obj)` wraps the marked methods of that object (and only
   of that object), each call is recorded in the rank's logical order and appended to
@@ -27,10 +28,13 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence, TypeVar
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
+# The marks and the error live below dist/ so that agreement code can raise and mark without importing
+# the checker; they are re-exported here, the checker's public face for the scheduler and the cache.
+from hicache.dist.divergence import SPEC_ATTR, CheckSpec, RankDivergenceError, consensus_checked
 from hicache.dist.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
@@ -38,43 +42,12 @@ logger = logging.getLogger(__name__)
 ENV_ENABLE = "HICACHE_ENABLE_RANK_CONSENSUS_CHECKER"
 ENV_LOG_DIR = "HICACHE_CONSENSUS_LOG_DIR"
 DEFAULT_LOG_DIR = "hicache-consensus-logs"
-SPEC_ATTR = "__consensus_check__"
 DIVERGENCE = "Found rank divergence"
 
-F = TypeVar("F", bound=Callable[..., Any])
-
-
-class RankDivergenceError(RuntimeError):
-    """Ranks made different decisions at the same logical point: the engine cannot continue safely."""
-
-
-@dataclass(frozen=True)
-class CheckSpec:
-    params: tuple[tuple[str, Any], ...]  # (label, selector) evaluated before the call
-    results: tuple[tuple[str, Any], ...]  # (label, selector) evaluated after it; "result" is the return value
-
-
-def _labelled(selectors: Sequence[str] | Mapping[str, Any]) -> tuple[tuple[str, Any], ...]:
-    if isinstance(selectors, Mapping):
-        return tuple(selectors.items())
-    return tuple((s, s) for s in selectors)
-
-
-def consensus_checked(
-    *, params: Sequence[str] | Mapping[str, Any] = (), results: Sequence[str] | Mapping[str, Any] = ("result",)
-) -> Callable[[F], F]:
-    """Marks a method whose selected arguments and results must agree across ranks.
-
-    A selector is a dotted path into the call's namespace (its arguments by name, `self`, and after
-    the call `result`), e.g. "req.rid" or "result", or a callable taking that namespace. A plain list
-    labels each value by its path; a mapping gives labels. Arguments not selected are ignored."""
-    spec = CheckSpec(_labelled(params), _labelled(results))
-
-    def mark(fn: F) -> F:
-        setattr(fn, SPEC_ATTR, spec)
-        return fn
-
-    return mark
+__all__ = [
+    "DIVERGENCE", "ENV_ENABLE", "ENV_LOG_DIR", "ConsensusChecker", "Divergence", "RankDivergenceError",
+    "check_logs", "consensus_checked", "first_divergence", "load_logs", "plain",
+]  # fmt: skip
 
 
 def _select(selector: Any, namespace: Mapping[str, Any]) -> Any:

@@ -32,7 +32,7 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from hicache.debug.consensus_checker import RankDivergenceError, consensus_checked
+from hicache.dist.divergence import RankDivergenceError, consensus_checked
 from hicache.dist.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from hicache.debug.consensus_checker import RankDivergenceError
+from hicache.dist.divergence import RankDivergenceError
 from hicache.dist.parallel import ParallelContext
 
 

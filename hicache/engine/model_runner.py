@@ -13,7 +13,7 @@ from hicache.dist.pipeline import StageLink
 from hicache.engine.request import Request, TokenLogprob
 from hicache.engine.sampler import sample
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.model.batch import KV_ALIGN, ForwardBatch, SeqSlice
+from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.llama import LlamaModel
 
 
@@ -46,9 +46,7 @@ class ModelRunner:
         for item in work:
             r, s, e = item.req, item.start, item.end
             kv_slots = self.pool.allocator.slots(r.kv.pages, e)
-            padded = torch.zeros(-(-e // KV_ALIGN) * KV_ALIGN, dtype=torch.int64)
-            padded[:e] = kv_slots
-            seqs.append(SeqSlice(len(ids), e - s, padded.to(self.pool.device), e))
+            seqs.append(SeqSlice(len(ids), e - s, kv_slots.to(self.pool.device)))
             out_slots.append(kv_slots[s:e])
             ids.extend(r.token(i) for i in range(s, e))
             positions.extend(range(s, e))

@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from hicache.engine.engine import Engine, RequestHandle
+from hicache.runtime.engine import Engine, RequestHandle
 from hicache.engine.request import TIERS, FinishReason, RequestEvent, SamplingParams, TokenLogprob
 from hicache.server.errors import APIError
 from hicache.server.metrics import ServerMetrics

@@ -16,8 +16,8 @@ from prometheus_client.registry import Collector
 
 from hicache.cache.api import TIERS
 from hicache.cache.stats import CacheStats
-from hicache.engine.engine import Engine
 from hicache.engine.request import FinishReason
+from hicache.runtime.engine import Engine
 
 REQUEST_STATUSES = tuple(r.value for r in FinishReason) + ("rejected",)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)

@@ -11,7 +11,8 @@ import pytest
 
 from hicache.bench.launcher import ServerProcess
 from hicache.bench.report import PLOTS, write_report
-from hicache.bench.runner import Arm, BenchConfig, run_bench
+from hicache.bench.config import Arm, BenchConfig
+from hicache.bench.runner import run_bench
 from hicache.bench.workload import GSPParams
 from hicache.cli import build_parser, main
 from hicache.errors import UserError

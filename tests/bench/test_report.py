@@ -9,7 +9,8 @@ import pathlib
 import pytest
 
 from hicache.bench.report import PLOTS, load_results, markdown_table, write_report
-from hicache.bench.runner import Arm, BenchConfig, run_bench
+from hicache.bench.config import Arm, BenchConfig
+from hicache.bench.runner import run_bench
 from hicache.bench.workload import GSPParams, load_tokenizer
 from hicache.errors import UserError
 from tests.bench.fake_server import FakeOpenAIServer

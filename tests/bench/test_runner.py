@@ -5,15 +5,15 @@ infinite cache, the output file's summary agrees with its request rows, and fail
 from __future__ import annotations
 
 import json
-import math
 import pathlib
 
 import numpy as np
 import pytest
 
 from hicache.bench.metrics import TIERS
-from hicache.bench.runner import Arm, BenchConfig, _arrivals, run_bench, serve_model
-from hicache.bench.workload import Conversation, GSPParams, MultiRoundParams, load_tokenizer
+from hicache.bench.config import Arm, BenchConfig, serve_model
+from hicache.bench.runner import run_bench
+from hicache.bench.workload import GSPParams, MultiRoundParams, load_tokenizer
 from hicache.errors import UserError
 from tests.bench.fake_server import FakeOpenAIServer
 
@@ -142,14 +142,6 @@ def test_multi_round_dataset_runs(fake: FakeOpenAIServer) -> None:
     (summary,) = run_bench(config(workload=params), transport=fake.transport)
     assert summary["completed"] == 6 and summary["dataset"] == "multi-round" and summary["num_rounds"] == 2
     assert summary["hit_rate"] == pytest.approx(summary["ideal_hit_rate"])
-
-
-def test_arrivals_follow_rate_and_join_times() -> None:
-    convs = [Conversation(i, 0, "", "", (), start_offset_s=s) for i, s in enumerate([0.0, 0.0, 5.0, 0.0])]
-    assert _arrivals(convs, math.inf, 1) == [0.0, 0.0, 5.0, 0.0]
-    times = _arrivals(convs, 2.0, 1)
-    assert times == _arrivals(convs, 2.0, 1)  # the same schedule for every arm
-    assert times[0] == 0.0 and 0 < times[1] and times[2] >= 5.0 and times[1] < times[3]
 
 
 def test_config_validation() -> None:

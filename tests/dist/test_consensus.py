@@ -13,14 +13,13 @@ import threading
 import time
 
 import pytest
-import torch.multiprocessing as mp
 
 from hicache.cache.controller import AckQueue, TransferOp
 from hicache.config import EngineConfig, ParallelConfig
 from hicache.debug.consensus_checker import RankDivergenceError
 from hicache.dist.consensus import Consensus
-from hicache.dist.launch import free_port, init_distributed
-from hicache.dist.rank_worker import RankSpec
+from hicache.runtime.rank_worker import RankSpec, init_distributed
+from tests.dist.ranks import outcomes_of, report
 
 TP, PP = 2, 2
 
@@ -30,6 +29,15 @@ def op(ident: int, done: bool) -> TransferOp:
     if done:
         o.done.set()
     return o
+
+
+def divergence(agreement) -> str:
+    """The message of the divergence the agreement found, or "ok"."""
+    try:
+        agreement()
+    except RankDivergenceError as exc:
+        return str(exc)
+    return "ok"
 
 
 def scenario(rank: int, consensus: Consensus) -> dict:
@@ -58,20 +66,12 @@ def scenario(rank: int, consensus: Consensus) -> dict:
     out["second"] = consensus.agree_min("transfer_acks", [queue.ready()])
     # 4. Rank 2 (stage 1) consumes something else; it is named at the next agreement.
     consensus.confirm("transfer_acks", [99 if rank == 2 else 1])
-    try:
-        consensus.agree_min("transfer_acks", [0])
-        out["third"] = "ok"
-    except RankDivergenceError as exc:
-        out["third"] = str(exc)
+    out["third"] = divergence(lambda: consensus.agree_min("transfer_acks", [0]))
     if stage == 0:
         # 5. Rank 1 (a TP peer of the first stage) diverges: both first-stage ranks find out. (Later
         # stages would wait for a message that never comes; the engine's ranks would then all fail.)
         consensus.confirm("transfer_acks", [7 if rank == 1 else 1])
-        try:
-            consensus.agree_min("transfer_acks", [0])
-            out["fourth"] = "ok"
-        except RankDivergenceError as exc:
-            out["fourth"] = str(exc)
+        out["fourth"] = divergence(lambda: consensus.agree_min("transfer_acks", [0]))
     consensus.flush()
     return out
 
@@ -79,26 +79,12 @@ def scenario(rank: int, consensus: Consensus) -> dict:
 def _rank(rank: int, init: str, results) -> None:
     cfg = EngineConfig(parallel=ParallelConfig(tp_size=TP, pp_size=PP, dist_timeout=30))
     pctx = init_distributed(RankSpec(rank, rank, TP * PP, init, 1, 30), cfg)
-    results.put((rank, scenario(rank, Consensus(pctx))))
-    import torch.distributed as dist
-
-    dist.barrier(group=pctx.world_group)
-    dist.destroy_process_group()
+    report(rank, scenario(rank, Consensus(pctx)), pctx, results)
 
 
 @pytest.fixture(scope="module")
 def outcomes() -> dict[int, dict]:
-    ctx = mp.get_context("spawn")
-    results = ctx.Queue()
-    init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [ctx.Process(target=_rank, args=(r, init, results)) for r in range(TP * PP)]
-    for p in procs:
-        p.start()
-    got = dict(results.get(timeout=120) for _ in procs)
-    for p in procs:
-        p.join(30)
-        assert p.exitcode == 0
-    return got
+    return outcomes_of(_rank, TP * PP)
 
 
 def test_first_stage_agrees_on_the_min_and_later_stages_follow(outcomes):

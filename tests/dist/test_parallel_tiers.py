@@ -59,22 +59,24 @@ def assert_clean(engine: Engine) -> None:
     assert used["device"][0] == 0 and used["host"][0] == 0
 
 
+def run_equal_to(engine: Engine, reference) -> list:
+    """Run the workload: no request fails, the tokens equal `reference`'s, every tier served, no leak."""
+    turns = w.run(engine)
+    assert w.errors(turns) == []
+    assert w.tokens(turns) == w.tokens(reference)
+    assert_every_tier_served(turns)
+    assert_clean(engine)
+    return turns
+
+
 def test_pp2_equals_single_rank_cache_off(tp1_reference, tmp_path):
     with cached_engine(tmp_path / "store", pp=2) as engine:
-        turns = w.run(engine)
-        assert w.errors(turns) == []
-        assert w.tokens(turns) == w.tokens(tp1_reference)
-        assert_every_tier_served(turns)
-        assert_clean(engine)
+        run_equal_to(engine, tp1_reference)
 
 
 def test_tp2_equals_tp2_cache_off_and_stays_close_to_tp1(tp1_reference, tp2_reference, tmp_path):
     with cached_engine(tmp_path / "store", tp=2) as engine:
-        turns = w.run(engine)
-        assert w.errors(turns) == []
-        assert w.tokens(turns) == w.tokens(tp2_reference)
-        assert_every_tier_served(turns)
-        assert_clean(engine)
+        run_equal_to(engine, tp2_reference)
     for tp1, tp2 in zip(w.first_token_logprobs(tp1_reference), w.first_token_logprobs(tp2_reference)):
         tp2_of = dict(tp2)
         assert tp1[0][0] == tp2[0][0], "the greedy first token differs"
@@ -107,12 +109,8 @@ def test_tp2_pp2_with_delayed_transfers_agree_and_equal(tp2_reference, tmp_path,
     """100 multi-turn requests, every copy completing up to 50 ms late in a different order on each
     rank: the checker finds every rank's decisions equal, and so are the outputs."""
     with _delayed_run(tmp_path / "store", tmp_path / "logs", monkeypatch, disable_pp_sync=False) as engine:
-        turns = w.run(engine)
-        assert w.errors(turns) == []
+        turns = run_equal_to(engine, tp2_reference)
         assert sum(len(t) for t in turns) >= 100
-        assert w.tokens(turns) == w.tokens(tp2_reference)
-        assert_every_tier_served(turns)
-        assert_clean(engine)
     checked = consensus_check(tmp_path / "logs")
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "4 ranks agree" in checked.stdout

@@ -1,6 +1,6 @@
 """The model runner's batch building: one step's work items (a decode token, prefill chunks) become one
-flat batch whose ids, positions, KV slots (the request's pages, padded for batch invariance) and logit
-rows are exactly those of each item; and every item that reaches its last known token gets a sample."""
+flat batch whose ids, positions, KV slots (those of the request's pages) and logit rows are exactly
+those of each item; and every item that reaches its last known token gets a sample."""
 
 from __future__ import annotations
 
@@ -9,10 +9,9 @@ import torch
 
 from hicache.config import EngineConfig
 from hicache.dist.parallel import ParallelContext
-from hicache.engine.build import build_scheduler
+from hicache.runtime.build import build_scheduler
 from hicache.engine.model_runner import WorkItem
 from hicache.engine.request import Request, SamplingParams
-from hicache.model.batch import KV_ALIGN
 from hicache.model.tiny import load_tiny
 
 PAGE = 16
@@ -20,7 +19,7 @@ PAGE = 16
 
 @pytest.fixture(scope="module")
 def scheduler():
-    cfg = EngineConfig(model="tiny", max_total_tokens=64 * PAGE, page_size=PAGE, dtype="float32", device="cpu")
+    cfg = EngineConfig(model="tiny", max_total_tokens=64 * PAGE, page_size=PAGE, device="cpu")
     return build_scheduler(cfg, load_tiny(), ParallelContext())
 
 
@@ -49,8 +48,7 @@ def test_a_mixed_batch_keeps_each_items_tokens_slots_and_logit_row(scheduler):
     for item, seq, start in zip(work, batch.seqs, starts):
         slots = allocator.slots(item.req.kv.pages, item.end)
         assert (seq.start, seq.length, seq.kv_len) == (start, item.end - item.start, item.end)
-        assert seq.kv_slots.shape[0] % KV_ALIGN == 0 and seq.kv_slots.shape[0] >= item.end
-        assert torch.equal(seq.kv_slots[: item.end], slots), f"request {item.req.rid}: attention reads other slots"
+        assert torch.equal(seq.kv_slots, slots), f"request {item.req.rid}: attention reads other slots"
         assert torch.equal(batch.out_slots[start : start + seq.length], slots[item.start :])
     # Only the decode token and the chunk that finishes its prompt need logits (the fresh prompt has more).
     assert [item.needs_logits for item in work] == [True, False, True]

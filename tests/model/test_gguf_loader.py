@@ -18,13 +18,13 @@ from hicache.model.chat import ChatTemplate
 from hicache.model.checkpoint import expected_weight_shapes
 from hicache.model.config import LoadedModel
 from hicache.model.gguf_loader import load_gguf, smollm2_path, unpermute_qk
+from tests.fixtures import SMOLLM2_REFERENCE
 
-FIXTURE = pathlib.Path("/work/shared/fixtures/smollm2_reference.json")
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    return json.loads(FIXTURE.read_text())
+    return json.loads(SMOLLM2_REFERENCE.read_text())
 
 
 @pytest.fixture(scope="module")

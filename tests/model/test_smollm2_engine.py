@@ -1,20 +1,18 @@
 """The embedded real model through the engine: against an independent reference (transformers' Llama
-on the same GGUF, float32, fixture in shared/fixtures), its chat answer, and the cache invariant on a
+on the same GGUF, float32, fixture in tests/fixtures), its chat answer, and the cache invariant on a
 3-turn conversation."""
 
 import json
-import pathlib
 
 import pytest
 
 from hicache import Engine, SamplingParams
-
-FIXTURE = pathlib.Path(__file__).resolve().parents[3] / "shared" / "fixtures" / "smollm2_reference.json"
+from tests.fixtures import SMOLLM2_REFERENCE
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
-    return json.loads(FIXTURE.read_text())
+    return json.loads(SMOLLM2_REFERENCE.read_text())
 
 
 def test_float32_matches_reference_tokens_and_logprobs(reference):

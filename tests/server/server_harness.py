@@ -7,7 +7,6 @@ import contextlib
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,14 +15,10 @@ from collections.abc import Iterator
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from hicache.runtime.launch import free_port
+
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STARTUP_DEADLINE_S = 60.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class ServerProcess:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.engine.engine import Engine
+from hicache.runtime.engine import Engine
 from hicache.model.tokenizer import ByteTokenizer
 from hicache.server.streaming import IncrementalDetokenizer
 

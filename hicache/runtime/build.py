@@ -1,6 +1,6 @@
-"""Builds one rank's scheduler (model shard, device pool, cache tiers, consensus, checker) from the
-configuration and a ParallelContext. The single-rank engine and every rank process of a TP/PP
-deployment build it here, so both run the same code."""
+"""Build (DESIGN.md, "runtime"): one rank's scheduler (model shard, device pool, cache tiers, consensus,
+checker) from the configuration and a ParallelContext. The single-rank engine and every rank process
+of a TP/PP deployment build it here, so both run the same code."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ from hicache.dist.parallel import ParallelContext
 from hicache.engine.model_runner import ModelRunner
 from hicache.engine.scheduler import Scheduler
 from hicache.errors import UserError
+from hicache.model.invariance import InvarianceReport
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.config import LoadedModel, ModelConfig
-from hicache.model.llama import LlamaModel
+from hicache.model.build import build_decoder
 
 
 def context_length(cfg: EngineConfig, model: ModelConfig) -> int:
@@ -32,9 +33,21 @@ def check_topology(cfg: EngineConfig, model: ModelConfig) -> None:
         raise UserError(f"--pp-size {pp} is more than the model's {model.num_layers} layers")
 
 
+def check_invariance(cfg: EngineConfig, report: InvarianceReport) -> None:
+    """A prefix cache is refused where the self-check failed: it could change answers there. Without
+    one, every token is computed the same way in every run, so there is nothing to protect."""
+    if report.verified or cfg.disable_radix_cache or not cfg.batch_invariant_ops:
+        return
+    raise UserError(
+        f"batch-invariance self-check failed on this machine ({report.detail}); a prefix cache could change "
+        "answers here, so it is refused: serve with --disable-radix-cache, or try --dtype float32/bfloat16"
+    )
+
+
 def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContext) -> Scheduler:
     device, dtype = cfg.resolved_device(), cfg.resolved_dtype()
-    model = LlamaModel(loaded.config, loaded.weights, pctx, dtype, device)
+    model = build_decoder(loaded, pctx, dtype, device, invariant=cfg.batch_invariant_ops)
+    check_invariance(cfg, model.invariance)
     pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device)
     checker = ConsensusChecker(pctx)
     cache: PrefixCache

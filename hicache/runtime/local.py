@@ -1,6 +1,6 @@
-"""The single-rank runtime: the scheduler of the only rank runs on a background thread of the caller's
-process. The engine front hands it requests, cancels and control commands and receives events through
-a callback. (With several ranks, hicache/dist/front.py plays this role over rank processes.)"""
+"""The local runtime (DESIGN.md, "runtime"): at one rank, the scheduler runs on a background thread of the
+caller's process. The engine front hands it requests, cancels and control commands and receives events
+through a callback. (With several ranks, rank_front.py plays this role over rank processes.)"""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from typing import Callable
 
 import torch
 
-from hicache.engine.commands import COMMANDS
 from hicache.engine.request import FinishReason, Request, RequestEvent
 from hicache.engine.scheduler import Scheduler
+from hicache.runtime.base import check_usable
+from hicache.runtime.commands import COMMANDS
 
 logger = logging.getLogger(__name__)
 
@@ -21,6 +22,8 @@ IDLE_POLL_S = 0.002  # while requests wait on a storage prefetch and nothing run
 
 
 class LocalRuntime:
+    """Satisfies runtime.base.Runtime with the one scheduler on a thread; `call` runs any function there."""
+
     def __init__(self, scheduler: Scheduler, dispatch: Callable[[RequestEvent], None]) -> None:
         self.scheduler = scheduler
         self._dispatch = dispatch
@@ -36,8 +39,7 @@ class LocalRuntime:
 
     def submit(self, req: Request) -> None:
         with self._wake:
-            if self._stopped:
-                raise RuntimeError("the engine is shut down")
+            check_usable(None, self._stopped)
             self._inbox.append(req)
             self._wake.notify()
 
@@ -54,8 +56,7 @@ class LocalRuntime:
         """Run `fn` on the scheduler thread between two steps and return its result."""
         fut: Future = Future()
         with self._wake:
-            if self._stopped:
-                raise RuntimeError("the engine is shut down")
+            check_usable(None, self._stopped)
             self._control.append((fn, fut))
             self._wake.notify()
         return fut.result()

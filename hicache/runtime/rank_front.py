@@ -1,7 +1,7 @@
-"""The engine front's side of a multi-rank deployment (tp_size x pp_size > 1): the runtime `Engine` uses
-in place of the single-rank scheduler thread.
+"""The rank front (DESIGN.md, "runtime"): the engine front's side of a multi-rank deployment (tp_size x
+pp_size > 1), the `Runtime` that `Engine` uses in place of the single-rank scheduler thread.
 
-It starts this node's ranks (hicache/dist/launch.py), waits until every rank has joined and built its
+It starts this node's ranks (launch.py), waits until every rank has joined and built its
 scheduler, then sends requests, cancels and control commands to rank 0 and pumps rank 0's events back
 to the engine. The pump also watches the ranks: if one exits, or reports a failure (a divergence
 found by the checker, a crash), every in-flight request fails with the reason, the remaining ranks are
@@ -20,10 +20,11 @@ from concurrent.futures import Future
 from typing import Callable
 
 from hicache.config import EngineConfig
-from hicache.dist.launch import LocalRanks
-from hicache.dist.rank_worker import RankFailure
 from hicache.engine.request import Request, RequestEvent
 from hicache.errors import UserError
+from hicache.runtime.base import check_usable
+from hicache.runtime.launch import LocalRanks
+from hicache.runtime.rank_worker import RankFailure
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,8 @@ def _exit_reason(rank: int, code: int | None) -> str:
 
 
 class RankRuntime:
+    """Satisfies runtime.base.Runtime over this node's rank processes (or torchrun rank 0's thread)."""
+
     def __init__(
         self, cfg: EngineConfig, dispatch: Callable[[RequestEvent], None], on_failure: Callable[[str], None]
     ) -> None:
@@ -88,15 +91,9 @@ class RankRuntime:
 
     # ---- engine side ---------------------------------------------------------------------------
 
-    def _check(self) -> None:
-        if self._failed is not None:
-            raise RuntimeError(f"the engine failed: {self._failed.splitlines()[0]}")
-        if self._stopping:
-            raise RuntimeError("the engine is shut down")
-
     def submit(self, req: Request) -> None:
         with self._lock:
-            self._check()
+            check_usable(self._failed, self._stopping)
             self._posted += 1
             self.ranks.inbox.put(("request", req))
 
@@ -107,7 +104,7 @@ class RankRuntime:
     def control(self, command: str) -> object:
         fut: Future = Future()
         with self._lock:
-            self._check()
+            check_usable(self._failed, self._stopping)
             control_id = next(self._control_ids)
             self._controls[control_id] = fut
             self.ranks.inbox.put(("control", control_id, command))

@@ -1,5 +1,5 @@
-"""Starting ranks and joining them into a job: where each rank's process comes from (spawned by the engine
-front, by a follower node, or by torchrun), and the process groups of its ParallelContext.
+"""Launch (DESIGN.md, "runtime"): where each rank's process comes from (spawned by the engine front, by a
+follower node, or by torchrun) and the rendezvous address it joins (rank_worker.py joins it).
 
 Launch modes:
 - one node (default): the front spawns tp*pp processes that rendezvous on tcp://127.0.0.1:<free port>
@@ -8,9 +8,6 @@ Launch modes:
   its share of the ranks, every other node runs `run_follower_node` (its ranks only);
 - torchrun: each process is one rank (env://); rank 0 hosts the front and runs its rank on a thread,
   the others run `run_torchrun_rank`.
-
-Every process group gets a finite timeout (--dist-timeout), so a rank that never arrives makes its
-peers fail instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -20,27 +17,25 @@ import os
 import queue
 import socket
 import threading
-from datetime import timedelta
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hicache.config import EngineConfig
-from hicache.dist.parallel import ParallelContext
-from hicache.dist.rank_worker import RankSpec, rank_main
 from hicache.errors import UserError
+from hicache.runtime.rank_worker import RankSpec, rank_main
 
 logger = logging.getLogger(__name__)
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the kernel's pick), for a rendezvous or a server. The one
+    definition for the runtime, the benchmark's servers and the tests."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def torchrun_rank() -> int | None:
@@ -54,46 +49,12 @@ def _threads_per_rank(ranks_here: int) -> int:
     return max(1, (os.cpu_count() or 1) // ranks_here)
 
 
-def init_distributed(spec: RankSpec, cfg: EngineConfig) -> ParallelContext:
-    """Join the job and build this rank's groups. Every rank creates every group, in the same order
-    (torch.distributed requires it), and keeps those it belongs to."""
-    par = cfg.parallel
-    device = cfg.resolved_device()
-    if device.type == "cuda":
-        torch.cuda.set_device(spec.local_rank)
-    timeout = timedelta(seconds=par.dist_timeout)
-    compute = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(
-        compute, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size, timeout=timeout
-    )
-    tp, pp = par.tp_size, par.pp_size
-    tp_rank, pp_rank = spec.rank % tp, spec.rank // tp
-
-    def group(ranks: list[int], backend: str) -> Any:
-        return dist.new_group(ranks, backend=backend, timeout=timeout)
-
-    everyone = list(range(spec.world_size))
-    world_group = group(everyone, "gloo")
-    storage_group = group(everyone, "gloo")
-    mine: dict[str, Any] = {}
-    if tp > 1:
-        for stage in range(pp):
-            ranks = [stage * tp + t for t in range(tp)]
-            compute_group, cpu_group = group(ranks, compute), group(ranks, "gloo")
-            if stage == pp_rank:
-                mine["tp_group"], mine["tp_cpu_group"] = compute_group, cpu_group
-    if pp > 1:
-        for index in range(tp):
-            ranks = [stage * tp + index for stage in range(pp)]
-            compute_group, cpu_group = group(ranks, compute), group(ranks, "gloo")
-            if index == tp_rank:
-                mine["pp_group"], mine["pp_cpu_group"] = compute_group, cpu_group
-    pctx = ParallelContext(
-        tp_size=tp, tp_rank=tp_rank, pp_size=pp, pp_rank=pp_rank,
-        world_group=world_group, storage_group=storage_group, **mine,
-    )  # fmt: skip
-    logger.info("rank %d joined as %s", spec.rank, pctx.suffix)
-    return pctx
+def _torchrun_spec(log_level: int) -> RankSpec:
+    """This process's rank as torchrun's environment describes it (env:// rendezvous)."""
+    rank = torchrun_rank()
+    assert rank is not None
+    threads = _threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return RankSpec(rank, int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]), "env://", threads, log_level)
 
 
 def _init_method(cfg: EngineConfig) -> str:
@@ -116,9 +77,7 @@ class LocalRanks:
                 raise UserError(f"torchrun started {world} processes but --tp-size x --pp-size is {par.world_size}")
             self.inbox: Any = queue.Queue()
             self.outbox: Any = queue.Queue()
-            local = int(os.environ["LOCAL_RANK"])
-            threads = _threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-            spec = RankSpec(0, local, world, "env://", threads, log_level)
+            spec = _torchrun_spec(log_level)
             self.thread = threading.Thread(target=rank_main, args=(spec, cfg, self.inbox, self.outbox), daemon=True)
             self.thread.start()
             return
@@ -193,13 +152,8 @@ def run_follower_node(cfg: EngineConfig) -> int:
 
 def run_torchrun_rank(cfg: EngineConfig) -> int:
     """Under torchrun, every process but rank 0 is a bare rank: run it here until shutdown."""
-    rank = torchrun_rank()
-    assert rank is not None and rank > 0
-    local = int(os.environ["LOCAL_RANK"])
-    spec = RankSpec(
-        rank, local, int(os.environ["WORLD_SIZE"]), "env://",
-        _threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))), logging.getLogger().getEffectiveLevel(),
-    )  # fmt: skip
+    spec = _torchrun_spec(logging.getLogger().getEffectiveLevel())
+    assert spec.rank > 0
     try:
         rank_main(spec, cfg, None, None)
     except SystemExit as exc:

@@ -1,6 +1,6 @@
-"""Control commands the engine front runs on the scheduler between two steps (flush, leak report, cache
-counters, pool usage), by name, so that with several ranks the same command can be broadcast to every
-rank and the per-rank answers combined into one."""
+"""Control commands (DESIGN.md, "runtime") the engine front runs on the scheduler between two steps
+(flush, leak report, cache counters, pool usage), by name, so that with several ranks the same command
+can be broadcast to every rank and the per-rank answers combined into one."""
 
 from __future__ import annotations
 

@@ -1,12 +1,16 @@
-"""`Engine`: the offline and serving front of hicache.
+"""`Engine`: the offline and serving front of hicache (DESIGN.md, "runtime").
 
-It loads the tokenizer and model configuration and starts a runtime: at one rank, the scheduler loop on
-a background thread of this process (local_runtime.py); with --tp-size x --pp-size > 1, one process per
-rank running the same scheduler in lockstep (hicache/dist/front.py). Callers submit prompts from any
+It loads the tokenizer and model configuration and starts a runtime (base.Runtime): at one rank, the
+scheduler loop on a background thread of this process (local.py); with --tp-size x --pp-size > 1, one
+process per rank running the same scheduler in lockstep (rank_front.py). Callers submit prompts from any
 thread and receive `RequestEvent`s through a `RequestHandle` (a queue, or a callback for asyncio
 servers). Tokenization and validation happen in the caller's thread, so a bad request fails there with
 a `UserError` and never reaches a scheduler. If a rank dies, every in-flight request fails with the
 reason, the engine refuses new work, and `on_fatal` callbacks run (the server exits on them).
+
+Why here and not in engine/: the front chooses the runtime, so it sits above the runtimes, and they run
+the engine's scheduler; a front in engine/ would make engine and runtime import each other. The server
+and the benchmark build on it, and `hicache` re-exports it (`from hicache import Engine`).
 """
 
 from __future__ import annotations
@@ -19,14 +23,15 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
 from hicache.config import EngineConfig
-from hicache.dist.front import RankRuntime
 from hicache.dist.parallel import ParallelContext
-from hicache.engine.build import build_scheduler, check_topology, context_length
-from hicache.engine.local_runtime import LocalRuntime
 from hicache.engine.request import FinishReason, Request, RequestEvent, SamplingParams, TokenLogprob, TIERS
 from hicache.engine.scheduler import check_request_fits
 from hicache.errors import UserError
 from hicache.model.loader import load_model
+from hicache.runtime.base import Runtime, check_usable
+from hicache.runtime.build import build_scheduler, check_topology, context_length
+from hicache.runtime.local import LocalRuntime
+from hicache.runtime.rank_front import RankRuntime
 
 logger = logging.getLogger(__name__)
 
@@ -134,12 +139,13 @@ class Engine:
         self._stopped = False
         self.fatal_error: str | None = None
         self._fatal_callbacks: list[Callable[[str], None]] = []
-        self._runtime: LocalRuntime | RankRuntime
+        # Only here does the topology pick a runtime; everything else goes through the Runtime protocol.
+        self._runtime: Runtime
         if cfg.parallel.world_size == 1:
             self._runtime = LocalRuntime(build_scheduler(cfg, loaded, ParallelContext()), self._dispatch)
         else:
             check_topology(cfg, loaded.config)
-            del loaded  # every rank loads its own shard
+            del loaded  # every rank loads its own shard; the weights are not kept here meanwhile
             self._runtime = RankRuntime(cfg, self._dispatch, self._fail)
 
     # ---- client side ---------------------------------------------------------------------------
@@ -247,10 +253,7 @@ class Engine:
     # ---- runtime side --------------------------------------------------------------------------
 
     def _check_alive(self) -> None:
-        if self.fatal_error is not None:
-            raise RuntimeError(f"the engine failed: {self.fatal_error.splitlines()[0]}")
-        if self._stopped:
-            raise RuntimeError("the engine is shut down")
+        check_usable(self.fatal_error, self._stopped)
 
     def _dispatch(self, event: RequestEvent) -> None:
         with self._lock:

@@ -1,5 +1,7 @@
-"""One rank's process: builds this rank's scheduler (its layers, its KV heads, its own radix tree, pools and
-transfer workers) and runs the SPMD loop.
+"""The rank worker (DESIGN.md, "runtime"): one rank's process. It joins the job (the process groups of its
+ParallelContext, each with a finite timeout, --dist-timeout, so a rank that never arrives makes its
+peers fail instead of waiting forever), builds this rank's scheduler (its layers, its KV heads, its own
+radix tree, pools and transfer workers) and runs the SPMD loop.
 
 Each iteration, rank 0 takes what the engine front sent (requests, cancels, control commands, shutdown)
 and broadcasts it on the world gloo group, so every rank applies the same operations in the same
@@ -20,20 +22,21 @@ import os
 import queue
 import signal
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hicache.config import EngineConfig
-from hicache.debug.consensus_checker import RankDivergenceError
-from hicache.dist.parallel import ParallelContext
-from hicache.engine.build import build_scheduler
-from hicache.engine.commands import COMMANDS, combine
+from hicache.dist.divergence import RankDivergenceError
+from hicache.dist.parallel import Mesh, ParallelContext
 from hicache.engine.request import FinishReason, RequestEvent
 from hicache.engine.scheduler import Scheduler
 from hicache.errors import UserError
 from hicache.model.loader import load_model
+from hicache.runtime.build import build_scheduler
+from hicache.runtime.commands import COMMANDS, combine
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +69,22 @@ class RankSpec:
     threads: int  # torch intra-op threads: this node's cores shared among its ranks
     log_level: int
     parent_pid: int | None = None  # spawned ranks leave when the front's process is gone
+
+
+def init_distributed(spec: RankSpec, cfg: EngineConfig) -> ParallelContext:
+    """Join the job and build this rank's groups (ParallelContext.create)."""
+    par = cfg.parallel
+    device = cfg.resolved_device()
+    if device.type == "cuda":
+        torch.cuda.set_device(spec.local_rank)
+    timeout = timedelta(seconds=par.dist_timeout)
+    compute = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        compute, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size, timeout=timeout
+    )
+    pctx = ParallelContext.create(spec.rank, Mesh(pp=par.pp_size, tp=par.tp_size), compute, timeout)
+    logger.info("rank %d joined as %s", spec.rank, pctx.suffix)
+    return pctx
 
 
 def is_consequence(exc: BaseException) -> bool:
@@ -175,8 +194,6 @@ class RankWorker:
 
 def rank_main(spec: RankSpec, cfg: EngineConfig, inbox: Any, outbox: Any) -> None:
     """Entry point of a rank process (and of rank 0's thread under torchrun)."""
-    from hicache.dist.launch import init_distributed
-
     if spec.parent_pid is not None:  # a process the front spawned
         logging.basicConfig(
             level=spec.log_level, format=f"%(asctime)s %(levelname)s rank{spec.rank} %(name)s: %(message)s"

@@ -1,0 +1,39 @@
+"""What the engine needs of a model: its KV layout, its shard geometry, and a forward pass.
+
+Everything above the model (pools, tiers, the model runner) sees only this Protocol, so another
+family (an MLA model with a latent KV, a draft model) plugs in by implementing it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.mem.kv_layout import KVLayout
+from hicache.model.batch import ForwardBatch
+from hicache.model.config import ModelConfig
+
+if TYPE_CHECKING:  # invariance.py probes a DecoderModel
+    from hicache.model.invariance import InvarianceReport
+
+
+class DecoderModel(Protocol):
+    cfg: ModelConfig
+    dtype: torch.dtype
+    device: torch.device
+    kv_layout: KVLayout  # one token's KV row per local layer
+    layer_range: tuple[int, int]  # [start, end) of this rank's layers, model-global
+    kv_head_range: tuple[int, int]  # [start, end) of this rank's KV heads, model-global
+    invariance: InvarianceReport | None  # the start-up self-check's verdict (hicache/model/build.py)
+
+    @property
+    def num_local_layers(self) -> int: ...
+
+    def linear_plans(self) -> dict[str, str]:
+        """How the batch-invariant ops shape each weight's GEMM calls."""
+
+    def forward(self, batch: ForwardBatch, pool: DeviceKVPool, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (first pipeline stage) or hidden states (later stages) in; logits of
+        `batch.logit_rows` (last stage) or hidden states out. Writes the batch's KV into `pool`."""

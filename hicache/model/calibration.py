@@ -1,0 +1,185 @@
+"""Measures, on the machine the engine runs on, which call shape makes each linear layer row-invariant.
+
+For a weight shape, a candidate plan (backend + row granule, or fixed tiles) passes when every call
+of 1 to 16 rows, at two offsets into a 64-row reference call, and the first rows of a large
+odd-sized call give bit for bit the rows of the reference call, on operands built so that any
+change of summation order shows in the output. Candidates are tried in order of speed: oneDNN on a
+reordered weight, then `F.linear`, each with the smallest granule in GRANULES that passes, then
+fixed TILE-row tiles. What was found is kept in a JSON file per platform fingerprint (torch build,
+CPU or GPU model, the ISA and reproducibility variables that steer MKL and oneDNN, thread count), so
+a restart does not measure again; the start-up self-check still verifies the assembled model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import pathlib
+import platform
+import tempfile
+from dataclasses import asdict
+
+import torch
+
+from hicache.model.ops import BACKENDS, LinearPlan, shaped_call
+
+logger = logging.getLogger(__name__)
+
+GRANULES = (1, 2, 4, 8, 16)
+TILE = 64
+REFERENCE_ROWS = 64
+SMALL_ROWS = range(1, 17)
+OFFSETS = (0, 37)  # an odd offset puts a row at another position of its call than in the reference
+LARGE_ROWS = 517  # an odd count: the large-call kernels and their remainder handling
+# Environment variables that change which kernels MKL and oneDNN run.
+NUMERICS_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "MKL_DEBUG_CPU_TYPE", "ONEDNN_MAX_CPU_ISA")
+
+
+class NoInvariantPlan(RuntimeError):
+    """No candidate call shape made this weight's GEMM row-invariant on this machine."""
+
+
+def _device_model(device: torch.device) -> str:
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return f"{props.name} sm{props.major}{props.minor}"
+    model, flags = platform.processor(), ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key = line.split(":", 1)[0].strip()
+                if key == "model name" and not model:
+                    model = line.split(":", 1)[1].strip()
+                elif key == "flags":
+                    flags = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model} {hashlib.sha256(flags.encode()).hexdigest()[:12]}"
+
+
+def platform_fingerprint(device: torch.device) -> str:
+    parts = {
+        "torch": torch.__version__,
+        "build": getattr(torch.version, "git_version", ""),
+        "device": _device_model(device),
+        "capability": torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else "",
+        "threads": torch.get_num_threads(),
+        "env": {k: os.environ.get(k, "") for k in NUMERICS_ENV},
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("HICACHE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "hicache")
+
+
+PAIRS = 4  # cancelling pairs of large products per output (see probe_operands)
+
+
+def probe_operands(n: int, k: int, rows: int, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """A weight [n, k] and inputs [rows, k] on which any change of summation order shows.
+
+    With plain random data a bf16 output hides most of it: the fp32 accumulators of two orders
+    differ by ~2^-24 relative, the output keeps 8 bits, so only one output in ~10^4 rounds
+    differently. Here each output also sums PAIRS pairs of products of +-2^21 that cancel exactly:
+    the partial sums swing through 2^21, where an fp32 rounding step (2^-3) is as large as a bf16
+    step of the small final result, so a different order changes nearly every output. Powers of two
+    are exact in every dtype, so both orders compute the same exact value; only rounding differs."""
+    gen = torch.Generator().manual_seed(seed)
+    weight = torch.randn(n, k, generator=gen)
+    x = torch.randn(rows, k, generator=gen)
+    quarter = max(k // 4, 1)
+    for i in range(min(PAIRS, quarter)):
+        lo, hi = i * quarter // PAIRS, k - 1 - i * quarter // PAIRS  # far apart: different blocks
+        sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+        weight[:, lo] = weight[:, hi] = sign * 2.0**10
+        x[:, lo], x[:, hi] = 2.0**11, -(2.0**11)
+    return weight.to(device=device, dtype=dtype), x.to(device=device, dtype=dtype)
+
+
+def plan_passes(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, plan: LinearPlan) -> bool:
+    """True if every probe call shaped by `plan` gives the reference call's rows bit for bit."""
+    backend = BACKENDS[plan.backend]
+    weight, x = probe_operands(*shape, LARGE_ROWS, dtype, device)
+    prepared = backend.prepare(weight)
+
+    def call(rows: torch.Tensor) -> torch.Tensor:
+        return shaped_call(lambda r: backend.run(prepared, r), plan, rows.contiguous())
+
+    ref = call(x[:REFERENCE_ROWS])
+    if not torch.equal(call(x)[:REFERENCE_ROWS], ref):
+        return False
+    for m in SMALL_ROWS:
+        for off in OFFSETS:
+            if not torch.equal(call(x[off : off + m]), ref[off : off + m]):
+                return False
+    return True
+
+
+def candidate_plans(dtype: torch.dtype, device: torch.device) -> list[LinearPlan]:
+    plans = []
+    for name, backend in BACKENDS.items():
+        if backend.available(dtype, device):
+            plans += [LinearPlan(name, g) for g in GRANULES]
+    return plans + [LinearPlan("aten", tile=TILE)]
+
+
+class LinearPlanner:
+    """Finds (and remembers) the plan of each weight shape for one device and dtype.
+
+    NOTE: a plan is a property of the shape, dtype and platform, not of the weight's values: kernels
+    choose their code path from shapes and strides, so it is measured on synthetic operands that
+    make any change of summation order visible (`probe_operands`)."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, cache_dir: pathlib.Path | None = None) -> None:
+        self.device = device
+        self.dtype = dtype
+        self.fingerprint = platform_fingerprint(device)
+        self.path = (cache_dir or default_cache_dir()) / f"linear-plans-{self.fingerprint}.json"
+        self._plans: dict[str, LinearPlan] = self._load()
+        self._candidates = candidate_plans(dtype, device)
+
+    def _key(self, weight: torch.Tensor) -> str:
+        n, k = weight.shape
+        return f"{str(self.dtype).removeprefix('torch.')}:{n}x{k}"
+
+    def plan(self, weight: torch.Tensor) -> LinearPlan:
+        key = self._key(weight)
+        if key not in self._plans:
+            self._plans[key] = self._measure(weight, key)
+            self._save()
+        return self._plans[key]
+
+    def _measure(self, weight: torch.Tensor, key: str) -> LinearPlan:
+        for plan in self._candidates:
+            if plan_passes(tuple(weight.shape), self.dtype, self.device, plan):
+                logger.info("linear %s on %s: %s", key, self.device, plan.describe())
+                return plan
+        raise NoInvariantPlan(
+            f"no batch-invariant call shape found for a {key} linear on this machine "
+            f"(tried {', '.join(p.describe() for p in self._candidates)})"
+        )
+
+    def forget(self) -> None:
+        """Measure again from scratch (after a self-check failed with remembered plans)."""
+        self._plans = {}
+        self.path.unlink(missing_ok=True)
+
+    def _load(self) -> dict[str, LinearPlan]:
+        try:
+            raw = json.loads(self.path.read_text())
+            return {key: LinearPlan(**fields) for key, fields in raw.items() if fields["backend"] in BACKENDS}
+        except (OSError, ValueError, TypeError, KeyError):
+            return {}  # absent or unreadable: measure again
+
+    def _save(self) -> None:
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=self.path.parent, delete=False, suffix=".tmp") as f:
+                json.dump({key: asdict(plan) for key, plan in self._plans.items()}, f, indent=1, sort_keys=True)
+            os.replace(f.name, self.path)
+        except OSError as exc:  # a read-only home only costs a re-measurement next time
+            logger.warning("could not save linear plans to %s: %s", self.path, exc)

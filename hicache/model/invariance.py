@@ -1,0 +1,129 @@
+"""The start-up self-check of the cache invariant, and the probe it shares with the tests.
+
+A cache hit replaces a prefill of the cached tokens by their stored KV, so the tokens after it are
+computed in calls of other shapes than in the cache-off run: a decode step instead of a row of a
+prefill chunk, a chunk of another size, a batch with other requests. The probe feeds one random
+sequence through this rank's layers whole, in chunks of 1 to 10 rows (every remainder a 4- or
+8-row kernel can leave), and with its last tokens as decode steps batched with another sequence,
+and compares the outputs bit for bit. It runs in well under a second for the embedded models.
+
+With several ranks every rank probes its own shard at once (the TP sums are collectives); a later
+pipeline stage feeds random hidden states instead of token ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.model import ops
+from hicache.model.base import DecoderModel
+from hicache.model.batch import ForwardBatch, SeqSlice
+
+logger = logging.getLogger(__name__)
+
+PROBE_LEN = 48
+PROBE_CHUNKS = (1, 2, 3, 5, 6, 7, 9, 10, 4, 1)  # sums to PROBE_LEN
+REGION = 64  # slots per probe sequence: the whole run, the chunked run, the sequence sharing steps
+
+
+@dataclass(frozen=True)
+class InvarianceReport:
+    verified: bool
+    mechanisms: dict[str, str] = field(default_factory=dict)
+    detail: str = ""  # what differed, when something did
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"verified": self.verified, "mechanisms": self.mechanisms, "detail": self.detail}
+
+
+def feed(
+    model: DecoderModel,
+    pool: DeviceKVPool,
+    inputs: torch.Tensor,
+    cuts: list[int],
+    base_slot: int,
+    extra: tuple[torch.Tensor, int] | None = None,
+) -> torch.Tensor:
+    """Feeds one sequence in chunks ending at `cuts`, its KV at slots base_slot.., and returns the
+    output of every token, stacked: logits on the last stage, hidden states before it. `inputs` are
+    token ids [L] (first stage) or hidden states [L, hidden]. `extra` = (inputs, base slot) of
+    another sequence that shares every step, from position 0 (one token: a decode step)."""
+    first_stage = inputs.dim() == 1
+    device = model.device
+    out, start = [], 0
+    for end in cuts:
+        n = end - start
+        parts = [inputs[start:end]]
+        positions = list(range(start, end))
+        out_slots = list(range(base_slot + start, base_slot + end))
+        seqs = [SeqSlice(0, n, torch.arange(base_slot, base_slot + end, device=device))]
+        if extra is not None:
+            e_inputs, e_base = extra
+            e_len = e_inputs.shape[0]
+            seqs.append(SeqSlice(n, e_len, torch.arange(e_base, e_base + e_len, device=device)))
+            parts.append(e_inputs)
+            positions += list(range(e_len))
+            out_slots += list(range(e_base, e_base + e_len))
+        rows = torch.cat(parts)
+        batch = ForwardBatch(
+            input_ids=rows if first_stage else torch.zeros(rows.shape[0], dtype=torch.int64, device=device),
+            positions=torch.tensor(positions, device=device),
+            out_slots=torch.tensor(out_slots, device=device),
+            seqs=seqs,
+            logit_rows=torch.arange(n, device=device),
+        )
+        result = model.forward(batch, pool, None if first_stage else rows)
+        out.append(result[:n])
+        start = end
+    return torch.cat(out)
+
+
+def probe_inputs(model: DecoderModel, length: int, seed: int) -> torch.Tensor:
+    """Random token ids for the first stage, random hidden states for later ones (same on every
+    rank of a TP group: the seed is shared)."""
+    gen = torch.Generator().manual_seed(seed)
+    if model.layer_range[0] == 0:
+        return torch.randint(0, model.cfg.vocab_size, (length,), generator=gen).to(model.device)
+    return torch.randn(length, model.cfg.hidden_size, generator=gen).to(device=model.device, dtype=model.dtype)
+
+
+def mechanisms(model: DecoderModel) -> dict[str, str]:
+    return {
+        **{f"linear {name}": plan for name, plan in model.linear_plans().items()},
+        "attention": f"keys padded to a multiple of {ops.KV_ALIGN} (masked), queries to {ops.Q_ALIGN} rows",
+    }
+
+
+def self_check(model: DecoderModel) -> InvarianceReport:
+    """Whether this rank's layers give bitwise the same output for a token however its sequence is
+    chunked and batched, on this machine, device and dtype."""
+    started = time.perf_counter()
+    pages = 3 * REGION // 16
+    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, pages, 16, model.dtype, model.device)
+    inputs = probe_inputs(model, PROBE_LEN, seed=0)
+    other = probe_inputs(model, 1, seed=1)
+    cuts = list(torch.tensor(PROBE_CHUNKS).cumsum(0).tolist())
+    whole = feed(model, pool, inputs, [PROBE_LEN], 0)
+    runs = {
+        "chunks of 1-10 rows": feed(model, pool, inputs, cuts, REGION),
+        "decode steps batched with another sequence": feed(
+            model, pool, inputs, [PROBE_LEN - 2, PROBE_LEN - 1, PROBE_LEN], REGION, extra=(other, 2 * REGION)
+        ),
+    }
+    failed = [
+        f"{name}: max |diff| {float((got.float() - whole.float()).abs().max()):.3g}"
+        for name, got in runs.items()
+        if not torch.equal(got, whole)
+    ]
+    report = InvarianceReport(not failed, mechanisms(model), "; ".join(failed), time.perf_counter() - started)
+    if report.verified:
+        logger.info("batch invariance verified in %.2f s (%s)", report.seconds, report.mechanisms)
+    else:
+        logger.error("batch invariance self-check FAILED on this machine: %s", report.detail)
+    return report

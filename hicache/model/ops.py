@@ -1,0 +1,193 @@
+"""Batch-invariant ops: the one layer through which the model calls GEMM and attention kernels.
+
+The cache invariant needs every token's logits to be independent of how its sequence was cut into
+prefill chunks and decode steps, and of which other requests share a step. Kernels choose their
+blocking, their code path and their thread split from the problem size, so the same row can round
+differently in a 1-row call than in a 2048-row one. Each op below states, in its docstring's first
+line after the summary, the mechanism that makes its per-row result independent of the call's shape.
+Linear mechanisms are measured on the machine the engine runs on (`calibration.py`); the assembled
+model is checked at start-up (`invariance.py`); tests/model/test_batch_invariance.py checks both on
+every CPU code path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+
+# CPU flash attention splits keys into blocks of up to 512 and queries into blocks of 32/64/256; a
+# short last key block, or a query block of one to three rows, is summed in another order. Keys
+# padded (masked) to a multiple of KV_ALIGN and queries (discarded rows) to a multiple of Q_ALIGN
+# give every row the kernel shapes it would see in any other call.
+KV_ALIGN = 512
+Q_ALIGN = 8
+
+
+# ---- linear ----------------------------------------------------------------------------------------
+
+
+class LinearBackend:
+    """A GEMM implementation for y = x @ W.T: `prepare` turns a weight into what `run` takes."""
+
+    name = ""
+
+    def available(self, dtype: torch.dtype, device: torch.device) -> bool:
+        raise NotImplementedError
+
+    def prepare(self, weight: torch.Tensor) -> Any:
+        raise NotImplementedError
+
+    def run(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class OneDNNBackend(LinearBackend):
+    """oneDNN's matmul on a weight reordered once into its blocked layout (the path inductor uses for
+    CPU linears). Measured row-invariant at every row count but 1 for some shapes, and faster than
+    MKL at every row count on the SmolLM2 shapes (docs/BENCHMARKS.md)."""
+
+    name = "onednn"
+
+    def available(self, dtype: torch.dtype, device: torch.device) -> bool:
+        if device.type != "cpu" or not torch.backends.mkldnn.is_available():
+            return False
+        try:  # bf16 needs AVX512-BF16 or AVX-NE-CONVERT; the reorder says so by raising
+            self.run(self.prepare(torch.zeros(8, 8, dtype=dtype)), torch.zeros(2, 8, dtype=dtype))
+        except (RuntimeError, AttributeError):
+            return False
+        return True
+
+    def prepare(self, weight: torch.Tensor) -> Any:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, None)
+
+    def run(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, prepared, None, "none", [], "")
+
+
+class AtenBackend(LinearBackend):
+    """`F.linear`: MKL on CPU float32, oneDNN or ATen's own kernel for CPU bfloat16, cuBLAS on CUDA."""
+
+    name = "aten"
+
+    def available(self, dtype: torch.dtype, device: torch.device) -> bool:
+        return True
+
+    def prepare(self, weight: torch.Tensor) -> Any:
+        return weight
+
+    def run(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, prepared)
+
+
+BACKENDS: dict[str, LinearBackend] = {b.name: b for b in (OneDNNBackend(), AtenBackend())}
+
+
+@dataclass(frozen=True)
+class LinearPlan:
+    """How one weight's GEMM calls are shaped: rows padded to a multiple of `granule`, or (tile > 0)
+    cut into tiles of exactly `tile` rows, the last one padded."""
+
+    backend: str
+    granule: int = 1
+    tile: int = 0
+
+    def describe(self) -> str:
+        shape = f"{self.tile}-row tiles" if self.tile else f"rows padded to a multiple of {self.granule}"
+        return f"{self.backend}, {shape}"
+
+
+# Plain F.linear, for benchmarks that measure what invariance costs: not batch-invariant.
+PLAIN = LinearPlan("aten", 1)
+
+
+def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    # Zero rows: a GEMM's output row depends only on its own input row, so what pads does not matter.
+    return torch.cat([x, x.new_zeros(rows - x.shape[0], x.shape[1])]) if rows > x.shape[0] else x
+
+
+def shaped_call(run: Callable[[torch.Tensor], torch.Tensor], plan: LinearPlan, x: torch.Tensor) -> torch.Tensor:
+    """`run` over the rows of x [M, K], with the call shapes `plan` prescribes."""
+    m = x.shape[0]
+    if plan.tile:
+        t = plan.tile
+        outs = [run(_pad_rows(x[a : a + t], t))[: min(t, m - a)] for a in range(0, m, t)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+    rows = -(-m // plan.granule) * plan.granule
+    out = run(_pad_rows(x, rows))
+    return out[:m] if rows > m else out
+
+
+class Linear:
+    """y = x @ weight.T with every row's bits independent of how many rows share the call.
+    Mechanism: the call shapes of `plan` (padded rows or fixed tiles) on its backend, as measured for
+    this weight's shape, dtype and platform."""
+
+    def __init__(self, weight: torch.Tensor, plan: LinearPlan) -> None:
+        self.plan = plan
+        self.out_features, self.in_features = weight.shape
+        self._backend = BACKENDS[plan.backend]
+        self._prepared = self._backend.prepare(weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        lead = x.shape[:-1]
+        flat = x.reshape(-1, self.in_features)
+        out = shaped_call(lambda rows: self._backend.run(self._prepared, rows), self.plan, flat.contiguous())
+        return out.view(*lead, self.out_features)
+
+
+# ---- attention ---------------------------------------------------------------------------------------
+
+
+def attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Attention of queries [B, H, n, d] over keys and values [B, Hkv, L, d] (grouped-query heads)
+    under a boolean mask [B, 1, n, L] (True: visible).
+    Mechanism: L must be a multiple of KV_ALIGN (the caller pads keys and masks them); the query
+    rows are padded here to a multiple of Q_ALIGN by repeating the last query and its mask, and the
+    padded rows' outputs are dropped. Queries are materialized contiguous, never a stride-0 view:
+    the kernel's result can depend on the operands' strides."""
+    if k.shape[2] % KV_ALIGN:
+        raise ValueError(f"keys must be padded to a multiple of {KV_ALIGN}, got {k.shape[2]}")
+    n = q.shape[2]
+    rows = -(-n // Q_ALIGN) * Q_ALIGN
+    if rows > n:
+        q = torch.cat([q, q[:, :, -1:].expand(-1, -1, rows - n, -1)], dim=2)
+        mask = torch.cat([mask, mask[:, :, -1:].expand(-1, -1, rows - n, -1)], dim=2)
+    else:
+        q = q.contiguous()
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return out[:, :, :n]
+
+
+# ---- per-row reductions and collectives ----------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm in float32 like the reference implementations, then back to the activation dtype.
+    Mechanism: a mean over each row alone; torch reduces a row in an order fixed by its length, and
+    the row count only changes how rows are shared among threads."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def tp_sum(x: torch.Tensor, tp_size: int, group: Any) -> torch.Tensor:
+    """Sum of the tensor-parallel ranks' partial results.
+    Mechanism: with two ranks an all-reduce adds a + b, which is b + a in IEEE arithmetic whatever
+    the algorithm's chunking; with more, a ring all-reduce's summation order for an element depends
+    on which chunk the tensor's size puts it in, so the partials are gathered and added in rank order."""
+    if tp_size == 1:
+        return x
+    if tp_size == 2:
+        torch.distributed.all_reduce(x, group=group)
+        return x
+    parts = [torch.empty_like(x) for _ in range(tp_size)]
+    torch.distributed.all_gather(parts, x.contiguous(), group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total = total + part
+    return total
