@@ -1,54 +1,68 @@
-"""The scheduler's view of the prefix cache: admit a request against what is cached, allocate its
-pages, hand its computed pages to the tree, release it. This class is the device tier (a radix cache);
-`HierarchicalCache` adds the host and storage tiers through the hooks marked below.
+"""The radix prefix cache behind the cache API (DESIGN.md, "cache API"): it owns the requests' KV
+handles and the reservations, and runs admission over the device tier. `HierarchicalCache`
+(hierarchical.py) adds the host and storage tiers through the hooks marked below.
 
-Lease contract: a request holds exactly one tree lock (`req.lock_node`) from admission to release;
+Lease contract: a READY handle holds exactly one tree lock (`handle.lock`) until it is released;
 moving it deeper (after its prompt is cached) locks the new node before unlocking the old one.
+
+NOTE (memory invariant): a request is admitted only if the pages it may ever need (prompt + max new
+tokens, less its cached prefix) fit in free + evictable pages minus what admitted requests were
+promised (`reserved_pages`); so a READY handle can always `extend`, evicting unlocked cache if needed,
+and never runs out of KV memory mid-way.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Sequence
 
-from hicache.cache.radix import MatchResult, RadixTree, TreeNode
+from hicache.cache.api import Admission, KVHandle, KVState, PrefixMatch
+from hicache.cache.device_tier import DeviceTier
+from hicache.cache.radix import MatchResult, PagesFn, TreeNode
+from hicache.cache.stats import CacheStats
 from hicache.debug.consensus_checker import consensus_checked
-from hicache.engine.request import Request
 from hicache.mem.device_pool import DeviceKVPool
 
 logger = logging.getLogger(__name__)
 
 # What must agree across ranks about an admission: its inputs, the decision, the matched length by tier.
-ADMIT_PARAMS = ("req.rid", "total_pages", "reserved_elsewhere")
-ADMIT_RESULTS = ("result", "req.kv_len", "req.cached_tokens_by_tier", "req.reserved_pages")
-RELEASE_PARAMS = ("req.rid", "req.kv_len")
+ADMIT_PARAMS = {"rid": "handle.rid", "total_pages": "total_pages", "reserved_elsewhere": "self.reserved_pages"}
+ADMIT_RESULTS = {
+    "result": "result.admitted",
+    "kv_len": "handle.kv_len",
+    "cached_tokens_by_tier": "handle.cached_tokens_by_tier",
+    "reserved_pages": "handle.reserved_pages",
+}
+RELEASE_PARAMS = {"rid": "handle.rid", "kv_len": "handle.kv_len"}
+
+NO_PAGES = range(0)
 
 
 class PrefixCache:
-    def __init__(self, pool: DeviceKVPool, enabled: bool = True) -> None:
+    def __init__(self, pool: DeviceKVPool, enabled: bool = True, on_host_free: PagesFn | None = None) -> None:
+        self.device = DeviceTier(pool, on_host_free, evict=enabled)
         self.pool = pool
-        self.allocator = pool.allocator
         self.page_size = pool.page_size
+        self.tree = self.device.tree
         self.enabled = enabled
-        self.tree = RadixTree(self.page_size, on_device_free=self.allocator.free, on_host_free=self._free_host)
+        self.reserved_pages = 0  # promised to READY handles, not yet allocated by them
 
     # ---- hooks for the hierarchical tiers ------------------------------------------------------
 
-    def _free_host(self, pages: list[int]) -> None:
-        raise RuntimeError("no host tier")
+    def _on_open(self, handle: KVHandle) -> None:
+        """A request arrived (a storage tier starts its prefetch)."""
 
-    def on_arrival(self, req: Request) -> None:
-        """A request entered the waiting queue."""
+    def _fetched(self, handle: KVHandle) -> range:
+        """Just before matching: prompt pages a storage prefetch has put on the host for this request."""
+        return NO_PAGES
 
-    def ready_to_admit(self, req: Request, busy: bool) -> bool:
-        """False while the request waits for something (a storage prefetch). `busy`: other requests
-        are running, so waiting would not leave the engine idle."""
-        return True
+    def _load_back(self, match: MatchResult, budget: int) -> list[int]:
+        """Device pages for the whole host-resident part of `match`, being loaded (all or nothing: []
+        when it is not worth it or more than `budget` pages). The device tier has nothing to load."""
+        return []
 
-    def _load_back(self, req: Request, match: MatchResult, budget: int) -> TreeNode:
-        """Make (part of) a host-resident match usable on the device; returns the deepest node whose
-        KV is (or is being made) device-resident. The device tier has nothing to load."""
-        return match.last_device_node
+    def _on_admitted(self, handle: KVHandle) -> None:
+        """The handle is READY, its prefix locked (selective write-through backs up hot nodes)."""
 
     def _on_new_nodes(self, nodes: list[TreeNode]) -> None:
         """Nodes were just created on the device tier (write-through backs them up)."""
@@ -57,107 +71,139 @@ class PrefixCache:
         """Called for a node leaving the device without a host copy; True if it was backed up now."""
         return False
 
+    def _on_release(self, handle: KVHandle) -> None:
+        """The request went away (a prefetch still running for it is cancelled)."""
+
+    def ready_to_admit(self, handle: KVHandle, busy: bool) -> bool:
+        return True
+
     def check(self) -> None:
         """Consume completed asynchronous transfers (a scheduler check point)."""
 
     def before_layer(self) -> Callable[[int], None] | None:
         return None
 
-    # ---- admission and lifetime ----------------------------------------------------------------
+    # ---- a handle's life -----------------------------------------------------------------------
 
-    def available_pages(self) -> int:
-        return self.allocator.free_pages + self.tree.evictable_pages
+    def open(self, rid: int, prompt: Sequence[int], namespace: str) -> KVHandle:
+        handle = KVHandle(rid, prompt, namespace, self.page_size)
+        self._on_open(handle)
+        return handle
 
     @consensus_checked(params=ADMIT_PARAMS, results=ADMIT_RESULTS)
-    def admit(self, req: Request, total_pages: int, reserved_elsewhere: int) -> bool:
-        """Match and lock the request's cached prefix if the pages it may still need fit; sets
-        req.pages, req.kv_len, req.lock_node, req.reserved_pages and its hits by tier."""
+    def admit(self, handle: KVHandle, total_pages: int) -> Admission:
+        if handle.state is not KVState.WAITING:
+            raise RuntimeError(f"request {handle.rid}: admission of a {handle.state.value} handle")
+        fetched = self._fetched(handle)
         if not self.enabled:
-            if total_pages > self.available_pages() - reserved_elsewhere:
-                return False
-            req.reserved_pages = total_pages
-            return True
+            if total_pages > self.device.available_pages() - self.reserved_pages:
+                return Admission(False)
+            handle.enter(KVState.RESERVED)
+            return self._ready(handle, total_pages, PrefixMatch(), None)
         # At least the last prompt token is always computed: its logits give the first output token.
-        match = self.tree.match_prefix(req.prompt_ids[: req.prompt_len - 1], req.namespace, count_hit=True)
+        match = self.tree.match_prefix(handle.prompt[: len(handle.prompt) - 1], handle.namespace, count_hit=True)
+        handle.enter(KVState.MATCHED)
         self.tree.lock(match.last_node)  # also keeps a host-resident continuation from host eviction
+        handle.enter(KVState.LOCKED)
         need = total_pages - len(match.device_pages)
-        if need > self.available_pages() - reserved_elsewhere:
+        if need > self.device.available_pages() - self.reserved_pages:
             self.tree.unlock(match.last_node)
-            return False
-        req.pages = list(match.device_pages)
-        req.cached_tokens_by_tier["device"] = match.num_tokens
-        deepest = self._load_back(req, match, need)
+            handle.enter(KVState.WAITING)
+            return Admission(False)
+        handle.enter(KVState.RESERVED)
+        handle.pages = list(match.device_pages)
+        loaded = self._load_back(match, need)
+        handle.pages.extend(loaded)
+        deepest = match.host_nodes[-1] if loaded else match.last_device_node
         self.tree.lock(deepest)
         self.tree.unlock(match.last_node)
-        req.lock_node = deepest
-        req.kv_len = len(req.pages) * self.page_size
-        req.reserved_pages = total_pages - len(req.pages)
-        return True
+        first = len(match.device_pages)
+        in_storage = range(max(first, fetched.start), min(first + len(loaded), fetched.stop))
+        cached = PrefixMatch(
+            device=match.num_tokens,
+            host=(len(loaded) - len(in_storage)) * self.page_size,
+            storage=len(in_storage) * self.page_size,
+        )
+        handle.kv_len = len(handle.pages) * self.page_size
+        handle.committed_len = handle.kv_len  # those pages are the tree's
+        admission = self._ready(handle, total_pages - len(handle.pages), cached, deepest)
+        self._on_admitted(handle)
+        return admission
 
-    @consensus_checked(params=("n",), results=("result",))
+    def _ready(self, handle: KVHandle, reserve: int, cached: PrefixMatch, lock: TreeNode | None) -> Admission:
+        handle.reserved_pages = reserve
+        handle.cached = cached
+        handle.lock = lock
+        handle.enter(KVState.READY)
+        self.reserved_pages += reserve
+        return Admission(True, cached, reserve)
+
+    def extend(self, handle: KVHandle, end: int) -> None:
+        want = -(-end // self.page_size) - len(handle.pages)
+        if want <= 0:
+            return
+        if want > handle.reserved_pages:
+            raise RuntimeError("KV reservation invariant broken: a request outgrew its reservation")
+        handle.pages.extend(self.device.alloc(want, keep_if=self._keep_on_evict))
+        handle.reserved_pages -= want
+        self.reserved_pages -= want
+
     def alloc(self, n: int) -> list[int]:
-        """n device pages, evicting unlocked cache if needed. Callers only ask for what admission
-        reserved, so this cannot fail."""
-        short = n - self.allocator.free_pages
-        if short > 0 and self.enabled:
-            self.tree.evict(short, keep_if=self._keep_on_evict)
-        pages = self.allocator.alloc(n)
-        if pages is None:
-            raise RuntimeError("KV reservation invariant broken: an admitted request could not allocate")
-        return pages
+        """n device pages outside any reservation's accounting (a load-back's, which admission counted)."""
+        return self.device.alloc(n, keep_if=self._keep_on_evict)
 
-    def cache_prefix(self, req: Request, upto: int) -> None:
-        """Hand the request's full pages of tokens [0, upto) to the tree and move its lock there."""
-        n = upto - upto % self.page_size
+    def cache_prefix(self, handle: KVHandle, tokens: Sequence[int]) -> None:
+        n = len(tokens) - len(tokens) % self.page_size
         if not self.enabled or n == 0:
             return
-        res = self.tree.insert(req.tokens(n), req.pages[: n // self.page_size], req.namespace)
-        for i, page in enumerate(res.pages):
-            if req.pages[i] != page:
-                # Someone cached the same tokens first: use their page, return our duplicate.
-                self.allocator.free([req.pages[i]])
-                req.pages[i] = page
+        res = self.device.insert(tokens[:n], handle.pages[: n // self.page_size], handle.namespace)
+        handle.pages[: len(res.pages)] = res.pages
         self.tree.lock(res.last_node)
-        assert req.lock_node is not None
-        self.tree.unlock(req.lock_node)
-        req.lock_node = res.last_node
+        assert handle.lock is not None
+        self.tree.unlock(handle.lock)
+        handle.lock = res.last_node
+        handle.committed_len = max(handle.committed_len, n)
         self._on_new_nodes(res.new_nodes)
 
     @consensus_checked(params=RELEASE_PARAMS, results=())
-    def release(self, req: Request) -> None:
-        """The request ended: cache what it computed, drop its lock, free the rest of its pages."""
-        kept = 0
-        if self.enabled and req.lock_node is not None:
-            self.cache_prefix(req, req.kv_len)
-            self.tree.unlock(req.lock_node)
-            req.lock_node = None
-            kept = req.kv_len // self.page_size
-        self.allocator.free(req.pages[kept:])
-        req.pages = []
+    def release(self, handle: KVHandle, tokens: Sequence[int]) -> None:
+        if handle.state is KVState.READY and len(tokens) < handle.kv_len:
+            raise ValueError(f"release of request {handle.rid}: {len(tokens)} tokens for {handle.kv_len} computed")
+        self._on_release(handle)
+        if handle.state is KVState.READY:
+            kept = 0
+            if self.enabled and handle.lock is not None:
+                self.cache_prefix(handle, tokens[: handle.kv_len])
+                self.tree.unlock(handle.lock)
+                handle.lock = None
+                kept = handle.kv_len // self.page_size
+            self.device.free(handle.pages[kept:])
+            handle.pages = []
+            self.reserved_pages -= handle.reserved_pages
+            handle.reserved_pages = 0
+        handle.enter(KVState.RELEASED)
 
     # ---- maintenance ---------------------------------------------------------------------------
 
     def flush(self) -> None:
-        """Drop every cached prefix on every in-memory tier (storage keeps its objects)."""
         self.check()
-        self.tree.evict(self.tree.total_pages)
+        self.device.evict_all()
         self.tree.reset()
 
     def leak_report(self) -> list[str]:
-        problems = []
-        if self.allocator.free_pages != self.allocator.num_pages:
-            problems.append(f"{self.allocator.num_pages - self.allocator.free_pages} device pages not freed")
-        if self.tree.locked_nodes():
-            problems.append(f"locked nodes: {self.tree.locked_nodes()}")
+        problems = self.device.leak_report()
+        if self.reserved_pages:
+            problems.append(f"{self.reserved_pages} pages still reserved")
         return problems
 
     def usage(self) -> dict[str, tuple[int, int]]:
-        """(used, capacity) in tokens per tier."""
-        a = self.allocator
-        return {"device": (a.used_pages * a.page_size, a.num_pages * a.page_size)}
+        return {"device": self.device.usage()}
 
-    def stats(self) -> dict[str, float]:
-        return {}
+    def stats(self) -> CacheStats:
+        return CacheStats()
+
+    def checked_parts(self) -> list[object]:
+        return [self, self.device, self.tree]
 
     def shutdown(self) -> None:
         """Stop background work (the hierarchical tiers' workers)."""

@@ -45,7 +45,7 @@ class ModelRunner:
         logit_rows: list[int] = []
         for item in work:
             r, s, e = item.req, item.start, item.end
-            kv_slots = self.pool.allocator.slots(r.pages, e)
+            kv_slots = self.pool.allocator.slots(r.kv.pages, e)
             seqs.append(SeqSlice(len(ids), e - s, kv_slots.to(self.pool.device)))
             out_slots.append(kv_slots[s:e])
             ids.extend(r.token(i) for i in range(s, e))

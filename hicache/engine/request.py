@@ -1,4 +1,11 @@
-"""Requests as the scheduler sees them, their sampling parameters, and the events they emit."""
+"""Requests as the scheduler sees them, their sampling parameters, and the events they emit.
+
+A request's KV state (pages, lock, reservation, computed length, hits by tier) is not here: it is the
+cache's `KVHandle` (hicache/cache/api.py), which the scheduler opens when the request arrives and
+attaches (`req.kv`). The request keeps the reference, rather than the scheduler a rid -> handle map,
+so the handle lives and dies with the request on every path (waiting, running, aborted) with nothing
+to keep in step.
+"""
 
 from __future__ import annotations
 
@@ -9,10 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache.cache.radix import TreeNode
+from hicache.cache.api import KVHandle
 from hicache.errors import UserError
-
-TIERS = ("device", "host", "storage")
 
 
 @dataclass(frozen=True)
@@ -83,11 +88,7 @@ class Request:
     namespace: str = ""
     rid: int = field(default_factory=lambda: next(_rids))
     output_ids: list[int] = field(default_factory=list)
-    pages: list[int] = field(default_factory=list)  # logical pages holding this request's KV, in order
-    kv_len: int = 0  # tokens whose KV is in `pages`
-    cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    lock_node: TreeNode | None = None
-    reserved_pages: int = 0  # pages this request may still allocate, promised at admission
+    kv_handle: KVHandle | None = None  # opened by the scheduler when the request arrives
     aborted: bool = False
     generator: torch.Generator | None = None
     first_event_sent: bool = False
@@ -97,8 +98,14 @@ class Request:
         return len(self.prompt_ids)
 
     @property
+    def kv(self) -> KVHandle:
+        """The KV handle (a request is in the scheduler's queues only with one)."""
+        assert self.kv_handle is not None, f"request {self.rid} has no KV handle"
+        return self.kv_handle
+
+    @property
     def cached_tokens(self) -> int:
-        return sum(self.cached_tokens_by_tier.values())
+        return self.kv.cached.total
 
     def token(self, index: int) -> int:
         return self.prompt_ids[index] if index < self.prompt_len else self.output_ids[index - self.prompt_len]
@@ -108,4 +115,4 @@ class Request:
 
     @property
     def in_prefill(self) -> bool:
-        return self.kv_len < self.prompt_len
+        return self.kv.kv_len < self.prompt_len

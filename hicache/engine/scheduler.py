@@ -4,10 +4,10 @@ Each `step` runs one forward pass over a mixed batch: one token for every decodi
 `chunked_prefill_size` prompt tokens of requests being prefilled (continuing partial prefills first,
 then admitting waiting requests in arrival order).
 
-NOTE (memory invariant): a request is admitted only if the pages it may ever need (prompt + max new
-tokens, less its cached prefix) fit in free + evictable pages minus what running requests were already
-promised. Promised pages are tracked in `reserved_pages`; so a running request can always allocate,
-evicting unlocked cache if needed, and never runs out of KV memory mid-way.
+The scheduler talks to the cache only through the cache API (hicache/cache/api.py): every request gets
+a `KVHandle` when it arrives (`req.kv`), the cache admits it with the pages it may ever need (prompt +
+max new tokens; the memory invariant and the reservations are the cache's), gives it pages as chunks
+are scheduled (`extend`), and takes everything back when it ends (`release`).
 
 With several ranks every rank runs this scheduler on the same inputs (SPMD): the decisions below are
 deterministic functions of its state, asynchronous results enter only through the cache's agreed
@@ -22,7 +22,7 @@ from collections import deque
 
 import torch
 
-from hicache.cache.prefix_cache import PrefixCache
+from hicache.cache.api import KVCache
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker, consensus_checked
 from hicache.engine.model_runner import ModelRunner, WorkItem
@@ -80,7 +80,7 @@ class Scheduler:
         self,
         cfg: EngineConfig,
         runner: ModelRunner,
-        cache: PrefixCache,
+        cache: KVCache,
         tokenizer: Tokenizer,
         context_length: int,
         checker: ConsensusChecker | None = None,
@@ -94,7 +94,6 @@ class Scheduler:
         self.page_size = cfg.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.reserved_total = 0
 
     # ---- intake --------------------------------------------------------------------------------
 
@@ -102,8 +101,8 @@ class Scheduler:
         return _pages_for(tokens, self.page_size)
 
     def add(self, req: Request) -> None:
+        req.kv_handle = self.cache.open(req.rid, req.prompt_ids, req.namespace)
         self.waiting.append(req)
-        self.cache.on_arrival(req)
 
     def abort(self, rid: int) -> None:
         for req in list(self.waiting) + self.running:
@@ -129,9 +128,9 @@ class Scheduler:
         for item in work:
             req = item.req
             needs_logits = item.needs_logits
-            req.kv_len = item.end
-            if req.kv_len == req.prompt_len and not req.output_ids:
-                self.cache.cache_prefix(req, req.kv_len)  # share the prompt with requests arriving meanwhile
+            req.kv.advance(item.end)
+            if item.end == req.prompt_len and not req.output_ids:
+                self.cache.cache_prefix(req.kv, req.prompt_ids)  # share the prompt with requests arriving meanwhile
             if needs_logits:
                 token, logprob = next(samples)
                 events.append(self._append_token(req, token, logprob))
@@ -141,7 +140,7 @@ class Scheduler:
         events = []
         for req in [r for r in self.waiting if r.aborted]:
             self.waiting.remove(req)
-            self.cache.release(req)
+            self._release(req)
             events.append(RequestEvent(req.rid, (), finish_reason=FinishReason.ABORT))
         for req in [r for r in self.running if r.aborted]:
             self._finish(req)
@@ -150,17 +149,17 @@ class Scheduler:
 
     @consensus_checked(results={"work": _work_summary})
     def _schedule(self) -> list[WorkItem]:
-        work = [WorkItem(r, r.kv_len, r.kv_len + 1) for r in self.running if not r.in_prefill]
+        work = [WorkItem(r, r.kv.kv_len, r.kv.kv_len + 1) for r in self.running if not r.in_prefill]
         budget = self.cfg.chunked_prefill_size
         for req in self.running:
             if req.in_prefill and budget > 0:
-                n = min(req.prompt_len - req.kv_len, budget)
-                work.append(WorkItem(req, req.kv_len, req.kv_len + n))
+                n = min(req.prompt_len - req.kv.kv_len, budget)
+                work.append(WorkItem(req, req.kv.kv_len, req.kv.kv_len + n))
                 budget -= n
         for req in list(self.waiting):
             if budget <= 0 or len(self.running) >= self.cfg.max_running_requests:
                 break
-            if not self.cache.ready_to_admit(req, busy=bool(self.running)):
+            if not self.cache.ready_to_admit(req.kv, busy=bool(self.running)):
                 continue  # its storage prefetch is still running; later arrivals may go first
             if self._prefix_in_flight(req):
                 continue  # another request is computing its prefix right now; take it from the tree next
@@ -168,11 +167,11 @@ class Scheduler:
                 break  # first come, first served: no overtaking on memory
             self.waiting.remove(req)
             self.running.append(req)
-            n = min(req.prompt_len - req.kv_len, budget)
-            work.append(WorkItem(req, req.kv_len, req.kv_len + n))
+            n = min(req.prompt_len - req.kv.kv_len, budget)
+            work.append(WorkItem(req, req.kv.kv_len, req.kv.kv_len + n))
             budget -= n
         for item in work:
-            self._ensure_pages(item.req, item.end)
+            self.cache.extend(item.req.kv, item.end)
         return work
 
     def _prefix_in_flight(self, req: Request) -> bool:
@@ -191,25 +190,12 @@ class Scheduler:
         if req.params.seed is not None and req.generator is None:
             req.generator = torch.Generator().manual_seed(req.params.seed)
         total = self._pages_for(req.prompt_len + req.max_new_tokens)
-        if not self.cache.admit(req, total, self.reserved_total):
-            return False
-        self.reserved_total += req.reserved_pages
-        return True
-
-    def _ensure_pages(self, req: Request, end: int) -> None:
-        want = self._pages_for(end) - len(req.pages)
-        if want <= 0:
-            return
-        if want > req.reserved_pages:
-            raise RuntimeError("KV reservation invariant broken: a request outgrew its reservation")
-        req.pages.extend(self.cache.alloc(want))
-        req.reserved_pages -= want
-        self.reserved_total -= want
+        return self.cache.admit(req.kv, total).admitted
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestEvent:
         req.output_ids.append(token)
         reason, matched = self._stop_reason(req, token)
-        first = None if req.first_event_sent else dict(req.cached_tokens_by_tier)
+        first = None if req.first_event_sent else req.kv.cached_tokens_by_tier
         req.first_event_sent = True
         if reason is not None:
             self._finish(req)
@@ -240,15 +226,17 @@ class Scheduler:
 
     def _finish(self, req: Request) -> None:
         self.running.remove(req)
-        self.cache.release(req)
-        self.reserved_total -= req.reserved_pages
-        req.reserved_pages = 0
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        """Finished, aborted or never admitted: the cache keeps what it computed and takes the rest back."""
+        self.cache.release(req.kv, req.tokens(req.kv.kv_len))
 
     def abort_all(self, reason: FinishReason, message: str) -> list[RequestEvent]:
         """End every request now, releasing its pages and locks (after a failed step, or at shutdown)."""
         events = [RequestEvent(r.rid, (), finish_reason=reason, error=message) for r in [*self.waiting, *self.running]]
         for req in list(self.waiting):
-            self.cache.release(req)
+            self._release(req)
         self.waiting.clear()
         for req in list(self.running):
             self._finish(req)
@@ -264,8 +252,6 @@ class Scheduler:
         return True
 
     def leak_report(self) -> list[str]:
-        """Problems a flush should have left none of: pages not back in the pool, nodes still locked."""
-        problems = self.cache.leak_report()
-        if self.reserved_total:
-            problems.append(f"{self.reserved_total} pages still reserved")
-        return problems
+        """Problems a flush should have left none of: pages not back in the pool, nodes still locked,
+        pages still promised."""
+        return self.cache.leak_report()

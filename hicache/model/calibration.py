@@ -73,7 +73,11 @@ def platform_fingerprint(device: torch.device) -> str:
 
 
 def default_cache_dir() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("HICACHE_CACHE_DIR") or pathlib.Path.home() / ".cache" / "hicache")
+    """$HICACHE_CACHE_DIR, else $XDG_CACHE_HOME/hicache, else ~/.cache/hicache."""
+    if os.environ.get("HICACHE_CACHE_DIR"):
+        return pathlib.Path(os.environ["HICACHE_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (pathlib.Path(xdg) if os.path.isabs(xdg) else pathlib.Path.home() / ".cache") / "hicache"
 
 
 PAIRS = 4  # cancelling pairs of large products per output (see probe_operands)

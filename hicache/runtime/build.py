@@ -4,7 +4,7 @@ of a TP/PP deployment build it here, so both run the same code."""
 
 from __future__ import annotations
 
-from hicache.cache.hicache import HierarchicalCache
+from hicache.cache.hierarchical import HierarchicalCache
 from hicache.cache.prefix_cache import PrefixCache
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker
@@ -57,8 +57,8 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
         cache = HierarchicalCache(pool, cfg.hicache, consensus, loaded.identity, pctx.suffix, cfg.debug)
     else:
         cache = PrefixCache(pool, enabled=not cfg.disable_radix_cache)
-    checker.instrument(cache)
-    checker.instrument(cache.tree)
+    for part in cache.checked_parts():
+        checker.instrument(part)
     scheduler = Scheduler(
         cfg, ModelRunner(model, pool), cache, loaded.tokenizer, context_length(cfg, loaded.config), checker
     )

@@ -1,11 +1,13 @@
 """Control commands (DESIGN.md, "runtime") the engine front runs on the scheduler between two steps
-(flush, leak report, cache counters, pool usage, the batch-invariance self-check's report), by name, so that with several ranks the same command
-can be broadcast to every rank and the per-rank answers combined into one."""
+(flush, leak report, cache counters, pool usage, the batch-invariance self-check's report), by name,
+so that with several ranks the same command can be broadcast to every rank and the per-rank answers
+combined into one."""
 
 from __future__ import annotations
 
 from typing import Callable, Sequence
 
+from hicache.cache.stats import CacheStats
 from hicache.engine.scheduler import Scheduler
 
 COMMANDS: dict[str, Callable[[Scheduler], object]] = {
@@ -25,13 +27,7 @@ def combine(command: str, answers: Sequence[object], names: Sequence[str]) -> ob
         reports: Sequence[list[str]] = answers  # type: ignore[assignment]
         return [f"{name}: {problem}" for name, problems in zip(names, reports) for problem in problems]
     if command == "cache_stats":
-        # Every rank applies the same cache operations, so the tier counters agree; what can differ
-        # (storage faults, worker restarts) is reported for the worst rank.
-        merged: dict[str, float] = {}
-        for stats in answers:
-            for key, value in stats.items():  # type: ignore[attr-defined]
-                merged[key] = max(merged.get(key, value), value)
-        return merged
+        return CacheStats.worst(answers)  # type: ignore[arg-type]
     if command == "pool_usage":
         return answers[0]  # token counts are logical: the same on every rank
     if command == "invariance":

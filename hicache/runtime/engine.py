@@ -22,9 +22,11 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
 
+from hicache.cache.api import TIERS
+from hicache.cache.stats import CacheStats
 from hicache.config import EngineConfig
 from hicache.dist.parallel import ParallelContext
-from hicache.engine.request import TIERS, FinishReason, Request, RequestEvent, SamplingParams, TokenLogprob
+from hicache.engine.request import FinishReason, Request, RequestEvent, SamplingParams, TokenLogprob
 from hicache.engine.scheduler import check_request_fits
 from hicache.errors import UserError
 from hicache.model.loader import load_model
@@ -231,7 +233,7 @@ class Engine:
     def num_waiting(self) -> int:
         return self._runtime.num_waiting
 
-    def cache_stats(self) -> dict[str, float]:
+    def cache_stats(self) -> CacheStats:
         """Counters of the cache tiers (transfers, prefetch lifecycle, storage hits and corruption)."""
         return self._control("cache_stats")  # type: ignore[return-value]
 

@@ -19,7 +19,8 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from hicache.engine.request import TIERS, FinishReason, RequestEvent, SamplingParams, TokenLogprob
+from hicache.cache.api import TIERS
+from hicache.engine.request import FinishReason, RequestEvent, SamplingParams, TokenLogprob
 from hicache.runtime.engine import Engine, RequestHandle
 from hicache.server.errors import APIError
 from hicache.server.metrics import ServerMetrics

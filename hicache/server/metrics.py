@@ -7,13 +7,16 @@ queue lengths are read from the engine when /metrics is scraped, so they are nev
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hicache.engine.request import TIERS, FinishReason
+from hicache.cache.api import TIERS
+from hicache.cache.stats import CacheStats
+from hicache.engine.request import FinishReason
 from hicache.runtime.engine import Engine
 
 REQUEST_STATUSES = tuple(r.value for r in FinishReason) + ("rejected",)
@@ -34,7 +37,7 @@ class _EngineCollector(Collector):
             capacity.add_metric([tier], n_capacity)
         yield used
         yield capacity
-        yield from _tier_counters(self._engine.cache_stats())
+        yield from _tier_counters(self._engine.cache_stats())  # type: ignore[arg-type]
         yield GaugeMetricFamily("hicache_requests_running", "requests in the running batch", self._engine.num_running)
         yield GaugeMetricFamily("hicache_requests_waiting", "requests waiting for admission", self._engine.num_waiting)
         yield GaugeMetricFamily(
@@ -44,9 +47,13 @@ class _EngineCollector(Collector):
         )
 
 
-def _tier_counters(stats: dict[str, float]) -> Iterator[Metric]:
+PREFETCH_STAGES = ("queried", "hit", "allocated", "read", "inserted")  # fields of PrefetchStats, in order
+
+
+def _tier_counters(stats: CacheStats) -> Iterator[Metric]:
     """The cache tiers' counters: transfers, storage results, and each prefetch stage with the reason
-    every lost page was lost."""
+    every lost page was lost. Label values are the typed fields' names (storage ones prefixed
+    `storage_`), so the series keep their names as the tiers gain counters."""
     lost = CounterMetricFamily(
         "hicache_prefetch_lost_pages", "pages found in storage that did not serve a request, by reason", labels=["reason"]
     )
@@ -54,13 +61,20 @@ def _tier_counters(stats: dict[str, float]) -> Iterator[Metric]:
         "hicache_prefetch_pages", "storage prefetch lifecycle: queried, hit, allocated, read, inserted", labels=["stage"]
     )
     events = CounterMetricFamily("hicache_cache_events", "cache tier counters (transfers, storage)", labels=["event"])
-    for key, value in sorted(stats.items()):
-        if key.startswith("prefetch_lost_"):
-            lost.add_metric([key.removeprefix("prefetch_lost_").removesuffix("_pages")], value)
-        elif key.startswith("prefetch_"):
-            stages.add_metric([key.removeprefix("prefetch_").removesuffix("_pages")], value)
-        else:
-            events.add_metric([key], value)
+    counts: dict[str, int] = {}
+    for part in (stats.host, stats.workers):
+        if part is not None:
+            counts.update(dataclasses.asdict(part))
+    if stats.storage is not None:
+        counts["storage_put_pages"] = stats.storage.put_pages
+        counts.update({f"storage_{name}": n for name, n in dataclasses.asdict(stats.storage.store).items()})
+        prefetch = stats.storage.prefetch
+        for stage in sorted(PREFETCH_STAGES):
+            stages.add_metric([stage], getattr(prefetch, stage))
+        for reason, n in sorted(prefetch.lost.items(), key=lambda item: item[0].value):
+            lost.add_metric([reason.value], n)
+    for event, n in sorted(counts.items()):
+        events.add_metric([event], n)
     yield from (lost, stages, events)
 
 

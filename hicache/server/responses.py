@@ -13,7 +13,8 @@ import uuid
 from collections.abc import Sequence
 from typing import Protocol
 
-from hicache.engine.request import TIERS, TokenLogprob
+from hicache.cache.api import TIERS
+from hicache.engine.request import TokenLogprob
 from hicache.model.tokenizer import Tokenizer
 from hicache.server.bridge import Choice
 

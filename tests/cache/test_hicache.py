@@ -59,7 +59,7 @@ def test_host_tier_equals_cache_off(reference, policy, layout):
         assert totals["host"] > 0, f"no host hits: {totals}"
         assert totals["storage"] == 0
         stats = engine.cache_stats()
-        assert stats["backup_pages"] > 0 and stats["load_pages"] > 0
+        assert stats.host.backup_pages > 0 and stats.host.load_pages > 0
         assert_clean(engine)
 
 
@@ -85,7 +85,7 @@ def test_storage_after_restart_equals_cache_off(reference, tmp_path, storage_kin
         if policy == "write_back":
             engine.flush_cache()  # write-back stores only what is evicted; a flush evicts the rest
         stats = engine.cache_stats()
-        assert stats["storage_puts"] > 0
+        assert stats.storage.store.puts > 0
         assert_clean(engine)
     # A new server on the same store: every page in memory is gone, storage serves the prefixes.
     with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg) as engine:
@@ -94,7 +94,7 @@ def test_storage_after_restart_equals_cache_off(reference, tmp_path, storage_kin
         totals = tier_totals(turns)
         assert totals["storage"] > 0, totals
         stats = engine.cache_stats()
-        assert stats["prefetch_inserted_pages"] > 0 and stats["storage_corrupt"] == 0
+        assert stats.storage.prefetch.inserted > 0 and stats.storage.store.corrupt == 0
         assert_clean(engine)
 
 
@@ -138,7 +138,7 @@ def test_corrupt_file_objects_are_misses(tmp_path):
         result = engine.generate([prompt], params)[0]
         assert result.token_ids == expected
         assert result.cached_tokens_by_tier["storage"] == 0
-        assert engine.cache_stats()["storage_corrupt"] > 0
+        assert engine.cache_stats().storage.store.corrupt > 0
         assert_clean(engine)
 
 
@@ -159,7 +159,7 @@ def test_truncated_redis_value_is_a_miss(redis_server):  # noqa: F811
     with Engine(model="tiny", hicache=cfg) as engine:
         result = engine.generate([prompt], params)[0]
         assert result.token_ids == expected and result.cached_tokens_by_tier["storage"] == 0
-        assert engine.cache_stats()["storage_corrupt"] > 0
+        assert engine.cache_stats().storage.store.corrupt > 0
         assert_clean(engine)
 
 
@@ -174,7 +174,7 @@ def test_redis_outage_mid_run(reference, redis_server):  # noqa: F811
         assert [r.token_ids for r in engine.generate(prompts, params)] == expected
         assert engine.flush_cache()
         assert [r.token_ids for r in engine.generate(prompts, params)] == expected
-        assert engine.cache_stats()["storage_errors"] > 0
+        assert engine.cache_stats().storage.store.errors > 0
         redis_server.start()  # back, empty: what is written now is served later
         assert engine.flush_cache()
         engine.generate(prompts, params)
@@ -216,5 +216,5 @@ def test_failed_backups_become_misses(reference, monkeypatch):
         turns = run_turns(engine, CONVS, TURNS, NEW)
         assert tokens(turns) == reference
         stats = engine.cache_stats()
-        assert stats["transfer_failures"] > 0 and stats["backup_pages"] > 0  # half failed, half landed
+        assert stats.workers.transfer_failures > 0 and stats.host.backup_pages > 0  # half failed, half landed
         assert_clean(engine)

@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from hicache import Engine
+from hicache.cache.stats import PrefetchLoss
 from hicache.config import DebugConfig, ParallelConfig
 from hicache.debug.consensus_checker import DIVERGENCE, ENV_ENABLE, ENV_LOG_DIR
 from tests.dist import workload as w
@@ -146,7 +147,7 @@ def test_storage_reads_failing_on_one_rank_shorten_every_rank(tp1_reference, tmp
         assert w.errors(turns) == []
         assert w.tokens(turns) == w.tokens(tp1_reference)
         stats = engine.cache_stats()
-        assert stats["storage_misses"] > 0 and stats["prefetch_lost_read_failed_pages"] > 0, stats
+        assert stats.storage.store.misses > 0 and stats.storage.prefetch.lost[PrefetchLoss.READ_FAILED] > 0, stats
         assert w.tier_totals(turns)["storage"] > 0
         assert_clean(engine)
     assert consensus_check(tmp_path / "logs").returncode == 0

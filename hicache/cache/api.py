@@ -1,0 +1,197 @@
+"""The cache API (DESIGN.md, "cache API"): everything the scheduler sees of the KV cache.
+
+The scheduler speaks to a `KVCache` and holds one `KVHandle` per request; it never touches the tree,
+the pools or the tiers. Shaped after vLLM's `KVCacheManager` (the interface object) and
+`KVCacheBlocks` / `req_to_blocks` (the per-request KV state the manager owns).
+
+A handle's life:
+
+    open (at arrival) ─▶ WAITING ─admit─▶ MATCHED ─▶ LOCKED ─▶ RESERVED ─▶ READY ─release─▶ RELEASED
+                            ▲                           │ refused: the lock is dropped
+                            └───────────────────────────┘
+
+`admit` runs the middle steps in one call today; prefill/decode disaggregation will stop at RESERVED
+while the prefix arrives. In READY the scheduler asks for pages (`extend`), records computed tokens
+(`KVHandle.advance`), rolls back rejected speculative tokens (`KVHandle.truncate`), shares finished
+pages (`cache_prefix`), and at the end, finished or aborted, `release`s the handle. `release` is valid
+in every state, so a request aborted while waiting is released the same way.
+
+Locking: every call runs on the scheduler thread, between two steps. "Changes the tree" below means
+nodes may be created, split, attached or evicted; a handle in READY holds exactly one tree lock, so the
+prefix it uses can never be evicted under it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
+
+if TYPE_CHECKING:
+    from hicache.cache.radix import TreeNode
+    from hicache.cache.stats import CacheStats
+
+TIERS = ("device", "host", "storage")  # where a cached prompt token was served from
+
+
+class KVState(str, enum.Enum):
+    WAITING = "waiting"  # opened; holds nothing (a storage prefetch may be in flight)
+    MATCHED = "matched"  # its cached prefix is known
+    LOCKED = "locked"  # that prefix is locked in the tree
+    RESERVED = "reserved"  # the pages it may still need are promised to it
+    READY = "ready"  # its pages hold (or are being loaded with) the cached prefix; compute may run
+    RELEASED = "released"  # everything given back; the handle is dead
+
+
+_NEXT: dict[KVState, tuple[KVState, ...]] = {
+    KVState.WAITING: (KVState.MATCHED, KVState.RESERVED, KVState.RELEASED),  # RESERVED: radix cache off
+    KVState.MATCHED: (KVState.LOCKED,),
+    KVState.LOCKED: (KVState.RESERVED, KVState.WAITING),  # WAITING: admission refused
+    KVState.RESERVED: (KVState.READY,),
+    KVState.READY: (KVState.RELEASED,),
+    KVState.RELEASED: (),
+}
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """Prompt tokens a request does not compute, by the tier that holds them (page multiples)."""
+
+    device: int = 0
+    host: int = 0  # loaded back from host memory
+    storage: int = 0  # loaded back from host memory, where a storage prefetch had just put them
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host + self.storage
+
+    def as_dict(self) -> dict[str, int]:
+        return {"device": self.device, "host": self.host, "storage": self.storage}
+
+
+@dataclass(frozen=True)
+class Admission:
+    admitted: bool
+    cached: PrefixMatch = PrefixMatch()  # what the request will reuse (zero when refused)
+    reserved_pages: int = 0  # pages promised to it beyond those it holds
+
+
+@dataclass(eq=False)
+class KVHandle:
+    """One request's KV state, owned by the cache. The scheduler reads the fields; it changes them only
+    through `advance`, `truncate` and the `KVCache` calls; only the cache that opened it writes the rest.
+    """
+
+    rid: int
+    prompt: Sequence[int]  # the request's prompt ids (not copied)
+    namespace: str
+    page_size: int
+    state: KVState = KVState.WAITING
+    pages: list[int] = field(default_factory=list)  # logical device pages holding its KV, in order
+    kv_len: int = 0  # tokens whose KV is in `pages`
+    reserved_pages: int = 0  # pages it may still allocate, promised at admission
+    committed_len: int = 0  # tokens handed to the tree (shared with other requests)
+    cached: PrefixMatch = PrefixMatch()
+    lock: TreeNode | None = None  # the deepest node of its prefix, locked while READY
+
+    # ---- scheduler side ------------------------------------------------------------------------
+
+    @property
+    def cached_tokens_by_tier(self) -> dict[str, int]:
+        return self.cached.as_dict()
+
+    def advance(self, end: int) -> None:
+        """The KV of tokens [kv_len, end) was computed into its pages. Changes the tree: no.
+        Raises ValueError if `end` moves back or beyond its pages."""
+        if not self.kv_len <= end <= len(self.pages) * self.page_size:
+            raise ValueError(f"advance to {end}: kv_len is {self.kv_len}, pages hold {len(self.pages)} pages")
+        self.kv_len = end
+
+    def truncate(self, kv_len: int) -> None:
+        """Forget the KV of tokens [kv_len, self.kv_len) (rejected speculative tokens). The pages stay
+        the request's (admission counted them) and are overwritten by the tokens that replace them.
+        Changes the tree: no. Raises ValueError below what is shared with the tree (`committed_len`)
+        or beyond `kv_len`."""
+        if self.state is not KVState.READY:
+            raise ValueError(f"truncate of a {self.state.value} handle")
+        if not self.committed_len <= kv_len <= self.kv_len:
+            raise ValueError(f"truncate to {kv_len}: must be in [{self.committed_len}, {self.kv_len}]")
+        self.kv_len = kv_len
+
+    # ---- cache side ----------------------------------------------------------------------------
+
+    def enter(self, state: KVState) -> None:
+        """Step to `state`; RuntimeError for a transition the life above does not have."""
+        if state not in _NEXT[self.state]:
+            raise RuntimeError(f"request {self.rid}: KV handle cannot go from {self.state.value} to {state.value}")
+        self.state = state
+
+
+@runtime_checkable
+class KVCache(Protocol):
+    """What a scheduler needs from a KV cache. All calls run on the scheduler thread, and with several
+    ranks every rank makes the same calls in the same order (the asynchronous results they take in
+    are agreed across ranks inside the calls)."""
+
+    page_size: int
+
+    def open(self, rid: int, prompt: Sequence[int], namespace: str) -> KVHandle:
+        """A request arrived: its handle, WAITING. Changes the tree: no (with a storage tier a prefetch
+        of what storage holds beyond the tree's match may start in the background). Locks: nothing."""
+
+    def ready_to_admit(self, handle: KVHandle, busy: bool) -> bool:
+        """False while the request waits for something (a storage prefetch). `busy`: other requests
+        run, so waiting would not leave the engine idle. Changes the tree: no. Locks: nothing."""
+
+    def admit(self, handle: KVHandle, total_pages: int) -> Admission:
+        """WAITING → READY if the `total_pages` the request may ever need, less its cached prefix, fit in
+        free + evictable pages minus what other handles were promised; else it stays WAITING, holding
+        nothing. Changes the tree: yes (a finished prefetch is inserted, the match may split a node and
+        counts a hit, a host continuation gets device pages, eviction may run). Locks: the matched
+        prefix while deciding, then its deepest usable node, held until release. Raises RuntimeError
+        for a handle that is not WAITING."""
+
+    def extend(self, handle: KVHandle, end: int) -> None:
+        """Give a READY handle pages for tokens [0, end), out of its reservation. Changes the tree: it
+        may evict unlocked nodes (never the handle's locked prefix). Raises RuntimeError if that
+        outgrows the reservation."""
+
+    def cache_prefix(self, handle: KVHandle, tokens: Sequence[int]) -> None:
+        """Share the full pages of `tokens` (the request's sequence, computed up to len(tokens)) through
+        the tree; where the tree had them first, its pages replace the handle's. Changes the tree: yes.
+        Locks: moves the handle's lock to the last of those pages' nodes (the new one first)."""
+
+    def release(self, handle: KVHandle, tokens: Sequence[int]) -> None:
+        """The request ended (finished or aborted), in any state: cache what it computed (`tokens`: its
+        sequence, at least kv_len long), drop its lock, free the rest, return what it was promised,
+        cancel a prefetch still running for it; RELEASED. Changes the tree: yes. Raises ValueError
+        for fewer tokens than it computed, RuntimeError for a handle already released."""
+
+    def check(self) -> None:
+        """Take in completed asynchronous transfers (once per scheduler step, on every rank, even with
+        nothing in flight: it is an agreement across ranks). Changes the tree: yes (backed-up nodes
+        unlock and gain their host copy; failed ones lose it)."""
+
+    def before_layer(self) -> Callable[[int], None] | None:
+        """A hook for the forward pass: wait for layer i of the loads in flight (None: nothing loads).
+        Raises RuntimeError from the hook if a load failed."""
+
+    def flush(self) -> None:
+        """Drop every cached prefix on every in-memory tier (storage keeps its objects). Changes the
+        tree: it empties it. Call only with no open READY handle."""
+
+    def leak_report(self) -> list[str]:
+        """What a flush should have left none of: pages out of their pools, locked nodes, promises,
+        prefetches."""
+
+    def usage(self) -> dict[str, tuple[int, int]]:
+        """(used, capacity) in tokens per tier that exists."""
+
+    def stats(self) -> CacheStats:
+        """A snapshot of the tiers' counters (transfers, prefetch lifecycle, storage results)."""
+
+    def checked_parts(self) -> list[object]:
+        """The objects whose consensus-checked decisions the rank consensus checker records."""
+
+    def shutdown(self) -> None:
+        """Finish the copies in flight and stop background work."""

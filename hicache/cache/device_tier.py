@@ -1,0 +1,81 @@
+"""The device tier (DESIGN.md, "tiers"): the device KV pool's pages as the radix tree hands them out.
+
+It allocates device pages (evicting unlocked cache, least recently used first, when the free list is
+short), inserts computed pages into the tree (returning a duplicate when another request cached the
+same tokens first), and reports what it holds. The tree itself is shared with the host tier, whose
+pages live in the same nodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from hicache.cache.radix import PagesFn, RadixTree, TreeNode
+from hicache.debug.consensus_checker import consensus_checked
+from hicache.mem.device_pool import DeviceKVPool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Inserted:
+    pages: list[int]  # the tree's device pages for the key (the caller's, or the ones cached first)
+    last_node: TreeNode
+    new_nodes: list[TreeNode]
+
+
+class DeviceTier:
+    def __init__(self, pool: DeviceKVPool, on_host_free: PagesFn | None = None, evict: bool = True) -> None:
+        """`on_host_free`: where host pages of removed nodes go (the host pool, with a host tier).
+        `evict`: False when nothing is cached (radix cache off), so allocation never evicts."""
+        self.pool = pool
+        self.allocator = pool.allocator
+        self.page_size = pool.page_size
+        self.tree = RadixTree(self.page_size, on_device_free=self.allocator.free, on_host_free=on_host_free)
+        self._evict = evict
+
+    def available_pages(self) -> int:
+        """Pages an allocation can get: free ones plus what eviction can free."""
+        return self.allocator.free_pages + self.tree.evictable_pages
+
+    @consensus_checked(params=("n",), results=("result",))
+    def alloc(self, n: int, keep_if: Callable[[TreeNode], bool] | None = None) -> list[int]:
+        """n device pages, evicting unlocked cache if needed (`keep_if`: see RadixTree.evict). Callers
+        only ask for what admission reserved, so this cannot fail."""
+        short = n - self.allocator.free_pages
+        if short > 0 and self._evict:
+            self.tree.evict(short, keep_if=keep_if)
+        pages = self.allocator.alloc(n)
+        if pages is None:
+            raise RuntimeError("KV reservation invariant broken: an admitted request could not allocate")
+        return pages
+
+    def insert(self, tokens: Sequence[int], pages: list[int], namespace: str) -> Inserted:
+        """Cache `tokens` (a page multiple) computed into `pages`. Where the tree already had them on the
+        device, its page wins and ours goes back to the pool."""
+        res = self.tree.insert(tokens, pages, namespace)
+        duplicates = [mine for mine, theirs in zip(pages, res.pages) if mine != theirs]
+        self.allocator.free(duplicates)
+        return Inserted(list(res.pages), res.last_node, res.new_nodes)
+
+    def free(self, pages: list[int]) -> None:
+        self.allocator.free(pages)
+
+    def evict_all(self) -> None:
+        self.tree.evict(self.tree.total_pages)
+
+    def leak_report(self) -> list[str]:
+        problems = []
+        a = self.allocator
+        if a.free_pages != a.num_pages:
+            problems.append(f"{a.num_pages - a.free_pages} device pages not freed")
+        if self.tree.locked_nodes():
+            problems.append(f"locked nodes: {self.tree.locked_nodes()}")
+        return problems
+
+    def usage(self) -> tuple[int, int]:
+        """(used, capacity) in tokens."""
+        a = self.allocator
+        return a.used_pages * a.page_size, a.num_pages * a.page_size

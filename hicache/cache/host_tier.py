@@ -1,0 +1,270 @@
+"""The host tier (DESIGN.md, "tiers"): host memory behind the device pool.
+
+- Backups: the write policy (`WritePolicy`) decides when a device node is copied to the host: at
+  creation, at its second hit, or when it is evicted from the device. An asynchronous backup locks its
+  node until its ACK is consumed (its device pages must stay put while they are copied).
+- Load-back: a match that continues into host-only nodes gets device pages for all of them (all or
+  nothing; hits under --hicache-load-back-threshold tokens are recomputed instead).
+- Layer events: a load copies layer by layer, so the forward pass of layer i waits only for layer i.
+- Every consumption of a completed copy goes through `Consensus` (identity at one rank): ranks agree
+  on how many ACKs to consume, then fold the identities of what they consumed into the chain the next
+  agreement compares.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from typing import Callable
+
+from hicache.cache.controller import AckQueue, CopyStream, SupervisedWorker, TransferOp
+from hicache.cache.radix import MatchResult, RadixTree, TreeNode
+from hicache.cache.stats import HostStats
+from hicache.config import HiCacheConfig
+from hicache.dist.consensus import Consensus
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.mem.host_pool import HostKVPool
+
+logger = logging.getLogger(__name__)
+
+
+class WritePolicy(str, enum.Enum):
+    """When a device node gets a host copy (`--hicache-write-policy`)."""
+
+    WRITE_THROUGH = "write_through"  # at creation
+    WRITE_THROUGH_SELECTIVE = "write_through_selective"  # at its second hit
+    WRITE_BACK = "write_back"  # when it leaves the device
+
+    @property
+    def backs_up_new_nodes(self) -> bool:
+        return self is WritePolicy.WRITE_THROUGH
+
+    @property
+    def backs_up_hits(self) -> bool:
+        return self is WritePolicy.WRITE_THROUGH_SELECTIVE
+
+    @property
+    def backs_up_on_evict(self) -> bool:
+        return self is WritePolicy.WRITE_BACK
+
+
+SELECTIVE_MIN_HITS = 2  # write_through_selective backs up a node at this many hits
+
+
+def host_pool_pages(pool: DeviceKVPool, cfg: HiCacheConfig) -> int:
+    """Host capacity in pages: --hicache-size GB if given, else --hicache-ratio times the device pool."""
+    if cfg.hicache_size > 0:
+        page_bytes = HostKVPool(pool, 1, cfg.hicache_mem_layout).page_bytes
+        return max(int(cfg.hicache_size * 1e9) // page_bytes, 1)
+    return max(int(pool.allocator.num_pages * cfg.hicache_ratio), 1)
+
+
+class HostTier:
+    def __init__(
+        self,
+        pool: DeviceKVPool,
+        host: HostKVPool,
+        tree: RadixTree,
+        consensus: Consensus,
+        policy: WritePolicy,
+        load_back_threshold: int,
+        debug_delay_s: float = 0.0,
+    ) -> None:
+        """`tree` must free removed nodes' host pages into `host` (its on_host_free)."""
+        self.pool = pool
+        self.host = host
+        self.tree = tree
+        self.consensus = consensus
+        self.policy = policy
+        self.load_back_threshold = load_back_threshold
+        self.copies = CopyStream(pool.device)
+        rank = consensus.pctx.rank
+        # Per-rank seeds: the ranks' copies finish in different orders, which is what agreement is for.
+        self.backup_worker = SupervisedWorker("backup", debug_delay_s, seed=rank * 16)
+        self.load_worker = SupervisedWorker("load", debug_delay_s, seed=rank * 16 + 1)
+        self.backups = AckQueue()
+        self.loads = AckQueue()
+        self.stats = HostStats()
+
+    @property
+    def workers(self) -> list[SupervisedWorker]:
+        return [self.backup_worker, self.load_worker]
+
+    # ---- host memory ---------------------------------------------------------------------------
+
+    def alloc(self, n: int) -> list[int] | None:
+        """n host pages, evicting host-only cache if needed; None if even that is not enough."""
+        short = n - self.host.allocator.free_pages
+        if short > 0:
+            self.tree.evict_host(short)
+        return self.host.allocator.alloc(n)
+
+    def free(self, pages: list[int]) -> None:
+        self.host.allocator.free(pages)
+
+    # ---- device -> host backups ----------------------------------------------------------------
+
+    def backup(self, node: TreeNode) -> None:
+        """Start copying a device node to the host (nothing if it has a host copy or no device pages)."""
+        if node.host_pages is not None or node.device_pages is None:
+            return
+        host_pages = self.alloc(len(node.device_pages))
+        if host_pages is None:
+            self.stats.backup_skipped_host_full_pages += len(node.device_pages)
+            return
+        node.host_pages = host_pages
+        node.backup_pending = True
+        self.tree.lock(node)
+        device_pages = list(node.device_pages)
+        fence = self.copies.fence()
+
+        def run(_: TransferOp) -> None:
+            self.copies.run(fence, lambda: self.host.backup(self.pool, device_pages, host_pages))
+
+        op = TransferOp("backup", run, payload=node)
+        op.ident = hash((node.key, device_pages[0], len(device_pages)))
+        self.backups.push(op)
+        self.backup_worker.submit(op)
+
+    def on_new_nodes(self, nodes: list[TreeNode]) -> None:
+        if self.policy.backs_up_new_nodes:
+            for node in nodes:
+                self.backup(node)
+
+    def on_hit(self, path: list[TreeNode]) -> None:
+        """`path`: an admitted request's prefix, root first."""
+        if self.policy.backs_up_hits:
+            for node in path:
+                if node.hit_count >= SELECTIVE_MIN_HITS:
+                    self.backup(node)
+
+    def write_back(self, node: TreeNode) -> bool:
+        """For a node leaving the device without a host copy: True if it was copied to the host now."""
+        if not self.policy.backs_up_on_evict or node.host_pages is not None:
+            return False
+        device_pages = list(node.device_pages or [])
+        host_pages = self.alloc(len(device_pages))
+        if host_pages is None:
+            self.stats.backup_skipped_host_full_pages += len(device_pages)
+            return False
+        # Synchronously: the device pages are about to be reused.
+        self.copies.run(self.copies.fence(), lambda: self.host.backup(self.pool, device_pages, host_pages))
+        node.host_pages = host_pages
+        self._count_backup(len(host_pages))
+        return True
+
+    def _count_backup(self, pages: int) -> None:
+        self.stats.backup_pages += pages
+        self.stats.backup_bytes += pages * self.host.page_bytes
+
+    def _finish_backup(self, op: TransferOp) -> list[TreeNode]:
+        """Apply one acknowledged backup to its node and the nodes a split cut off above it; the nodes
+        now backed up."""
+        node: TreeNode = op.payload  # type: ignore[assignment]
+        self.tree.unlock(node)
+        finished = []
+        while node is not None and not node.is_root and node.backup_pending:
+            node.backup_pending = False
+            if op.failed:
+                self.free(node.host_pages or [])
+                node.host_pages = None
+            else:
+                self._count_backup(len(node.host_pages or []))
+                finished.append(node)
+            node = node.parent  # type: ignore[assignment]
+        return finished
+
+    # ---- ACKs ----------------------------------------------------------------------------------
+
+    def acks_ready(self) -> list[int]:
+        """This rank's view: how many leading backups and loads have completed."""
+        return [self.backups.ready(), self.loads.ready()]
+
+    def consume_acks(self, backups: int, loads: int) -> list[TreeNode]:
+        """Apply the agreed-on numbers of backup and load ACKs; the nodes now backed up."""
+        backup_ops, load_ops = self.backups.pop(backups), self.loads.pop(loads)
+        self.consensus.confirm("transfer_acks", [op.ident * 2 + op.failed for op in backup_ops + load_ops])
+        finished: list[TreeNode] = []
+        for op in backup_ops:
+            finished.extend(self._finish_backup(op))
+        for op in load_ops:
+            if op.failed:
+                logger.error("a host -> device load failed; the requests in its step failed with it")
+        return finished
+
+    def drain(self) -> list[list[TreeNode]]:
+        """Wait for every copy in flight and apply it (no agreement: every rank drains all); the nodes
+        each backup left backed up."""
+        finished = []
+        while len(self.backups) or len(self.loads):
+            finished.extend(self._finish_backup(op) for op in self.backups.drain())
+            self.loads.drain()
+        return finished
+
+    # ---- host -> device loads ------------------------------------------------------------------
+
+    def load_back(self, match: MatchResult, budget: int, alloc: Callable[[int], list[int]]) -> list[int]:
+        """Device pages (from `alloc`) for every host-only node of `match`, loading layer by layer; []
+        if the host part is under the threshold or more than `budget` pages."""
+        host_pages = match.host_pages
+        if not host_pages or len(host_pages) * self.pool.page_size < self.load_back_threshold:
+            return []
+        if len(host_pages) > budget:
+            return []
+        device_pages = alloc(len(host_pages))
+        offset = 0
+        for node in match.host_nodes:
+            k = len(node.host_pages or [])
+            self.tree.attach_device(node, device_pages[offset : offset + k])
+            offset += k
+        layer_done = [threading.Event() for _ in range(self.pool.num_layers)]
+        fence = self.copies.fence()
+
+        def run(_: TransferOp) -> None:
+            for layer, event in enumerate(layer_done):
+                self.copies.run(fence, lambda: self.host.load_layer(self.pool, layer, host_pages, device_pages))
+                event.set()
+
+        op = TransferOp("load", run, payload=layer_done)
+        op.ident = hash((tuple(n.key for n in match.host_nodes), device_pages[0], len(device_pages)))
+        self.loads.push(op)
+        self.load_worker.submit(op)
+        self.stats.load_pages += len(host_pages)
+        self.stats.load_bytes += len(host_pages) * self.host.page_bytes
+        return device_pages
+
+    def before_layer(self) -> Callable[[int], None] | None:
+        """Wait for layer i of every load in flight now (None: nothing in flight)."""
+        pending = self.loads.running()
+        if not pending:
+            return None
+
+        def wait(layer: int) -> None:
+            for op in pending:
+                events: list[threading.Event] = op.payload  # type: ignore[assignment]
+                while not events[layer].wait(timeout=0.05):
+                    if op.done.is_set():
+                        break
+                if op.failed:
+                    raise RuntimeError(f"host -> device load failed: {op.error}")
+
+        return wait
+
+    # ---- maintenance ---------------------------------------------------------------------------
+
+    def evict_all(self) -> None:
+        self.tree.evict_host(self.host.allocator.num_pages)
+
+    def leak_report(self) -> list[str]:
+        a = self.host.allocator
+        return [f"{a.num_pages - a.free_pages} host pages not freed"] if a.free_pages != a.num_pages else []
+
+    def usage(self) -> tuple[int, int]:
+        """(used, capacity) in tokens."""
+        a = self.host.allocator
+        return a.used_pages * a.page_size, a.num_pages * a.page_size
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            worker.stop()

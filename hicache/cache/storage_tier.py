@@ -1,0 +1,333 @@
+"""The storage tier (DESIGN.md, "tiers"): content-addressed pages below host memory.
+
+- Puts: a node backed up to the host is queued for storage (batched, on the storage worker); pages the
+  store already holds are not written again.
+- Prefetch lifecycle (`Prefetch`): on arrival, the part of a prompt beyond the tree's match is looked up
+  in storage (queried); if at least --hicache-storage-prefetch-threshold tokens are there, host pages
+  are taken, only then (allocated), and the pages are read in the background (read). At admission the
+  agreed-on completed prefix is inserted into the tree as host-only nodes (inserted), to be loaded back
+  like any host hit. Every page lost on the way gets a reason code (`PrefetchLoss`).
+- Agreements: the storage thread takes the MIN over every rank of the hit length before reading and of
+  the pages read after each batch, and publishes that agreed progress in order; the scheduler consumes
+  the number of progress entries the first stage chose, and the first stage decides when to stop waiting.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import enum
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from hicache.cache.controller import SupervisedWorker, TransferOp
+from hicache.cache.host_tier import HostTier
+from hicache.cache.radix import RadixTree, TreeNode
+from hicache.cache.stats import PrefetchLoss, StorageTierStats
+from hicache.config import DebugConfig, HiCacheConfig
+from hicache.debug.consensus_checker import consensus_checked
+from hicache.debug.faults import FlakyReads
+from hicache.dist.consensus import Consensus
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.storage import Namespace, VerifiedStore, make_backend, page_hashes
+
+logger = logging.getLogger(__name__)
+
+PREFETCH_BATCH_PAGES = 8  # pages per storage read call: the unit at which a prefetch can be stopped
+
+
+class PrefetchPolicy(str, enum.Enum):
+    """When admission stops waiting for a prefetch (`--hicache-storage-prefetch-policy`)."""
+
+    BEST_EFFORT = "best_effort"  # never hold up other work
+    WAIT_COMPLETE = "wait_complete"  # until the read is done
+    TIMEOUT = "timeout"  # until done or a time limit that grows with the hit
+
+
+@dataclass(eq=False)
+class Prefetch:
+    """Lifecycle: queried -> allocated -> read -> inserted."""
+
+    rid: int
+    hashes: list[bytes]  # of the pages to look up (after the tree's match)
+    start_page: int  # index of hashes[0] in the prompt
+    started: float = field(default_factory=time.monotonic)
+    query: TransferOp | None = None
+    hit_pages: int = 0
+    host_pages: list[int] = field(default_factory=list)
+    read: TransferOp | None = None
+    # Leading pages read and verified on every rank, one entry per agreed batch, in order (written by
+    # the storage worker): the ordered ACK queue of the read.
+    progress: list[int] = field(default_factory=list)
+    consume: int = 0  # how many progress entries admission uses (the first stage's choice)
+    read_failed: bool = False  # a page was missing, corrupt or unreadable on some rank
+    stop: threading.Event = field(default_factory=threading.Event)
+    done: bool = False  # nothing more will happen before admission consumes it
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What admission got from a request's prefetch: prompt pages [first_page, end_page) were read,
+    `inserted` of them into the tree (the rest it had already, or lost their prefix)."""
+
+    inserted: int = 0
+    first_page: int = 0
+    end_page: int = 0
+
+    @property
+    def pages(self) -> range:
+        return range(self.first_page, self.end_page) if self.inserted else range(0)
+
+
+def open_store(
+    cfg: HiCacheConfig, pool: DeviceKVPool, page_bytes: int, model_identity: str, rank_suffix: str,
+    debug: DebugConfig, rank: int,
+) -> VerifiedStore:  # fmt: skip
+    """The configured backend under this model's namespace (with fault injection where asked)."""
+    namespace = Namespace(
+        model=model_identity,
+        kv_dtype=str(pool.dtype).removeprefix("torch."),
+        page_size=pool.page_size,
+        layout=f"page_rows:{pool.layout.row_numel}x{pool.num_layers}",
+        rank=rank_suffix,
+    )
+    backend = make_backend(cfg.hicache_storage_backend, cfg.hicache_storage_dir, cfg.hicache_storage_url)
+    if debug.debug_storage_fail_rate > 0 and rank == debug.debug_storage_fail_rank:
+        backend = FlakyReads(backend, debug.debug_storage_fail_rate, seed=rank)
+        rate = 100 * debug.debug_storage_fail_rate
+        logger.warning("rank %d fails %.0f%% of storage reads (fault injection)", rank, rate)
+    return VerifiedStore(backend, namespace, payload_bytes=page_bytes)
+
+
+class StorageTier:
+    def __init__(
+        self, store: VerifiedStore, host: HostTier, consensus: Consensus, cfg: HiCacheConfig, debug_delay_s: float = 0.0
+    ) -> None:
+        self.store = store
+        self.host = host
+        self.tree: RadixTree = host.tree
+        self.page_size = host.pool.page_size
+        self.consensus = consensus
+        self.threshold = cfg.hicache_storage_prefetch_threshold
+        self.policy = PrefetchPolicy(cfg.hicache_storage_prefetch_policy)
+        self.timeout_base = cfg.hicache_storage_prefetch_timeout_base
+        self.timeout_per_ki_token = cfg.hicache_storage_prefetch_timeout_per_ki_token
+        self.worker = SupervisedWorker("storage", debug_delay_s, seed=consensus.pctx.rank * 16 + 2)
+        self.prefetches: dict[int, Prefetch] = {}
+        self.stats = StorageTierStats()
+
+    # ---- puts ----------------------------------------------------------------------------------
+
+    def _node_hashes(self, node: TreeNode) -> list[bytes]:
+        """Chained storage hashes of a node's pages, computed once per node from its parent's."""
+        if node.hashes is None:
+            parent = node.parent
+            prior = None
+            if parent is not None and not parent.is_root:
+                prior = self._node_hashes(parent)[-1]
+            node.hashes = page_hashes(node.key, self.page_size, prior)
+        return node.hashes
+
+    def put(self, nodes: list[TreeNode]) -> TransferOp | None:
+        """Queue the host copies of `nodes` for storage (the put, to wait for; None: nothing to put)."""
+        if not nodes:
+            return None
+        hashes: list[bytes] = []
+        payloads: list[bytes] = []
+        for node in nodes:
+            hashes.extend(self._node_hashes(node))
+            # A copy now: the host pages may be evicted and reused before the put runs.
+            payloads.extend(self.host.host.page_payload(p) for p in node.host_pages or [])
+        store = self.store
+
+        def run(_: TransferOp) -> None:
+            # Content-addressed: what another server (or an earlier run) stored need not be written again.
+            present = store.exists_prefix(hashes)
+            store.put_pages(hashes[present:], payloads[present:])
+
+        self.stats.put_pages += len(hashes)
+        return self.worker.submit(TransferOp("storage_put", run))
+
+    # ---- prefetch: queried -> allocated -> read ------------------------------------------------
+
+    def start_prefetch(self, rid: int, prompt: Sequence[int], namespace: str) -> None:
+        """Look up what storage holds of the prompt beyond the tree's match (in the background)."""
+        key = prompt[: len(prompt) - 1]
+        total = len(key) // self.page_size
+        match = self.tree.match_prefix(key, namespace)
+        start = len(match.device_pages) + len(match.host_pages)
+        if (total - start) * self.page_size < max(self.threshold, 1):
+            return
+        hashes = page_hashes(key[: total * self.page_size], self.page_size)[start:]
+        prefetch = Prefetch(rid, hashes, start)
+        store, consensus = self.store, self.consensus
+
+        def query(op: TransferOp) -> None:
+            try:
+                found = store.exists_prefix(hashes)
+            except Exception:  # noqa: BLE001 - a miss here; the agreement below must still happen
+                logger.exception("storage existence query failed; treated as a miss")
+                found = 0
+            # MIN over every rank before reading: the common prefix all ranks can load.
+            op.payload = consensus.agree_min_all("storage_hit_pages", [found])[0]
+
+        prefetch.query = self.worker.submit(TransferOp("storage_query", query))
+        self.prefetches[rid] = prefetch
+        self.stats.prefetch.queried += len(hashes)
+
+    def querying(self) -> list[Prefetch]:
+        """Prefetches whose existence query may have finished (the same list on every rank)."""
+        return [p for p in self.prefetches.values() if not p.done and p.read is None and p.query is not None]
+
+    def advance(self, agreed_ready: list[Prefetch]) -> None:
+        """Move prefetches whose existence query finished (on the first stage) to reading, taking host
+        memory now."""
+        for prefetch in agreed_ready:
+            assert prefetch.query is not None
+            prefetch.query.done.wait()  # finished on the first stage; here it may still be finishing
+            hit = 0 if prefetch.query.failed else int(prefetch.query.payload)  # type: ignore[arg-type]
+            prefetch.hit_pages = hit
+            self.stats.prefetch.hit += hit
+            if hit * self.page_size < self.threshold:
+                self._lose(PrefetchLoss.BELOW_THRESHOLD, hit)
+                prefetch.done = True
+                continue
+            host_pages = self.host.alloc(hit)
+            if host_pages is None:
+                self._lose(PrefetchLoss.HOST_FULL, hit)
+                prefetch.done = True
+                continue
+            self.stats.prefetch.allocated += hit
+            prefetch.host_pages = host_pages
+            prefetch.read = self.worker.submit(TransferOp("storage_read", self._read_run(prefetch)))
+
+    def _read_batch(self, prefetch: Prefetch, first: int, last: int) -> int:
+        """Read pages [first, last) of the hit into their host pages; how many leading ones verified."""
+        store, host = self.store, self.host.host
+        pages = prefetch.host_pages[first:last]
+        if host.layout == "page_first":
+            ok = store.get_pages_into(prefetch.hashes[first:last], [host.page_view(p) for p in pages])
+        else:
+            payloads = store.get_pages(prefetch.hashes[first:last])
+            ok = [p is not None for p in payloads]
+            for page, payload in zip(pages, payloads):
+                if payload is not None:
+                    host.write_page(page, payload)
+        return next((i for i, good in enumerate(ok) if not good), len(ok))
+
+    def _read_run(self, prefetch: Prefetch) -> Callable[[TransferOp], None]:
+        consensus = self.consensus
+
+        def run(_: TransferOp) -> None:
+            done = 0
+            for first in range(0, prefetch.hit_pages, PREFETCH_BATCH_PAGES):
+                last = min(first + PREFETCH_BATCH_PAGES, prefetch.hit_pages)
+                stopping = prefetch.stop.is_set()
+                local = done
+                if not stopping:
+                    try:
+                        local = first + self._read_batch(prefetch, first, last)
+                    except Exception:  # noqa: BLE001 - a miss; the agreement below must still happen
+                        logger.exception("storage read failed; its pages are treated as a miss")
+                # MIN over every rank after each batch: a slow stop or a failed read on one rank
+                # shortens everyone's prefix, and every rank leaves the loop at the same batch.
+                done, go = consensus.agree_min_all("prefetch_read", [local, int(not stopping)])
+                prefetch.progress.append(done)
+                if not go or done < last:
+                    prefetch.read_failed = bool(go)
+                    return
+
+        return run
+
+    def _lose(self, reason: PrefetchLoss, pages: int) -> None:
+        if pages:
+            self.stats.prefetch.lose(reason, pages)
+            logger.debug("prefetch: %d pages lost (%s)", pages, reason.value)
+
+    # ---- prefetch at admission: stop, insert ---------------------------------------------------
+
+    def _stop_waiting(self, prefetch: Prefetch, busy: bool) -> bool:
+        """This rank's view of whether admission should stop waiting for the read."""
+        assert prefetch.read is not None
+        read_done = prefetch.read.done.is_set()
+        if self.policy is PrefetchPolicy.BEST_EFFORT:
+            # Never hold up other work; but an idle engine has nothing better to do than finish the
+            # read, which is cheaper than recomputing what it brings.
+            return busy or read_done
+        if self.policy is PrefetchPolicy.WAIT_COMPLETE:
+            return read_done
+        limit = self.timeout_base + self.timeout_per_ki_token * prefetch.hit_pages * self.page_size / 1024
+        return read_done or time.monotonic() - prefetch.started >= limit
+
+    def ready_to_admit(self, rid: int, busy: bool) -> bool:
+        prefetch = self.prefetches.get(rid)
+        if prefetch is None or prefetch.done:
+            return True
+        if prefetch.read is None:
+            return False  # the existence query is still out; it is quick
+        finished = self._stop_waiting(prefetch, busy)
+        # The first stage decides for every stage whether to stop waiting and how many entries of the
+        # agreed read progress to use (later entries, already there on some ranks, are not used).
+        stop, consume = self.consensus.agree_min("prefetch_stop", [int(finished), len(prefetch.progress)])
+        prefetch.consume = consume
+        return bool(stop)
+
+    @consensus_checked(params=("rid",), results=("result",))
+    def consume(self, rid: int, prompt: Sequence[int], namespace: str) -> Fetched:
+        """Stop the request's prefetch and insert its agreed-on completed prefix as host-only nodes."""
+        prefetch = self.prefetches.pop(rid, None)
+        if prefetch is None:
+            return Fetched()
+        if prefetch.read is None:  # no host memory was taken: nothing to insert
+            if prefetch.query is not None and not prefetch.done:
+                prefetch.query.done.wait()
+            return Fetched()
+        prefetch.stop.set()
+        prefetch.read.done.wait()  # at most one batch in flight (its host pages are being written)
+        completed = prefetch.progress[prefetch.consume - 1] if prefetch.consume else 0
+        self.stats.prefetch.read += completed
+        unread = prefetch.host_pages[completed:]
+        if unread:
+            self.host.free(unread)
+            self._lose(PrefetchLoss.READ_FAILED if prefetch.read_failed else PrefetchLoss.NOT_READ_IN_TIME, len(unread))
+        if completed == 0:
+            return Fetched()
+        end_page = prefetch.start_page + completed
+        tokens = prompt[: end_page * self.page_size]
+        rejected = self.tree.insert_host(tokens, prefetch.host_pages[:completed], namespace)
+        if rejected:
+            self.host.free(rejected)
+            reason = PrefetchLoss.PREFIX_EVICTED if len(rejected) == completed else PrefetchLoss.ALREADY_CACHED
+            self._lose(reason, len(rejected))
+        inserted = completed - len(rejected)
+        self.stats.prefetch.inserted += inserted
+        return Fetched(inserted, prefetch.start_page, end_page)
+
+    def cancel(self, rid: int) -> None:
+        """The request went away before admission consumed its prefetch."""
+        prefetch = self.prefetches.pop(rid, None)
+        if prefetch is None:
+            return
+        prefetch.stop.set()
+        for op in (prefetch.query, prefetch.read):
+            if op is not None:
+                op.done.wait()
+        if prefetch.host_pages:
+            self.host.free(prefetch.host_pages)
+            self._lose(PrefetchLoss.CANCELLED, len(prefetch.host_pages))
+
+    # ---- maintenance ---------------------------------------------------------------------------
+
+    def leak_report(self) -> list[str]:
+        return [f"{len(self.prefetches)} prefetches not consumed"] if self.prefetches else []
+
+    def snapshot(self) -> StorageTierStats:
+        """A copy of the counters, with the store's own."""
+        return dataclasses.replace(copy.deepcopy(self.stats), store=self.store.stats)
+
+    def shutdown(self) -> None:
+        self.worker.stop()
+        self.store.backend.close()

@@ -1,0 +1,187 @@
+"""The storage tier with small real pools and a real store (the file backend, and a real redis-server):
+puts, the prefetch lifecycle (queried -> allocated -> read -> inserted) with the bytes checked at the
+end, and every reason a page found in storage can be lost."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from hicache.cache.controller import TransferOp
+from hicache.cache.device_tier import DeviceTier
+from hicache.cache.storage_tier import StorageTier, open_store
+from hicache.config import DebugConfig, HiCacheConfig
+from tests.cache.kv import PAGE, assert_host_kv, compute, one_rank, settle, tiers
+from tests.storage.redis_server import redis_server  # noqa: F401 - a fixture
+
+PROMPT = list(range(40, 40 + 6 * PAGE + 1))  # six full pages, and the last token (always computed)
+STORED = PROMPT[: 6 * PAGE]
+
+
+@pytest.fixture(params=["file", "redis"])
+def backend(request, tmp_path) -> dict:
+    """HiCacheConfig fields naming one store, shared by every StorageTier a test opens."""
+    if request.param == "redis":
+        return {"hicache_storage_backend": "redis", "hicache_storage_url": request.getfixturevalue("redis_server").url}
+    return {"hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path / "store")}
+
+
+_opened: list[StorageTier] = []
+
+
+@pytest.fixture(autouse=True)
+def _shutdown():
+    """Stop every tier a test opened (their workers, the store's connections)."""
+    yield
+    while _opened:
+        tier = _opened.pop()
+        tier.host.shutdown()
+        tier.shutdown()
+
+
+def storage_tier(backend: dict, host_pages: int = 32, fail_rate: float = 0.0, **cfg) -> tuple[StorageTier, DeviceTier]:
+    """A storage tier over a fresh device + host tier (an empty tree) and the shared store."""
+    device, host = tiers(device_pages=16, host_pages=host_pages)
+    defaults = {"hicache_storage_prefetch_threshold": PAGE, "hicache_storage_prefetch_policy": "wait_complete"}
+    config = HiCacheConfig(enable_hierarchical_cache=True, **{**defaults, **backend, **cfg})
+    debug = DebugConfig(debug_storage_fail_rate=fail_rate, debug_storage_fail_rank=0)
+    store = open_store(config, device.pool, host.host.page_bytes, "test-model", "", debug, rank=0)
+    _opened.append(StorageTier(store, host, one_rank(), config))
+    return _opened[-1], device
+
+
+def store_pages(backend: dict, tokens: list[int]) -> None:
+    """Compute `tokens`, back them up to the host and put them in storage, as a first server would."""
+    tier, device = storage_tier(backend)
+    tier.host.on_new_nodes(compute(device, tokens))
+    op = tier.put(settle(tier.host))
+    assert op is not None
+    op.done.wait()
+    assert not op.failed and tier.store.stats.puts == len(tokens) // PAGE, "storage tier: the put did not land"
+
+
+def prefetch(tier: StorageTier, rid: int = 1, prompt: list[int] = PROMPT) -> None:
+    """Arrival, then scheduler checks until the read is out (queried -> allocated -> read)."""
+    tier.start_prefetch(rid, prompt, "")
+    querying = tier.querying()
+    for p in querying:
+        p.query.done.wait()
+    tier.advance(querying)
+
+
+def read_all(tier: StorageTier, rid: int = 1) -> None:
+    read = tier.prefetches[rid].read
+    if read is not None:
+        read.done.wait()
+    assert tier.ready_to_admit(rid, busy=False)
+
+
+def lost(tier: StorageTier) -> dict[str, int]:
+    return {reason.value: n for reason, n in tier.stats.prefetch.lost.items() if n}
+
+
+def assert_consumed(tier: StorageTier, inserted: int, **losses: int) -> None:
+    """Admission takes request 1's prefetch in: `inserted` pages reach the tree, `losses` are lost."""
+    got = tier.consume(1, PROMPT, "").inserted
+    assert (got, lost(tier)) == (inserted, losses), f"storage tier: {got} pages inserted, lost {lost(tier)}"
+
+
+def test_the_prefetch_lifecycle_brings_the_bytes(backend):
+    store_pages(backend, STORED)
+    tier, _ = storage_tier(backend)
+    prefetch(tier)
+    read_all(tier)
+    fetched = tier.consume(1, PROMPT, "")
+    assert (fetched.inserted, fetched.pages) == (6, range(0, 6))
+    match = tier.tree.match_prefix(STORED)
+    assert match.host_tokens == len(STORED), "storage tier: the read pages were not inserted as host-only nodes"
+    assert_host_kv(tier.host.host, match.host_pages, STORED, "storage")
+    p = tier.stats.prefetch
+    assert (p.queried, p.hit, p.allocated, p.read, p.inserted) == (6, 6, 6, 6, 6)
+    assert lost(tier) == {}
+    assert tier.leak_report() == []
+
+
+def test_a_prompt_mostly_cached_is_not_prefetched(backend):
+    store_pages(backend, STORED)
+    tier, _ = storage_tier(backend, hicache_storage_prefetch_threshold=8 * PAGE)
+    tier.start_prefetch(1, PROMPT, "")
+    assert tier.prefetches == {} and tier.stats.prefetch.queried == 0
+
+
+def test_too_small_a_hit_is_lost_below_threshold(backend):
+    store_pages(backend, STORED[: 2 * PAGE])
+    tier, _ = storage_tier(backend, hicache_storage_prefetch_threshold=3 * PAGE)
+    prefetch(tier)
+    assert tier.ready_to_admit(1, busy=False)
+    assert_consumed(tier, 0, below_threshold=2)
+
+
+def test_no_host_memory_is_lost_host_full(backend):
+    store_pages(backend, STORED)
+    tier, _ = storage_tier(backend, host_pages=4)
+    prefetch(tier)
+    assert_consumed(tier, 0, host_full=6)
+
+
+def test_unreadable_pages_are_lost_read_failed(backend):
+    store_pages(backend, STORED)
+    tier, _ = storage_tier(backend, fail_rate=1.0)
+    prefetch(tier)
+    read_all(tier)
+    assert_consumed(tier, 0, read_failed=6)
+    assert tier.store.stats.misses > 0
+    assert tier.host.host.allocator.free_pages == 32, "storage tier: the unread pages kept their host memory"
+
+
+def test_stopping_before_the_read_is_lost_not_read_in_time(backend):
+    store_pages(backend, STORED)
+    tier, _ = storage_tier(backend, hicache_storage_prefetch_policy="best_effort")
+    gate = threading.Event()
+    tier.worker.submit(TransferOp("hold", lambda _: gate.wait(10)))  # the read queues behind this
+    prefetch(tier)
+    assert tier.ready_to_admit(1, busy=True), "best effort never holds up a busy engine"
+    gate.set()
+    assert_consumed(tier, 0, not_read_in_time=6)
+
+
+def test_pages_the_tree_got_meanwhile_are_lost_already_cached(backend):
+    store_pages(backend, STORED)
+    tier, device = storage_tier(backend)
+    prefetch(tier)
+    read_all(tier)
+    host = tier.host
+    host.on_new_nodes(compute(device, STORED[: 2 * PAGE]))  # another request computes them meanwhile
+    settle(host)
+    assert_consumed(tier, 4, already_cached=2)
+    assert_host_kv(host.host, tier.tree.match_prefix(STORED).host_pages, STORED, "storage", first_page=2)
+
+
+def test_a_prefix_evicted_meanwhile_loses_the_continuation(backend):
+    store_pages(backend, STORED)
+    tier, device = storage_tier(backend)
+    compute(device, STORED[: 2 * PAGE])  # the tree holds the first two pages, on the device only
+    prefetch(tier)
+    assert tier.prefetches[1].start_page == 2, "storage tier: prefetched what the tree had"
+    read_all(tier)
+    device.evict_all()
+    assert_consumed(tier, 0, prefix_evicted=4)
+
+
+def test_a_request_gone_is_lost_cancelled(backend):
+    store_pages(backend, STORED)
+    tier, _ = storage_tier(backend)
+    prefetch(tier)
+    tier.cancel(1)
+    assert lost(tier) == {"cancelled": 6}, f"storage tier: {lost(tier)}"
+    assert tier.host.host.allocator.free_pages == 32 and tier.leak_report() == []
+
+
+def test_content_addressing_writes_a_page_once(backend):
+    store_pages(backend, STORED)
+    tier, device = storage_tier(backend)
+    tier.host.on_new_nodes(compute(device, STORED))
+    tier.put(settle(tier.host)).done.wait()
+    assert tier.store.stats.puts == 0, "storage tier: wrote again what the store had"
+    assert tier.stats.put_pages == 6
