@@ -1,17 +1,22 @@
 """Checks shared by the checkpoint loaders (GGUF, Hugging Face directory): the exact set of weight names
 and shapes a `ModelConfig` implies, so a malformed or unsupported checkpoint fails at load time with one
-clear line instead of deep inside the forward pass."""
+clear line instead of deep inside the forward pass; and the tail both loaders end with."""
 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
-from typing import Iterable
+import time
+from typing import Iterable, Sequence
 
 import torch
 
 from hicache.errors import UserError
-from hicache.model.config import ModelConfig
+from hicache.model.config import LoadedModel, ModelConfig
+from hicache.model.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 _HASH_CHUNK = 1 << 22
 
@@ -71,3 +76,28 @@ def check_vocab(tokenizer_vocab: int, config: ModelConfig, source: str) -> None:
     """A tokenizer that emits ids the embedding has no row for would index out of range at run time."""
     if tokenizer_vocab > config.vocab_size:
         raise UserError(f"{source}: tokenizer has {tokenizer_vocab} tokens, the embedding {config.vocab_size}")
+
+
+def checked_model(
+    name: str,
+    config: ModelConfig,
+    weights: dict[str, torch.Tensor],
+    tokenizer: Tokenizer,
+    files: Sequence[str | os.PathLike[str]],
+    source: str,
+    started: float,
+    **extra: object,
+) -> LoadedModel:
+    """The tail every file loader shares: the tokenizer must fit the embedding, the identity is the
+    digest of the files' bytes, one log line, and the LoadedModel (`extra` beside source and context)."""
+    check_vocab(tokenizer.vocab_size, config, source)
+    identity = sha256_files(files)
+    logger.info("loaded %s (%d tensors) in %.2f s", source, len(weights), time.perf_counter() - started)
+    return LoadedModel(
+        name=name,
+        config=config,
+        weights=weights,
+        tokenizer=tokenizer,
+        identity=identity,
+        extra={"source": source, "context_length": config.max_position, **extra},
+    )

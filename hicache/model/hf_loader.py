@@ -20,7 +20,7 @@ from safetensors import SafetensorError, safe_open
 
 from hicache.errors import UserError
 from hicache.model.chat import ChatTemplate
-from hicache.model.checkpoint import check_vocab, check_weights, sha256_files
+from hicache.model.checkpoint import check_weights, checked_model
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.hf_tokenizer import HFTokenizer
 
@@ -49,17 +49,15 @@ def load_hf_dir(path: str | os.PathLike[str], name: str) -> LoadedModel:
         weights.pop("lm_head.weight", None)
     check_weights(weights, config, str(root))
 
-    tokenizer = _tokenizer(root, hf_config)
-    check_vocab(tokenizer.vocab_size, config, str(root))
-    identity = sha256_files([config_path, *files])
-    logger.info("loaded %s (%d tensors) in %.2f s", root, len(weights), time.perf_counter() - started)
-    return LoadedModel(
-        name=name,
-        config=config,
-        weights=weights,
-        tokenizer=tokenizer,
-        identity=identity,
-        extra={"source": str(root), "context_length": config.max_position, "model_type": hf_config["model_type"]},
+    return checked_model(
+        name,
+        config,
+        weights,
+        _tokenizer(root, hf_config),
+        [config_path, *files],
+        str(root),
+        started,
+        model_type=hf_config["model_type"],
     )
 
 
