@@ -68,6 +68,7 @@ class HiCacheConfig(FromArgs):
     hicache_storage_prefetch_policy: str = "best_effort"
     hicache_storage_prefetch_timeout_base: float = 1.0  # seconds
     hicache_storage_prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 prefetched tokens
+    hicache_storage_max_bytes: int = 0  # file backend: least recently used objects go past this; 0 = no cap
 
     def __post_init__(self) -> None:
         if self.hicache_ratio <= 0:
@@ -81,7 +82,9 @@ class HiCacheConfig(FromArgs):
             _choice("--hicache-storage-backend", self.hicache_storage_backend, STORAGE_BACKENDS)
             if not self.enable_hierarchical_cache:
                 raise UserError("--hicache-storage-backend needs --enable-hierarchical-cache")
-        for name in ("hicache_load_back_threshold", "hicache_storage_prefetch_threshold"):
+        if self.hicache_storage_max_bytes and self.hicache_storage_backend != "file":
+            raise UserError("--hicache-storage-max-bytes applies to --hicache-storage-backend file only")
+        for name in ("hicache_load_back_threshold", "hicache_storage_prefetch_threshold", "hicache_storage_max_bytes"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0")
         for name in ("hicache_storage_prefetch_timeout_base", "hicache_storage_prefetch_timeout_per_ki_token"):
@@ -261,6 +264,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--hicache-storage-prefetch-timeout-base", type=float, default=h.hicache_storage_prefetch_timeout_base)
     t.add_argument("--hicache-storage-prefetch-timeout-per-ki-token", type=float,
                    default=h.hicache_storage_prefetch_timeout_per_ki_token)
+    t.add_argument("--hicache-storage-max-bytes", type=int, default=h.hicache_storage_max_bytes,
+                   help="file backend size cap in bytes: least recently used objects are removed (0: no cap)")
     p = ParallelConfig()
     r = parser.add_argument_group("parallelism")
     r.add_argument("--tp-size", type=int, default=p.tp_size,

@@ -94,7 +94,9 @@ def open_store(
         layout=f"page_rows:{pool.layout.row_numel}x{pool.num_layers}",
         rank=rank_suffix,
     )
-    backend = make_backend(cfg.hicache_storage_backend, cfg.hicache_storage_dir, cfg.hicache_storage_url)
+    backend = make_backend(
+        cfg.hicache_storage_backend, cfg.hicache_storage_dir, cfg.hicache_storage_url, cfg.hicache_storage_max_bytes
+    )
     if debug.debug_storage_fail_rate > 0 and rank == debug.debug_storage_fail_rank:
         backend = FlakyReads(backend, debug.debug_storage_fail_rate, seed=rank)
         rate = 100 * debug.debug_storage_fail_rate

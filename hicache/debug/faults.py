@@ -54,3 +54,6 @@ class FlakyReads(StorageBackend):
 
     def close(self) -> None:
         self.inner.close()
+
+    def evictions(self) -> tuple[int, int]:
+        return self.inner.evictions()

@@ -39,14 +39,15 @@ __all__ = [
 
 
 def make_backend(
-    kind: str, storage_dir: str | os.PathLike[str] | None = None, url: str | None = None
+    kind: str, storage_dir: str | os.PathLike[str] | None = None, url: str | None = None, max_bytes: int = 0
 ) -> StorageBackend:
     """The backend for `--hicache-storage-backend kind`: "file" (under storage_dir, default
-    default_storage_dir()) or "redis" (at url, default redis://127.0.0.1:6379/0). Connections are lazy:
-    an unreachable Redis is reported by the first operation as StorageUnavailable, not here."""
+    default_storage_dir(), capped at max_bytes if > 0) or "redis" (at url, default
+    redis://127.0.0.1:6379/0). Connections are lazy: an unreachable Redis is reported by the first
+    operation as StorageUnavailable, not here."""
     if kind == "file":
         try:
-            return FileBackend(storage_dir)
+            return FileBackend(storage_dir, max_bytes=max_bytes)
         except StorageUnavailable as exc:  # at start-up, an unusable directory is the user's to fix
             raise UserError(str(exc)) from exc
     if kind == "redis":

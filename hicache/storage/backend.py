@@ -119,6 +119,11 @@ class StorageBackend(abc.ABC):
     def close(self) -> None:
         """Release connections and handles. The backend is unusable afterwards."""
 
+    def evictions(self) -> tuple[int, int]:
+        """(objects, bytes) the backend removed to stay under a size cap of its own; (0, 0) for a store
+        that has none (Redis evicts by its own maxmemory policy, which it reports itself)."""
+        return 0, 0
+
     def __enter__(self) -> "StorageBackend":
         return self
 

@@ -8,7 +8,9 @@ os.replace puts it in place, so a reader sees the whole old object, the whole ne
 is no fsync per object by default: a crash can lose only cache (recomputable), and an object torn by a
 crash (a rename that reached the disk before its data did) fails the codec's checksum and is a miss.
 fsync=True makes each put durable at disk-flush speed (about 0.4 GB/s on the reference machine vs
-page-cache speed without it), for stores that must survive power loss warm.
+page-cache speed without it), for stores that must survive power loss warm. max_bytes caps the
+directory's size, least recently used objects going first, and start-up sweeps the temp files a crash
+left (file_capacity.py). A full disk makes a put fail with StorageUnavailable: a counted, skipped write.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hicache.storage.backend import Blob, StorageBackend, StorageUnavailable, check_key, check_range
+from hicache.storage.file_capacity import FileCapacity
 
 logger = logging.getLogger(__name__)
 
@@ -44,14 +47,17 @@ def default_storage_dir() -> Path:
 class FileBackend(StorageBackend):
     """Objects as files under `root_dir` (default: default_storage_dir()); see the module docstring."""
 
-    def __init__(self, root_dir: str | os.PathLike[str] | None = None, *, fsync: bool = False) -> None:
+    def __init__(
+        self, root_dir: str | os.PathLike[str] | None = None, *, fsync: bool = False, max_bytes: int = 0
+    ) -> None:
         self.root = Path(root_dir) if root_dir is not None else default_storage_dir()
         self.fsync = fsync
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            self._root = os.fspath(self.root.resolve())
+            self.capacity = FileCapacity(self._root, _FANOUT_DIR_RE, max_bytes)
         except OSError as exc:
-            raise StorageUnavailable(f"cannot create storage directory {self.root}: {exc}") from exc
-        self._root = os.fspath(self.root.resolve())
+            raise StorageUnavailable(f"cannot use storage directory {self.root}: {exc}") from exc
 
     def _dir(self, key: str) -> str:
         return os.path.join(self._root, key[:_FANOUT])
@@ -71,11 +77,13 @@ class FileBackend(StorageBackend):
         path = self._path(key)
         try:
             with open(path, "rb") as f:
-                return f.read()
+                data = f.read()
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise StorageUnavailable(f"reading {path}: {exc}") from exc
+        self.capacity.on_read(path)
+        return data
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         for key in keys:
@@ -97,6 +105,7 @@ class FileBackend(StorageBackend):
             return None
         except OSError as exc:
             raise StorageUnavailable(f"reading {path}: {exc}") from exc
+        self.capacity.on_read(path)
         try:
             size = os.fstat(fd).st_size
             want = min(size, sum(b.nbytes for b in buffers))
@@ -130,6 +139,7 @@ class FileBackend(StorageBackend):
                     if self.fsync:
                         f.flush()
                         os.fsync(f.fileno())
+                    size = f.tell()
                 os.replace(tmp, final)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -139,6 +149,7 @@ class FileBackend(StorageBackend):
                 _fsync_dir(directory)  # make the rename itself durable
         except OSError as exc:
             raise StorageUnavailable(f"writing {final}: {exc}") from exc
+        self.capacity.on_put(size)
 
     def batch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
         for key, _ in items:
@@ -152,20 +163,24 @@ class FileBackend(StorageBackend):
         try:
             with open(path, "rb") as f:
                 f.seek(offset)
-                return f.read(length)
+                data = f.read(length)
         except FileNotFoundError:
             return None
         except OSError as exc:
             raise StorageUnavailable(f"reading {path}: {exc}") from exc
+        self.capacity.on_read(path)
+        return data
 
     def delete(self, key: str) -> None:
         path = self._path(key)
         try:
+            size = os.stat(path).st_size
             os.unlink(path)
         except FileNotFoundError:
-            pass
+            return
         except OSError as exc:
             raise StorageUnavailable(f"deleting {path}: {exc}") from exc
+        self.capacity.on_delete(size)
 
     def clear(self) -> None:
         # Only fan-out directories: the root may be a user-chosen directory holding other things.
@@ -173,11 +188,15 @@ class FileBackend(StorageBackend):
             for entry in entries:
                 if entry.is_dir(follow_symlinks=False) and _FANOUT_DIR_RE.fullmatch(entry.name):
                     shutil.rmtree(entry.path)
+        self.capacity.on_clear()
         logger.info("cleared file storage at %s", self._root)
 
     def close(self) -> None:
         # Every operation opens and closes its own file: nothing is held between calls.
         pass
+
+    def evictions(self) -> tuple[int, int]:
+        return self.capacity.stats.evicted_objects, self.capacity.stats.evicted_bytes
 
 
 def _after(buffers: Sequence[memoryview], skip: int) -> list[memoryview]:

@@ -31,7 +31,9 @@ class StorageStats:
     gets/hits/misses/corrupt count pages; misses include corrupt pages and pages not read because the
     store was unavailable. puts counts pages written. bytes_read/bytes_written count whole objects moved
     (header included), i.e. the traffic the backend carried. errors counts backend operations that
-    failed with StorageUnavailable (one per failed call, however many pages it covered)."""
+    failed with StorageUnavailable (one per failed call, however many pages it covered). evicted_objects
+    and evicted_bytes count what the backend removed to stay under its size cap (the file backend's
+    --hicache-storage-max-bytes)."""
 
     gets: int = 0
     hits: int = 0
@@ -41,6 +43,8 @@ class StorageStats:
     bytes_read: int = 0
     bytes_written: int = 0
     errors: int = 0
+    evicted_objects: int = 0
+    evicted_bytes: int = 0
 
 
 class VerifiedStore:
@@ -62,8 +66,9 @@ class VerifiedStore:
 
     @property
     def stats(self) -> StorageStats:
+        objects, nbytes = self.backend.evictions()
         with self._lock:
-            return replace(self._stats)
+            return replace(self._stats, evicted_objects=objects, evicted_bytes=nbytes)
 
     def keys(self, page_hashes: Sequence[bytes]) -> list[str]:
         return [self.namespace.object_key(h) for h in page_hashes]
