@@ -53,11 +53,22 @@ SELECTIVE_MIN_HITS = 2  # write_through_selective backs up a node at this many h
 
 
 def host_pool_pages(pool: DeviceKVPool, cfg: HiCacheConfig) -> int:
-    """Host capacity in pages: --hicache-size GB if given, else --hicache-ratio times the device pool."""
+    """Host capacity in pages: --hicache-size GB if given, else --hicache-ratio times the device pool.
+    A host tier no larger than the device pool is allowed but warned about: it holds little beyond
+    copies of what the device has, so host hits and prefetches mostly evict each other."""
     if cfg.hicache_size > 0:
         page_bytes = HostKVPool(pool, 1, cfg.hicache_mem_layout).page_bytes
-        return max(int(cfg.hicache_size * 1e9) // page_bytes, 1)
-    return max(int(pool.allocator.num_pages * cfg.hicache_ratio), 1)
+        pages = max(int(cfg.hicache_size * 1e9) // page_bytes, 1)
+    else:
+        pages = max(int(pool.allocator.num_pages * cfg.hicache_ratio), 1)
+    if pages <= pool.allocator.num_pages:
+        logger.warning(
+            "the host tier (%d pages) is no larger than the device pool (%d pages): it will mostly hold copies "
+            "of device-resident prefixes, which are dropped (LRU, hicache_cache_events{event=\"host_copies_dropped_"
+            "pages\"}) to make room for prefetches and backups; raise --hicache-ratio above 1 for host hits",
+            pages, pool.allocator.num_pages,
+        )
+    return pages
 
 
 class HostTier:
@@ -94,11 +105,33 @@ class HostTier:
     # ---- host memory ---------------------------------------------------------------------------
 
     def alloc(self, n: int) -> list[int] | None:
-        """n host pages, evicting host-only cache if needed; None if even that is not enough."""
+        """n host pages, evicting host-only cache first, then the host copies of device-resident
+        prefixes (LRU); None if even that is not enough."""
         short = n - self.host.allocator.free_pages
         if short > 0:
-            self.tree.evict_host(short)
+            short -= self.tree.evict_host(short)
+        if short > 0:
+            self._drop_host_copies(short)
         return self.host.allocator.alloc(n)
+
+    def _drop_host_copies(self, num_pages: int) -> None:
+        """Free host copies of unlocked device-resident nodes, least recently used first. Without this a
+        host tier full of copies of what the device holds starves prefetch and new backups for good
+        (SGLang never evicts them). A dropped copy costs only a re-backup (or, for write-through, the
+        node's host life after it leaves the device); a locked node may be mid-load or mid-backup, and
+        storage puts copy their payloads when queued, so nothing in flight reads a freed page."""
+        candidates = [
+            n for n in self.tree.nodes()
+            if n.host_pages is not None and n.on_device and n.lock_ref == 0 and not n.backup_pending
+        ]  # fmt: skip
+        freed = 0
+        for node in sorted(candidates, key=lambda n: (n.last_access, n.id)):
+            if freed >= num_pages:
+                break
+            pages, node.host_pages = node.host_pages or [], None
+            self.free(pages)
+            freed += len(pages)
+        self.stats.host_copies_dropped_pages += freed
 
     def free(self, pages: list[int]) -> None:
         self.host.allocator.free(pages)

@@ -38,6 +38,7 @@ class HostStats:
     backup_pages: int = 0
     backup_bytes: int = 0
     backup_skipped_host_full_pages: int = 0  # not backed up: no host memory even after host eviction
+    host_copies_dropped_pages: int = 0  # host copies of device-resident prefixes freed to make room
     load_pages: int = 0
     load_bytes: int = 0
 

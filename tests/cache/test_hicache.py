@@ -7,6 +7,7 @@ import os
 import pytest
 
 from hicache import Engine, SamplingParams
+from hicache.cache.stats import PrefetchLoss
 from hicache.config import HiCacheConfig
 from tests.conversations import make_conversations, run_turns
 from tests.storage.redis_server import redis_server  # noqa: F401 - a fixture
@@ -217,4 +218,29 @@ def test_failed_backups_become_misses(reference, monkeypatch):
         assert tokens(turns) == reference
         stats = engine.cache_stats()
         assert stats.workers.transfer_failures > 0 and stats.host.backup_pages > 0  # half failed, half landed
+        assert_clean(engine)
+
+
+def test_a_host_tier_full_of_device_copies_still_prefetches_from_storage(tmp_path):
+    """Host memory the size of the device pool, filled by write-through with copies of an idle prefix
+    the device still holds: a prompt whose prefix is in storage must still be prefetched (the copies are
+    dropped, LRU), where before the host tier refused it for good (`host_full`)."""
+    cfg = hicache(
+        hicache_ratio=1.0, hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / "store"),
+        hicache_storage_prefetch_threshold=64,
+    )  # fmt: skip
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    stored, idle = [(i * 7) % 200 + 33 for i in range(600)], [(i * 13) % 200 + 40 for i in range(880)]
+    with Engine(model="tiny", disable_radix_cache=True) as off:
+        expected = off.generate([stored], params)[0].token_ids
+    with Engine(model="tiny", max_total_tokens=1024, hicache=cfg) as engine:
+        assert engine.generate([stored], params)[0].token_ids == expected  # written through to storage
+    with Engine(model="tiny", max_total_tokens=1024, hicache=cfg) as engine:
+        engine.generate([idle], params)  # 55 pages on the device, their copies fill the 64 host pages
+        result = engine.generate([stored], params)[0]
+        assert result.token_ids == expected
+        assert result.cached_tokens_by_tier["storage"] >= 576, result.cached_tokens_by_tier
+        stats = engine.cache_stats()
+        assert stats.host.host_copies_dropped_pages > 0
+        assert stats.storage.prefetch.lost[PrefetchLoss.HOST_FULL] == 0
         assert_clean(engine)

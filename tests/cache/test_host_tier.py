@@ -8,10 +8,10 @@ import threading
 
 import pytest
 
-from hicache.cache.host_tier import HostTier, WritePolicy
-from hicache.config import WRITE_POLICIES
+from hicache.cache.host_tier import HostTier, WritePolicy, host_pool_pages
+from hicache.config import WRITE_POLICIES, HiCacheConfig
 from hicache.mem.host_pool import LAYOUTS, HostKVPool
-from tests.cache.kv import LAYERS, PAGE, assert_host_kv, assert_kv, compute, settle, tiers
+from tests.cache.kv import LAYERS, PAGE, assert_host_kv, assert_kv, compute, device_pool, settle, tiers
 
 A = list(range(3 * PAGE))
 
@@ -159,3 +159,32 @@ def test_drain_applies_every_backup_and_leaves_nothing_locked():
     device.tree.reset()
     assert host.leak_report() == [] and host.usage()[0] == 0
     host.shutdown()
+
+
+def test_a_full_host_tier_drops_lru_copies_of_device_resident_prefixes_before_refusing():
+    """Host memory holding only copies of what the device has must still make room (else a ratio-1 host
+    tier starves prefetch for good); the least recently used unlocked copy goes first, locked ones stay."""
+    device, host = tiers(device_pages=8, host_pages=6, policy=WritePolicy.WRITE_THROUGH)
+    a, b = list(range(3 * PAGE)), list(range(100, 100 + 3 * PAGE))
+    old, new = compute(device, a), compute(device, b)  # `old` is the less recently used
+    host.on_new_nodes(old + new)
+    settle(host)
+    assert host.host.allocator.free_pages == 0 and old[0].on_device and new[0].on_device
+    device.tree.lock(new[0])
+    pages = host.alloc(2)
+    assert pages is not None and len(pages) == 2, "host tier: refused although copies could be dropped"
+    assert old[0].host_pages is None and old[0].on_device, "host tier: dropped the wrong copy, or the device KV"
+    assert new[0].host_pages is not None, "host tier: dropped a locked node's copy"
+    assert host.stats.host_copies_dropped_pages == 3
+    assert host.alloc(4) is None, "host tier: dropped a locked copy to satisfy a request"
+    device.tree.unlock(new[0])
+
+
+def test_a_host_tier_no_larger_than_the_device_pool_is_warned_about(caplog):
+    with caplog.at_level("WARNING"):
+        assert host_pool_pages(device_pool(16), HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=1.0)) == 16
+    assert "no larger than the device pool" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        host_pool_pages(device_pool(16), HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=2.0))
+    assert caplog.text == ""
