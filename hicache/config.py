@@ -69,6 +69,7 @@ class HiCacheConfig(FromArgs):
     hicache_storage_prefetch_timeout_base: float = 1.0  # seconds
     hicache_storage_prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 prefetched tokens
     hicache_storage_max_bytes: int = 0  # file backend: least recently used objects go past this; 0 = no cap
+    hicache_transfer_timeout: float = 60.0  # seconds any wait on a copy or storage call may take
 
     def __post_init__(self) -> None:
         if self.hicache_ratio <= 0:
@@ -87,6 +88,8 @@ class HiCacheConfig(FromArgs):
         for name in ("hicache_load_back_threshold", "hicache_storage_prefetch_threshold", "hicache_storage_max_bytes"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0")
+        if not self.hicache_transfer_timeout > 0:
+            raise UserError(f"--hicache-transfer-timeout must be > 0 seconds, got {self.hicache_transfer_timeout}")
         for name in ("hicache_storage_prefetch_timeout_base", "hicache_storage_prefetch_timeout_per_ki_token"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0")
@@ -167,6 +170,7 @@ class EngineConfig(FromArgs):
     dtype: str = "auto"
     disable_radix_cache: bool = False
     default_max_new_tokens: int = 128
+    request_timeout: float = 0.0  # seconds from submission; 0: none
     # False: plain F.linear without the batch-invariant call shapes, for benchmarks that measure what
     # invariance costs (no CLI flag: a prefix cache on plain ops can change answers).
     batch_invariant_ops: bool = True
@@ -177,6 +181,8 @@ class EngineConfig(FromArgs):
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
             raise UserError(f"--page-size must be a power of two, got {self.page_size}")
+        if not self.request_timeout >= 0:
+            raise UserError(f"--request-timeout must be >= 0 seconds, got {self.request_timeout}")
         for name in ("max_total_tokens", "chunked_prefill_size", "max_running_requests", "default_max_new_tokens"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
@@ -244,6 +250,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     g.add_argument("--dtype", default=d.dtype, help="auto, float32 or bfloat16")
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse at all")
+    g.add_argument("--request-timeout", type=float, default=d.request_timeout,
+                   help="fail a request not finished this many seconds after submission (0: never)")
     h = HiCacheConfig()
     t = parser.add_argument_group("hierarchical cache")
     t.add_argument("--enable-hierarchical-cache", action="store_true", help="add the host-memory tier")
@@ -264,6 +272,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--hicache-storage-prefetch-timeout-base", type=float, default=h.hicache_storage_prefetch_timeout_base)
     t.add_argument("--hicache-storage-prefetch-timeout-per-ki-token", type=float,
                    default=h.hicache_storage_prefetch_timeout_per_ki_token)
+    t.add_argument("--hicache-transfer-timeout", type=float, default=h.hicache_transfer_timeout,
+                   help="seconds a step may wait on a host/device copy or a storage call before failing")
     t.add_argument("--hicache-storage-max-bytes", type=int, default=h.hicache_storage_max_bytes,
                    help="file backend size cap in bytes: least recently used objects are removed (0: no cap)")
     p = ParallelConfig()

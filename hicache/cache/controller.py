@@ -6,7 +6,9 @@ threads). Each operation has a completion event; backups and loads complete into
 the scheduler consumes at its checks, through the rank-agreement interface, so every rank applies the
 same completions at the same logical point. Workers are supervised: an exception fails the operation
 (its KV is treated as a miss), is logged, and the worker keeps serving; a worker thread that dies is
-restarted on the next submission.
+restarted on the next submission. Every wait on an operation is bounded (`--hicache-transfer-timeout`):
+a copy or storage call that hangs fails the step that waits on it with a TransferTimeout instead of
+stalling every request behind it forever.
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from typing import Callable
 import torch
 
 logger = logging.getLogger(__name__)
+
+DEFAULT_TRANSFER_TIMEOUT_S = 60.0
+
+
+class TransferTimeout(RuntimeError):
+    """An asynchronous copy or storage call did not finish within its deadline."""
 
 
 class CopyStream:
@@ -66,18 +74,33 @@ class TransferOp:
     ident: int = 0
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S  # set by the worker it is submitted to
 
     @property
     def failed(self) -> bool:
         return self.error is not None
+
+    def wait(self, milestone: threading.Event | None = None) -> None:
+        """Until the op has completed (or reached `milestone`, e.g. one layer of a load, or failed
+        before it); TransferTimeout after timeout_s."""
+        deadline = time.monotonic() + self.timeout_s
+        event = milestone or self.done
+        while not event.wait(timeout=0.05):
+            if self.done.is_set():
+                return  # failed (or finished) without setting the milestone
+            if time.monotonic() > deadline:
+                raise TransferTimeout(f"{self.kind} transfer did not finish within {self.timeout_s:g} s")
 
 
 class SupervisedWorker:
     """A FIFO worker thread. `debug_delay_s` delays each completion by a random amount (fault injection
     for tests and for users debugging their own deployment)."""
 
-    def __init__(self, name: str, debug_delay_s: float = 0.0, seed: int = 0) -> None:
+    def __init__(
+        self, name: str, debug_delay_s: float = 0.0, seed: int = 0, timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S
+    ) -> None:
         self.name = name
+        self.timeout_s = timeout_s
         self._queue: queue.Queue[TransferOp | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
@@ -87,6 +110,7 @@ class SupervisedWorker:
         self.failures = 0
 
     def submit(self, op: TransferOp) -> TransferOp:
+        op.timeout_s = self.timeout_s
         with self._lock:
             if self._thread is None or not self._thread.is_alive():
                 if self._thread is not None:
@@ -143,7 +167,7 @@ class AckQueue:
         that n are done; this rank's copies must finish before their results are applied)."""
         ops = [self._ops.popleft() for _ in range(n)]
         for op in ops:
-            op.done.wait()
+            op.wait()
         return ops
 
     def running(self) -> list[TransferOp]:

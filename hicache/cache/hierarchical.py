@@ -41,7 +41,10 @@ class HierarchicalCache(PrefixCache):
         self.consensus = consensus
         delay = debug.debug_transfer_delay_ms / 1000
         policy = WritePolicy(cfg.hicache_write_policy)
-        self.host = HostTier(pool, host_pool, self.tree, consensus, policy, cfg.hicache_load_back_threshold, delay)
+        self.host = HostTier(
+            pool, host_pool, self.tree, consensus, policy, cfg.hicache_load_back_threshold, delay,
+            cfg.hicache_transfer_timeout,
+        )  # fmt: skip
         self.storage: StorageTier | None = None
         if cfg.hicache_storage_backend:
             rank = consensus.pctx.rank

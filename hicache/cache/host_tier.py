@@ -18,7 +18,7 @@ import logging
 import threading
 from typing import Callable
 
-from hicache.cache.controller import AckQueue, CopyStream, SupervisedWorker, TransferOp
+from hicache.cache.controller import DEFAULT_TRANSFER_TIMEOUT_S, AckQueue, CopyStream, SupervisedWorker, TransferOp
 from hicache.cache.radix import MatchResult, RadixTree, TreeNode
 from hicache.cache.stats import HostStats
 from hicache.config import HiCacheConfig
@@ -81,6 +81,7 @@ class HostTier:
         policy: WritePolicy,
         load_back_threshold: int,
         debug_delay_s: float = 0.0,
+        transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
     ) -> None:
         """`tree` must free removed nodes' host pages into `host` (its on_host_free)."""
         self.pool = pool
@@ -92,8 +93,8 @@ class HostTier:
         self.copies = CopyStream(pool.device)
         rank = consensus.pctx.rank
         # Per-rank seeds: the ranks' copies finish in different orders, which is what agreement is for.
-        self.backup_worker = SupervisedWorker("backup", debug_delay_s, seed=rank * 16)
-        self.load_worker = SupervisedWorker("load", debug_delay_s, seed=rank * 16 + 1)
+        self.backup_worker = SupervisedWorker("backup", debug_delay_s, rank * 16, transfer_timeout_s)
+        self.load_worker = SupervisedWorker("load", debug_delay_s, rank * 16 + 1, transfer_timeout_s)
         self.backups = AckQueue()
         self.loads = AckQueue()
         self.stats = HostStats()
@@ -276,9 +277,7 @@ class HostTier:
         def wait(layer: int) -> None:
             for op in pending:
                 events: list[threading.Event] = op.payload  # type: ignore[assignment]
-                while not events[layer].wait(timeout=0.05):
-                    if op.done.is_set():
-                        break
+                op.wait(events[layer])
                 if op.failed:
                     raise RuntimeError(f"host -> device load failed: {op.error}")
 

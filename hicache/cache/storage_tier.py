@@ -117,7 +117,9 @@ class StorageTier:
         self.policy = PrefetchPolicy(cfg.hicache_storage_prefetch_policy)
         self.timeout_base = cfg.hicache_storage_prefetch_timeout_base
         self.timeout_per_ki_token = cfg.hicache_storage_prefetch_timeout_per_ki_token
-        self.worker = SupervisedWorker("storage", debug_delay_s, seed=consensus.pctx.rank * 16 + 2)
+        self.worker = SupervisedWorker(
+            "storage", debug_delay_s, consensus.pctx.rank * 16 + 2, cfg.hicache_transfer_timeout
+        )
         self.prefetches: dict[int, Prefetch] = {}
         self.stats = StorageTierStats()
 
@@ -189,7 +191,7 @@ class StorageTier:
         memory now."""
         for prefetch in agreed_ready:
             assert prefetch.query is not None
-            prefetch.query.done.wait()  # finished on the first stage; here it may still be finishing
+            prefetch.query.wait()  # finished on the first stage; here it may still be finishing
             hit = 0 if prefetch.query.failed else int(prefetch.query.payload)  # type: ignore[arg-type]
             prefetch.hit_pages = hit
             self.stats.prefetch.hit += hit
@@ -285,10 +287,10 @@ class StorageTier:
             return Fetched()
         if prefetch.read is None:  # no host memory was taken: nothing to insert
             if prefetch.query is not None and not prefetch.done:
-                prefetch.query.done.wait()
+                prefetch.query.wait()
             return Fetched()
         prefetch.stop.set()
-        prefetch.read.done.wait()  # at most one batch in flight (its host pages are being written)
+        prefetch.read.wait()  # at most one batch in flight (its host pages are being written)
         completed = prefetch.progress[prefetch.consume - 1] if prefetch.consume else 0
         self.stats.prefetch.read += completed
         unread = prefetch.host_pages[completed:]
@@ -316,7 +318,7 @@ class StorageTier:
         prefetch.stop.set()
         for op in (prefetch.query, prefetch.read):
             if op is not None:
-                op.done.wait()
+                op.wait()
         if prefetch.host_pages:
             self.host.free(prefetch.host_pages)
             self._lose(PrefetchLoss.CANCELLED, len(prefetch.host_pages))

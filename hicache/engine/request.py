@@ -55,6 +55,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"
     ABORT = "abort"
     ERROR = "error"
+    TIMEOUT = "timeout"  # --request-timeout passed; everything it held was released
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from hicache.errors import UserError
 from hicache.model.loader import load_model
 from hicache.runtime.base import Runtime, check_usable
 from hicache.runtime.build import build_scheduler, check_topology, context_length
+from hicache.runtime.deadlines import DeadlineWatch
 from hicache.runtime.local import LocalRuntime
 from hicache.runtime.rank_front import RankRuntime
 
@@ -152,6 +153,7 @@ class Engine:
         # What the start-up batch-invariance self-check found on every rank: `verified`, each op's
         # mechanism, and what differed where it failed (hicache/model/invariance.py). Fixed from here on.
         self.invariance: dict = self._runtime.control("invariance")  # type: ignore[assignment]
+        self._deadlines = DeadlineWatch(cfg.request_timeout, self._expire) if cfg.request_timeout > 0 else None
 
     # ---- client side ---------------------------------------------------------------------------
 
@@ -189,6 +191,8 @@ class Engine:
             self._check_alive()
             self._handles[req.rid] = handle
             self._runtime.submit(req)
+        if self._deadlines is not None:
+            self._deadlines.start(req.rid)
         return handle
 
     def generate(
@@ -247,6 +251,8 @@ class Engine:
             if self._stopped:
                 return
             self._stopped = True
+        if self._deadlines is not None:
+            self._deadlines.stop()
         self._runtime.shutdown()
         self._fail_open_handles("the engine was shut down")
 
@@ -265,10 +271,28 @@ class Engine:
         with self._lock:
             handle = self._handles.get(event.rid)
             if handle is None:
-                return
+                return  # finished already, or timed out (its cancel's abort event ends here)
             if event.finish_reason is not None:
                 del self._handles[event.rid]
+        if event.finish_reason is not None and self._deadlines is not None:
+            self._deadlines.finished(event.rid)
         handle._deliver(event)
+
+    def _expire(self, rid: int) -> None:
+        """--request-timeout passed: the client hears it now, the scheduler releases the request's pages
+        and locks when it takes the cancel in (at once, unless a step is running)."""
+        with self._lock:
+            handle = self._handles.pop(rid, None)
+        if handle is None:
+            return
+        try:
+            self._runtime.cancel(rid)
+        except RuntimeError:
+            pass  # the runtime is gone: nothing is held any more
+        timeout = self.config.request_timeout
+        message = f"the request did not finish within --request-timeout {timeout:g} s and was aborted"
+        logger.warning("request %d timed out after %g s", rid, timeout)
+        handle._deliver(RequestEvent(rid, (), finish_reason=FinishReason.TIMEOUT, error=message))
 
     def _fail(self, reason: str) -> None:
         """A rank died or ranks diverged: fail everything in flight and refuse new work."""

@@ -61,6 +61,8 @@ def _failure(client: EngineClient, choice: Choice) -> APIError:
     """The error for a choice that ended without completing (aborted or failed in the engine)."""
     if choice.finish_reason is FinishReason.ERROR:
         return APIError(500, choice.error or "the engine failed this request", code="engine_error")
+    if choice.finish_reason is FinishReason.TIMEOUT:
+        return APIError(504, choice.error or "the request timed out", code="timeout")
     reason = "the server is shutting down" if client.draining else "the request was aborted"
     return APIError(503, reason, code="aborted")
 

@@ -122,3 +122,18 @@ def test_shared_uncached_prefix_is_computed_once():
         assert [first.token_ids, second.token_ids] == expected
         # The second waited one step for the first's prefill instead of computing the same 600 tokens.
         assert first.cached_tokens == 0 and second.cached_tokens == 592
+
+
+def test_a_request_past_its_timeout_fails_clearly_and_releases_what_it_held():
+    with Engine(model="tiny", request_timeout=0.5, max_total_tokens=8192) as engine:
+        started = time.monotonic()
+        slow = engine.generate([list(range(40, 90))], SamplingParams(max_new_tokens=3000, ignore_eos=True))[0]
+        assert slow.finish_reason == "timeout" and "--request-timeout 0.5 s" in slow.error
+        assert time.monotonic() - started < 5
+        quick = engine.generate([list(range(40, 60))], SamplingParams(max_new_tokens=4))[0]
+        assert quick.finish_reason == "length" and len(quick.token_ids) == 4
+        deadline = time.monotonic() + 10
+        while not (engine.flush_cache() and engine.leak_report() == []):  # the cancel lands between two steps
+            assert time.monotonic() < deadline, engine.leak_report()
+            time.sleep(0.05)
+        assert engine.pool_usage()["device"][0] == 0

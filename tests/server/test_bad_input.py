@@ -11,6 +11,7 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from hicache import Engine
 from hicache.server.app import create_app
 
 COMPLETIONS = "/v1/completions"
@@ -264,3 +265,16 @@ def test_cache_survives_bad_requests(app_client: TestClient) -> None:
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == (prompt_tokens - 1) // 16 * 16
     assert app_client.post("/flush_cache").status_code == 200
     assert app_client.get("/debug/leaks").json() == []
+
+
+def test_a_timed_out_request_is_a_504_and_the_server_keeps_serving():
+    engine = Engine(model="tiny", request_timeout=0.3, max_total_tokens=8192)
+    body = {"model": "tiny", "prompt": "a long answer", "max_tokens": 3000, "ignore_eos": True}
+    with TestClient(create_app(engine, "tiny"), raise_server_exceptions=False) as client:
+        r = client.post("/v1/completions", json=body)
+        assert r.status_code == 504, r.text
+        assert r.json()["error"]["code"] == "timeout" and "--request-timeout" in r.json()["error"]["message"]
+        with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as stream:
+            events = [line for line in stream.iter_lines() if line.startswith("data: ")]
+        assert '"code": "timeout"' in events[-2] and events[-1] == "data: [DONE]"
+        assert client.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
