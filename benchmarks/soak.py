@@ -7,10 +7,11 @@ Phase 1 runs every conversation on a `--disable-radix-cache` server: the referen
 make the conversations' histories. Phase 2 replays the same prompts on the server under test from
 `--clients` threads while faults are injected: client disconnects (a read timeout), streams abandoned
 part way, stored objects corrupted and truncated, a Redis restart (redis backend), a server restart
-half way (a new process on the same store) and transfer delays (a server flag). At the end: every completed answer must equal the
-reference's, every failed request must carry an error message, and after /flush_cache no page and no
-lock may be held; the server's RSS and open file descriptors are recorded after warm-up and at the end.
-Exit status 1 if any of that does not hold. tests/test_soak.py runs a short version in CI.
+half way (a new process on the same store) and transfer delays (a server flag). At the end: every
+completed answer must equal the reference's, every failed request must carry an error message, and
+after /flush_cache no page and no lock may be held; the server's RSS and open file descriptors are
+recorded at its start and at the end. Exit status 1 if any of that does not hold. tests/test_soak.py
+runs a short version in CI.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ import pytest
 
 from hicache import Engine, SamplingParams
 from hicache.cache.stats import PrefetchLoss
-from hicache.config import HiCacheConfig
+from hicache.config import DebugConfig, HiCacheConfig
 from tests.conversations import make_conversations, run_turns
 from tests.storage.redis_server import redis_server  # noqa: F401 - a fixture
 
@@ -243,4 +243,22 @@ def test_a_host_tier_full_of_device_copies_still_prefetches_from_storage(tmp_pat
         stats = engine.cache_stats()
         assert stats.host.host_copies_dropped_pages > 0
         assert stats.storage.prefetch.lost[PrefetchLoss.HOST_FULL] == 0
+        assert_clean(engine)
+
+
+def test_shutdown_with_storage_puts_in_flight_leaves_only_whole_objects(reference, tmp_path):
+    """Shutting down while backups and storage puts are queued: each put finishes or never starts (a
+    file is renamed into place whole), so the next server finds no damaged object and no temp file."""
+    store = tmp_path / "store"
+    cfg = _storage_cfg("file", tmp_path, hicache_storage_prefetch_threshold=64)
+    slow = DebugConfig(debug_transfer_delay_ms=30)
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, debug=slow) as engine:
+        assert tokens(run_turns(engine, CONVS, TURNS, NEW)) == reference
+    # `with` ended right after the last answers: their backups and puts were still queued.
+    assert not [p for p in store.rglob("*") if p.name.endswith(".tmp")]
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg) as engine:
+        turns = run_turns(engine, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference
+        store_stats = engine.cache_stats().storage.store
+        assert store_stats.hits > 0 and store_stats.corrupt == 0
         assert_clean(engine)
