@@ -49,6 +49,8 @@ class FromArgs:
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_BACKENDS = ("file", "redis")
+DRAFT_LAYOUTS = ("auto", "packed", "sidecar")
+SPECULATIVE_ALGORITHMS = ("draft",)
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,7 @@ class HiCacheConfig(FromArgs):
     hicache_storage_prefetch_policy: str = "best_effort"
     hicache_storage_prefetch_timeout_base: float = 1.0  # seconds
     hicache_storage_prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 prefetched tokens
+    hicache_draft_layout: str = "auto"  # how a speculative draft's state sits beside the target's (hicache/spec/)
 
     def __post_init__(self) -> None:
         if self.hicache_ratio <= 0:
@@ -77,6 +80,7 @@ class HiCacheConfig(FromArgs):
         _choice("--hicache-mem-layout", self.hicache_mem_layout, LAYOUTS)
         _choice("--hicache-write-policy", self.hicache_write_policy, WRITE_POLICIES)
         _choice("--hicache-storage-prefetch-policy", self.hicache_storage_prefetch_policy, PREFETCH_POLICIES)
+        _choice("--hicache-draft-layout", self.hicache_draft_layout, DRAFT_LAYOUTS)
         if self.hicache_storage_backend is not None:
             _choice("--hicache-storage-backend", self.hicache_storage_backend, STORAGE_BACKENDS)
             if not self.enable_hierarchical_cache:
@@ -142,6 +146,7 @@ class DebugConfig(FromArgs):
     debug_storage_fail_rate: float = 0.0  # fraction of storage page reads that fail ...
     debug_storage_fail_rank: int = 0  # ... on this rank only
     debug_disable_pp_sync: bool = False  # later PP stages poll their own ACK queues (a known bug; negative tests)
+    debug_skip_draft_restore: bool = False  # loads restore the target's KV only; the draft recomputes (negative control)
 
     def __post_init__(self) -> None:
         if self.debug_transfer_delay_ms < 0:
@@ -150,6 +155,29 @@ class DebugConfig(FromArgs):
             raise UserError(f"--debug-storage-fail-rate must be in [0, 1], got {self.debug_storage_fail_rate}")
         if self.debug_storage_fail_rank < 0:
             raise UserError(f"--debug-storage-fail-rank must be >= 0, got {self.debug_storage_fail_rank}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig(FromArgs):
+    """Speculative decoding (`--speculative-*`, hicache/spec/): a draft model proposes tokens that the
+    target verifies in one forward pass; greedy output is the target's alone, token for token."""
+
+    speculative_algorithm: str | None = None  # "draft": a separate draft model
+    speculative_draft_model: str | None = None  # tiny-draft-packed, tiny-draft-sidecar, smollm2-draft, or a path
+    speculative_num_draft_tokens: int = 4  # tokens the draft proposes per step
+
+    def __post_init__(self) -> None:
+        if self.speculative_algorithm is None:
+            return
+        _choice("--speculative-algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
+        if not self.speculative_draft_model:
+            raise UserError("--speculative-algorithm draft needs --speculative-draft-model NAME|PATH")
+        if not 1 <= self.speculative_num_draft_tokens <= 16:
+            raise UserError(f"--speculative-num-draft-tokens must be in 1..16, got {self.speculative_num_draft_tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_algorithm is not None
 
 
 @dataclass(frozen=True)
@@ -170,6 +198,7 @@ class EngineConfig(FromArgs):
     hicache: HiCacheConfig = HiCacheConfig()
     parallel: ParallelConfig = ParallelConfig()
     debug: DebugConfig = DebugConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -193,6 +222,8 @@ class EngineConfig(FromArgs):
         if self.debug.debug_storage_fail_rate > 0 and self.debug.debug_storage_fail_rank >= world:
             rank = self.debug.debug_storage_fail_rank
             raise UserError(f"--debug-storage-fail-rank {rank} is not a rank (0..{world - 1})")
+        if self.speculative.enabled and world > 1:
+            raise UserError("--speculative-algorithm needs --tp-size 1 --pp-size 1 (one rank runs the draft)")
 
     @property
     def num_pages(self) -> int:
@@ -261,6 +292,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--hicache-storage-prefetch-timeout-base", type=float, default=h.hicache_storage_prefetch_timeout_base)
     t.add_argument("--hicache-storage-prefetch-timeout-per-ki-token", type=float,
                    default=h.hicache_storage_prefetch_timeout_per_ki_token)
+    t.add_argument("--hicache-draft-layout", default=h.hicache_draft_layout,
+                   help="packed (draft layers appended to the target's host pool), sidecar (pools of its own) or auto")
     p = ParallelConfig()
     r = parser.add_argument_group("parallelism")
     r.add_argument("--tp-size", type=int, default=p.tp_size,
@@ -280,3 +313,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--debug-storage-fail-rank", type=int, default=q.debug_storage_fail_rank)
     b.add_argument("--debug-disable-pp-sync", action="store_true",
                    help="let later pipeline stages poll their own transfer queues (reproduces a divergence bug)")
+    b.add_argument("--debug-skip-draft-restore", action="store_true",
+                   help="restore only the target's KV on a host or storage hit; the draft recomputes its prefix")
+    s = SpeculativeConfig()
+    v = parser.add_argument_group("speculative decoding")
+    v.add_argument("--speculative-algorithm", default=None, help="draft: a separate draft model proposes tokens")
+    v.add_argument("--speculative-draft-model", default=None,
+                   help="tiny-draft-packed, tiny-draft-sidecar, smollm2-draft[-N], or a model path")
+    v.add_argument("--speculative-num-draft-tokens", type=int, default=s.speculative_num_draft_tokens,
+                   help="tokens the draft proposes per step (the target verifies them in one pass)")

@@ -93,6 +93,10 @@ class KVHandle:
     committed_len: int = 0  # tokens handed to the tree (shared with other requests)
     cached: PrefixMatch = PrefixMatch()
     lock: TreeNode | None = None  # the deepest node of its prefix, locked while READY
+    # Speculative decoding (hicache/spec/): tokens whose draft-model state is in the draft pools, which
+    # share `pages`; None when the cache serves no draft. Admission sets it to the prefix every pool
+    # was restored with (the effective hit is their MIN); the draft computes the rest.
+    draft_len: int | None = None
 
     # ---- scheduler side ------------------------------------------------------------------------
 
@@ -117,6 +121,21 @@ class KVHandle:
         if not self.committed_len <= kv_len <= self.kv_len:
             raise ValueError(f"truncate to {kv_len}: must be in [{self.committed_len}, {self.kv_len}]")
         self.kv_len = kv_len
+        if self.draft_len is not None:  # the draft's rejected proposals go with the target's
+            self.draft_len = min(self.draft_len, kv_len)
+
+    def advance_draft(self, end: int) -> None:
+        """The draft's state of tokens [draft_len, end) was computed into its pools (speculative
+        proposals may run ahead of kv_len until the verify step truncates). Raises ValueError for a
+        handle without a draft, or `end` moving back or beyond its pages."""
+        if self.draft_len is None or not self.draft_len <= end <= len(self.pages) * self.page_size:
+            raise ValueError(f"advance_draft to {end}: draft_len is {self.draft_len}, pages hold {len(self.pages)}")
+        self.draft_len = end
+
+    @property
+    def valid_len(self) -> int:
+        """Tokens whose state every pool of the request holds (what may be shared through the tree)."""
+        return self.kv_len if self.draft_len is None else min(self.kv_len, self.draft_len)
 
     # ---- cache side ----------------------------------------------------------------------------
 

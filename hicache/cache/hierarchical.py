@@ -20,7 +20,7 @@ from hicache.config import DebugConfig, HiCacheConfig
 from hicache.debug.consensus_checker import consensus_checked
 from hicache.dist.consensus import Consensus
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.mem.host_pool import HostKVPool
+from hicache.mem.host_group import DraftPools, make_host_pool
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +34,13 @@ class HierarchicalCache(PrefixCache):
         model_identity: str,
         rank_suffix: str = "",
         debug: DebugConfig | None = None,
+        draft: DraftPools | None = None,
     ) -> None:
+        """`draft`: a speculative draft whose state the host and storage tiers keep with the target's."""
         debug = debug or DebugConfig()
-        host_pool = HostKVPool(pool, host_pool_pages(pool, cfg), cfg.hicache_mem_layout)
-        super().__init__(pool, enabled=True, on_host_free=host_pool.allocator.free)
+        host_pool = make_host_pool(pool, host_pool_pages(pool, cfg), cfg.hicache_mem_layout, draft)
+        super().__init__(pool, enabled=True, on_host_free=host_pool.allocator.free, draft=draft is not None)
+        self.skip_draft_restore = draft is not None and draft.skip_restore
         self.consensus = consensus
         delay = debug.debug_transfer_delay_ms / 1000
         policy = WritePolicy(cfg.hicache_write_policy)
@@ -45,7 +48,7 @@ class HierarchicalCache(PrefixCache):
         self.storage: StorageTier | None = None
         if cfg.hicache_storage_backend:
             rank = consensus.pctx.rank
-            store = open_store(cfg, pool, host_pool.page_bytes, model_identity, rank_suffix, debug, rank)
+            store = open_store(cfg, pool, host_pool.parts[0].payload_bytes, model_identity, rank_suffix, debug, rank)
             self.storage = StorageTier(store, self.host, consensus, cfg, delay)
         logger.info(
             "hierarchical cache: host %d pages (%.2f GB, %s), write policy %s, storage %s",
@@ -87,6 +90,10 @@ class HierarchicalCache(PrefixCache):
     def _on_release(self, handle: KVHandle) -> None:
         if self.storage is not None:
             self.storage.cancel(handle.rid)
+
+    def _draft_unrestored(self, handle: KVHandle) -> int:
+        # Loads skipped the draft's layers (a negative control): it recomputes what came from host.
+        return handle.cached.host + handle.cached.storage if self.skip_draft_restore else 0
 
     def _put(self, nodes: list[TreeNode]) -> None:
         if self.storage is not None:

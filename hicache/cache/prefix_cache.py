@@ -39,7 +39,12 @@ NO_PAGES = range(0)
 
 
 class PrefixCache:
-    def __init__(self, pool: DeviceKVPool, enabled: bool = True, on_host_free: PagesFn | None = None) -> None:
+    def __init__(
+        self, pool: DeviceKVPool, enabled: bool = True, on_host_free: PagesFn | None = None, draft: bool = False
+    ) -> None:
+        """`draft`: a speculative draft's pools share the device pages (hicache/spec/): handles then
+        track the draft's length beside the target's (`KVHandle.draft_len`)."""
+        self.draft = draft
         self.device = DeviceTier(pool, on_host_free, evict=enabled)
         self.pool = pool
         self.page_size = pool.page_size
@@ -74,6 +79,11 @@ class PrefixCache:
     def _on_release(self, handle: KVHandle) -> None:
         """The request went away (a prefetch still running for it is cancelled)."""
 
+    def _draft_unrestored(self, handle: KVHandle) -> int:
+        """Tokens of the handle's cached prefix whose draft state was not restored with the target's
+        (every pool of a device page holds its state: nothing, on the device tier)."""
+        return 0
+
     def ready_to_admit(self, handle: KVHandle, busy: bool) -> bool:
         return True
 
@@ -86,7 +96,7 @@ class PrefixCache:
     # ---- a handle's life -----------------------------------------------------------------------
 
     def open(self, rid: int, prompt: Sequence[int], namespace: str) -> KVHandle:
-        handle = KVHandle(rid, prompt, namespace, self.page_size)
+        handle = KVHandle(rid, prompt, namespace, self.page_size, draft_len=0 if self.draft else None)
         self._on_open(handle)
         return handle
 
@@ -134,6 +144,8 @@ class PrefixCache:
         handle.reserved_pages = reserve
         handle.cached = cached
         handle.lock = lock
+        if handle.draft_len is not None:  # the effective hit is the MIN over every pool it needs
+            handle.draft_len = handle.kv_len - self._draft_unrestored(handle)
         handle.enter(KVState.READY)
         self.reserved_pages += reserve
         return Admission(True, cached, reserve)

@@ -10,6 +10,10 @@
 - Agreements: the storage thread takes the MIN over every rank of the hit length before reading and of
   the pages read after each batch, and publishes that agreed progress in order; the scheduler consumes
   the number of progress entries the first stage chose, and the first stage decides when to stop waiting.
+- Parts: with a speculative draft a page is two objects, the target's (under the keys a cache without a
+  draft uses) and the draft's (under keys of its own, `Namespace.part`). Both are put together, and a
+  hit is the MIN over the parts: a page whose draft object is missing or bad is not used (counted as
+  `draft_missing`, or as a failed read), so a prefix is never restored for one model and not the other.
 """
 
 from __future__ import annotations
@@ -32,7 +36,8 @@ from hicache.debug.consensus_checker import consensus_checked
 from hicache.debug.faults import FlakyReads
 from hicache.dist.consensus import Consensus
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.storage import Namespace, VerifiedStore, make_backend, page_hashes
+from hicache.mem.host_pool import PagePart
+from hicache.storage import Namespace, StorageStats, VerifiedStore, make_backend, page_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -102,12 +107,32 @@ def open_store(
     return VerifiedStore(backend, namespace, payload_bytes=page_bytes)
 
 
+def part_store(target: VerifiedStore, part: PagePart) -> VerifiedStore:
+    """The store of a page's other part (a draft's state), on the target's backend under its own
+    namespace: its model, dtype, rows and part name, so its keys and headers are its own."""
+    namespace = dataclasses.replace(
+        target.namespace,
+        model=part.identity or target.namespace.model,
+        kv_dtype=part.dtype_name,
+        layout=part.row_layout,
+        part=part.name,
+    )
+    return VerifiedStore(target.backend, namespace, payload_bytes=part.payload_bytes)
+
+
+def _leading(ok: Sequence[bool]) -> int:
+    return next((i for i, good in enumerate(ok) if not good), len(ok))
+
+
 class StorageTier:
     def __init__(
         self, store: VerifiedStore, host: HostTier, consensus: Consensus, cfg: HiCacheConfig, debug_delay_s: float = 0.0
     ) -> None:
         self.store = store
         self.host = host
+        # (store, host part) per object of a page, the target's first (host_group.py).
+        parts = host.host.parts
+        self.parts = [(store, parts[0])] + [(part_store(store, part), part) for part in parts[1:]]
         self.tree: RadixTree = host.tree
         self.page_size = host.pool.page_size
         self.consensus = consensus
@@ -136,17 +161,19 @@ class StorageTier:
         if not nodes:
             return None
         hashes: list[bytes] = []
-        payloads: list[bytes] = []
+        payloads: list[list[bytes]] = [[] for _ in self.parts]
         for node in nodes:
             hashes.extend(self._node_hashes(node))
             # A copy now: the host pages may be evicted and reused before the put runs.
-            payloads.extend(self.host.host.page_payload(p) for p in node.host_pages or [])
-        store = self.store
+            for (_, part), out in zip(self.parts, payloads):
+                out.extend(part.payload(p) for p in node.host_pages or [])
+        parts = self.parts
 
         def run(_: TransferOp) -> None:
-            # Content-addressed: what another server (or an earlier run) stored need not be written again.
-            present = store.exists_prefix(hashes)
-            store.put_pages(hashes[present:], payloads[present:])
+            for (store, _), part_payloads in zip(parts, payloads):
+                # Content-addressed: what another server (or an earlier run) stored need not be written again.
+                present = store.exists_prefix(hashes)
+                store.put_pages(hashes[present:], part_payloads[present:])
 
         self.stats.put_pages += len(hashes)
         return self.worker.submit(TransferOp("storage_put", run))
@@ -163,16 +190,17 @@ class StorageTier:
             return
         hashes = page_hashes(key[: total * self.page_size], self.page_size)[start:]
         prefetch = Prefetch(rid, hashes, start)
-        store, consensus = self.store, self.consensus
+        stores, consensus = [store for store, _ in self.parts], self.consensus
 
         def query(op: TransferOp) -> None:
             try:
-                found = store.exists_prefix(hashes)
+                found = [store.exists_prefix(hashes) for store in stores]
             except Exception:  # noqa: BLE001 - a miss here; the agreement below must still happen
                 logger.exception("storage existence query failed; treated as a miss")
-                found = 0
-            # MIN over every rank before reading: the common prefix all ranks can load.
-            op.payload = consensus.agree_min_all("storage_hit_pages", [found])[0]
+                found = [0]
+            # MIN over every rank before reading: the common prefix all ranks can load, of every part
+            # (and of the target's alone, to count what a missing draft part cost).
+            op.payload = consensus.agree_min_all("storage_hit_pages", [min(found), found[0]])
 
         prefetch.query = self.worker.submit(TransferOp("storage_query", query))
         self.prefetches[rid] = prefetch
@@ -188,9 +216,10 @@ class StorageTier:
         for prefetch in agreed_ready:
             assert prefetch.query is not None
             prefetch.query.done.wait()  # finished on the first stage; here it may still be finishing
-            hit = 0 if prefetch.query.failed else int(prefetch.query.payload)  # type: ignore[arg-type]
+            hit, target_hit = (0, 0) if prefetch.query.failed else prefetch.query.payload  # type: ignore[misc]
             prefetch.hit_pages = hit
             self.stats.prefetch.hit += hit
+            self._lose(PrefetchLoss.DRAFT_MISSING, target_hit - hit)
             if hit * self.page_size < self.threshold:
                 self._lose(PrefetchLoss.BELOW_THRESHOLD, hit)
                 prefetch.done = True
@@ -205,18 +234,22 @@ class StorageTier:
             prefetch.read = self.worker.submit(TransferOp("storage_read", self._read_run(prefetch)))
 
     def _read_batch(self, prefetch: Prefetch, first: int, last: int) -> int:
-        """Read pages [first, last) of the hit into their host pages; how many leading ones verified."""
-        store, host = self.store, self.host.host
+        """Read pages [first, last) of the hit into their host pages, every part; how many leading ones
+        verified in all of them (a later part reads only what the earlier ones verified)."""
         pages = prefetch.host_pages[first:last]
-        if host.layout == "page_first":
-            ok = store.get_pages_into(prefetch.hashes[first:last], [host.page_view(p) for p in pages])
-        else:
-            payloads = store.get_pages(prefetch.hashes[first:last])
-            ok = [p is not None for p in payloads]
-            for page, payload in zip(pages, payloads):
-                if payload is not None:
-                    host.write_page(page, payload)
-        return next((i for i, good in enumerate(ok) if not good), len(ok))
+        hashes = prefetch.hashes[first:last]
+        for store, part in self.parts:
+            if part.host.layout == "page_first":
+                ok = store.get_pages_into(hashes, [part.view(p) for p in pages])
+            else:
+                payloads = store.get_pages(hashes)
+                ok = [p is not None for p in payloads]
+                for page, payload in zip(pages, payloads):
+                    if payload is not None:
+                        part.write(page, payload)
+            good = _leading(ok)
+            pages, hashes = pages[:good], hashes[:good]
+        return len(pages)
 
     def _read_run(self, prefetch: Prefetch) -> Callable[[TransferOp], None]:
         consensus = self.consensus
@@ -326,8 +359,14 @@ class StorageTier:
 
     def snapshot(self) -> StorageTierStats:
         """A copy of the counters, with the store's own."""
-        return dataclasses.replace(copy.deepcopy(self.stats), store=self.store.stats)
+        return dataclasses.replace(copy.deepcopy(self.stats), store=_summed([store.stats for store, _ in self.parts]))
 
     def shutdown(self) -> None:
         self.worker.stop()
         self.store.backend.close()
+
+
+def _summed(stats: list[StorageStats]) -> StorageStats:
+    """The stores' counters together (with a draft part, a page is two objects)."""
+    fields = dataclasses.fields(StorageStats)
+    return StorageStats(**{f.name: sum(getattr(s, f.name) for s in stats) for f in fields})

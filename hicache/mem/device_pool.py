@@ -42,7 +42,15 @@ class DeviceKVPool:
         return self.buffers[layer].view(self.allocator.num_pages, -1)
 
     def write(self, layer: int, slots: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
-        self.buffers[layer].index_copy_(0, slots, self.layout.pack(parts).to(self.dtype))
+        """Write the given components of rows `slots`; a layout with state beside the KV is written
+        by several callers (attention writes K and V, the layer owning the state writes it)."""
+        if len(parts) == len(self.layout.components):
+            self.buffers[layer].index_copy_(0, slots, self.layout.pack(parts).to(self.dtype))
+            return
+        for name, value in parts.items():
+            offset, numel = self.layout.span(name)
+            rows = value.reshape(value.shape[0], numel).to(self.dtype)
+            self.buffers[layer][:, offset : offset + numel].index_copy_(0, slots, rows)
 
     def read(self, layer: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.layout.unpack(self.buffers[layer].index_select(0, slots))
