@@ -23,6 +23,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "config debug",  # debug: the consensus checker and fault injection, below what they instrument
         "cache",
         "engine",
+        "spec",  # speculative decoding: a way of computing the scheduler's steps, built on the engine's runner
         "runtime",
         "server bench",
         "demo __init__",

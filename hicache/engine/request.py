@@ -75,6 +75,7 @@ class RequestEvent:
     matched_stop: str | int | None = None
     cached_tokens_by_tier: dict[str, int] | None = None  # set on the first event
     error: str | None = None
+    spec_tokens: tuple[int, int] | None = None  # (proposed, accepted) draft tokens: last event, speculative only
 
 
 _rids = itertools.count(1)
@@ -92,6 +93,8 @@ class Request:
     aborted: bool = False
     generator: torch.Generator | None = None
     first_event_sent: bool = False
+    spec_proposed: int = 0  # draft tokens proposed for it (speculative decoding) ...
+    spec_accepted: int = 0  # ... and accepted by the target's verification
 
     @property
     def prompt_len(self) -> int:

@@ -16,6 +16,11 @@ from hicache.model.calibration import LinearPlanner, NoInvariantPlan
 from hicache.model.config import LoadedModel
 from hicache.model.invariance import InvarianceReport, mechanisms, self_check
 from hicache.model.llama import LlamaModel, PlanFor
+from hicache.model.shift import ARCHITECTURE as TOKEN_SHIFT
+from hicache.model.shift import TokenShiftModel
+
+# LoadedModel.extra["architecture"] -> the decoder class (a Llama unless a loader says otherwise).
+ARCHITECTURES: dict[str, type[LlamaModel]] = {"llama": LlamaModel, TOKEN_SHIFT: TokenShiftModel}
 
 
 def build_decoder(
@@ -26,8 +31,10 @@ def build_decoder(
 
     ops.configure_device(device)
 
+    decoder = ARCHITECTURES[str(loaded.extra.get("architecture", "llama"))]
+
     def build(plan_for: PlanFor) -> LlamaModel:
-        return LlamaModel(loaded.config, loaded.weights, pctx, dtype, device, plan_for)
+        return decoder(loaded.config, loaded.weights, pctx, dtype, device, plan_for)
 
     if not invariant:
         model = build(lambda w: ops.PLAIN)

@@ -17,6 +17,7 @@ from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.build import build_decoder
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.invariance import InvarianceReport
+from hicache.spec.build import build_decoder_for, build_draft
 
 
 def context_length(cfg: EngineConfig, model: ModelConfig) -> int:
@@ -49,18 +50,21 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
     model = build_decoder(loaded, pctx, dtype, device, invariant=cfg.batch_invariant_ops)
     check_invariance(cfg, model.invariance)
     pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device)
+    draft = build_draft(cfg, loaded, pool) if cfg.speculative.enabled else None
     checker = ConsensusChecker(pctx)
     cache: PrefixCache
     if cfg.hicache.enable_hierarchical_cache:
         consensus = Consensus(pctx, pp_sync=not cfg.debug.debug_disable_pp_sync)
         checker.instrument(consensus)
-        cache = HierarchicalCache(pool, cfg.hicache, consensus, loaded.identity, pctx.suffix, cfg.debug)
+        cache = HierarchicalCache(
+            pool, cfg.hicache, consensus, loaded.identity, pctx.suffix, cfg.debug, draft.pools if draft else None
+        )
     else:
-        cache = PrefixCache(pool, enabled=not cfg.disable_radix_cache)
+        cache = PrefixCache(pool, enabled=not cfg.disable_radix_cache, draft=draft is not None)
     for part in cache.checked_parts():
         checker.instrument(part)
-    scheduler = Scheduler(
-        cfg, ModelRunner(model, pool), cache, loaded.tokenizer, context_length(cfg, loaded.config), checker
-    )
+    runner, context = ModelRunner(model, pool), context_length(cfg, loaded.config)
+    compute = build_decoder_for(cfg, runner, draft, cache, context) if draft is not None else None
+    scheduler = Scheduler(cfg, runner, cache, loaded.tokenizer, context, checker, compute)
     checker.instrument(scheduler)
     return scheduler
