@@ -37,6 +37,8 @@ class StreamResult:
     cached_tokens: int | None = None
     cached_tokens_by_tier: dict[str, int] | None = None
     error: str | None = None
+    spec_proposed_tokens: int | None = None  # speculative decoding, where the server reports it
+    spec_accepted_tokens: int | None = None
 
 
 def build_payload(
@@ -83,6 +85,10 @@ def _read_usage(result: StreamResult, usage: dict[str, Any]) -> None:
     tiers = details.get("cached_tokens_by_tier") or usage.get("cached_tokens_by_tier")
     if isinstance(tiers, dict):
         result.cached_tokens_by_tier = {str(k): int(v) for k, v in tiers.items()}
+    completion = usage.get("completion_tokens_details") or {}
+    if "spec_proposed_tokens" in completion:
+        result.spec_proposed_tokens = int(completion["spec_proposed_tokens"])
+        result.spec_accepted_tokens = int(completion.get("spec_accepted_tokens") or 0)
 
 
 async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> StreamResult:

@@ -99,6 +99,7 @@ ROWS: tuple[tuple[str, Callable[[dict], object], str], ...] = (
     ("ideal hit rate", _key("ideal_hit_rate"), "%"),
     ("hit rate / ideal", _hit_vs_ideal, "%"),
     *[(f"{tier} hit rate", _tier(tier), "%") for tier in TIERS],
+    ("draft acceptance rate", _key("spec_acceptance_rate"), "%"),  # n/a without speculative decoding
 )
 
 

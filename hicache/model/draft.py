@@ -5,7 +5,7 @@ downloaded:
 
 - `tiny-draft-packed`: tiny's first 3 layers. Its KV rows have tiny's shape, dtype and token
   indexing, so its layers can be appended to tiny's host pool (the packed layout).
-- `tiny-draft-sidecar`: tiny's first 2 layers plus a per-token token-shift state beside the KV
+- `tiny-draft-sidecar`: tiny's first 3 layers plus a per-token token-shift state beside the KV
   (shift.py): another row shape, so it needs pools of its own (the sidecar layout).
 - `smollm2-draft[-N]`: SmolLM2's first N layers (default 8 of its 30).
 - anything else: a model loaded as `--model` loads it; it must share the target's vocabulary.
@@ -25,7 +25,7 @@ from hicache.model.loader import load_model
 from hicache.model.shift import ARCHITECTURE, shift_weight_names
 
 TINY_PACKED_LAYERS = 3
-TINY_SIDECAR_LAYERS = 2
+TINY_SIDECAR_LAYERS = 3
 SHIFT_DIM = 8
 SHIFT_SEED = 4321
 SMOLLM2_DRAFT_LAYERS = 8
@@ -50,7 +50,7 @@ def with_token_shift(draft: LoadedModel, dim: int, seed: int) -> LoadedModel:
     for i in range(draft.config.num_layers):
         w_in, w_out = shift_weight_names(i)
         weights[w_in] = torch.randn(dim, h, generator=gen) * h**-0.5
-        weights[w_out] = torch.randn(h, dim, generator=gen) * 0.3 * dim**-0.5
+        weights[w_out] = torch.randn(h, dim, generator=gen) * 0.1 * dim**-0.5
     identity = hashlib.sha256(f"{draft.identity}:shift{dim}:{seed}".encode()).hexdigest()
     return replace(draft, weights=weights, identity=identity, extra={**draft.extra, "architecture": ARCHITECTURE})
 

@@ -16,6 +16,7 @@ COMMANDS: dict[str, Callable[[Scheduler], object]] = {
     "cache_stats": lambda s: s.cache.stats(),
     "pool_usage": lambda s: s.cache.usage(),
     "invariance": lambda s: s.runner.model.invariance.to_json(),
+    "spec_stats": lambda s: s.compute.stats() if s.compute.speculative else None,  # type: ignore[attr-defined]
 }
 
 
@@ -28,6 +29,8 @@ def combine(command: str, answers: Sequence[object], names: Sequence[str]) -> ob
         return [f"{name}: {problem}" for name, problems in zip(names, reports) for problem in problems]
     if command == "cache_stats":
         return CacheStats.worst(answers)  # type: ignore[arg-type]
+    if command == "spec_stats":
+        return answers[0]  # speculative decoding runs on one rank
     if command == "pool_usage":
         return answers[0]  # token counts are logical: the same on every rank
     if command == "invariance":

@@ -34,6 +34,7 @@ from hicache.runtime.base import Runtime, check_usable
 from hicache.runtime.build import build_scheduler, check_topology, context_length
 from hicache.runtime.local import LocalRuntime
 from hicache.runtime.rank_front import RankRuntime
+from hicache.spec.stats import SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -51,8 +52,12 @@ class GenerationResult:
     ttft_s: float = 0.0
     latency_s: float = 0.0
     error: str | None = None
+    spec_tokens: tuple[int, int] | None = None  # (proposed, accepted) draft tokens, with speculative decoding
 
     def to_json(self) -> dict:
+        spec = {}
+        if self.spec_tokens is not None:
+            spec = {"spec_proposed_tokens": self.spec_tokens[0], "spec_accepted_tokens": self.spec_tokens[1]}
         return {
             "text": self.text,
             "token_ids": self.token_ids,
@@ -63,6 +68,7 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "ttft_s": round(self.ttft_s, 6),
             "latency_s": round(self.latency_s, 6),
+            **spec,
         }
 
 
@@ -102,7 +108,9 @@ class RequestHandle:
         logprobs: list[TokenLogprob] = []
         tiers = dict.fromkeys(TIERS, 0)
         last = None
+        spec = None
         for event in self:
+            spec = event.spec_tokens or spec
             tokens.extend(event.new_token_ids)
             logprobs.extend(event.logprobs)
             if event.cached_tokens_by_tier is not None:
@@ -122,6 +130,7 @@ class RequestHandle:
             ttft_s=(self.first_token_at or end) - self.submitted,
             latency_s=end - self.submitted,
             error=last.error,
+            spec_tokens=spec,
         )
 
 
@@ -236,6 +245,10 @@ class Engine:
     def cache_stats(self) -> CacheStats:
         """Counters of the cache tiers (transfers, prefetch lifecycle, storage hits and corruption)."""
         return self._control("cache_stats")  # type: ignore[return-value]
+
+    def spec_stats(self) -> SpecStats | None:
+        """Counters of speculative decoding (proposed, accepted, recomputed draft tokens); None without it."""
+        return self._control("spec_stats")  # type: ignore[return-value]
 
 
     def on_fatal(self, callback: Callable[[str], None]) -> None:

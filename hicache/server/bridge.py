@@ -40,6 +40,7 @@ class Choice:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str | None = None
+    spec_tokens: tuple[int, int] | None = None  # (proposed, accepted) draft tokens, with speculative decoding
 
     @property
     def prompt_tokens(self) -> int:
@@ -97,6 +98,7 @@ class Generation:
             choice.finish_reason = event.finish_reason
             choice.matched_stop = event.matched_stop
             choice.error = event.error
+            choice.spec_tokens = event.spec_tokens
             metrics.requests.labels(status=event.finish_reason.value).inc()
             if self.finished:
                 self._client._forget(self)

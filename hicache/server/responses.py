@@ -30,12 +30,19 @@ def usage(choices: Sequence[Choice]) -> dict:
     prompt = sum(c.prompt_tokens for c in choices)
     completion = sum(len(c.token_ids) for c in choices)
     by_tier = {tier: sum(c.cached_tokens_by_tier.get(tier, 0) for c in choices) for tier in TIERS}
-    return {
+    out = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
         "prompt_tokens_details": {"cached_tokens": sum(by_tier.values()), "cached_tokens_by_tier": by_tier},
     }
+    spec = [c.spec_tokens for c in choices if c.spec_tokens is not None]
+    if spec:  # speculative decoding: the draft's proposals and how many the target accepted
+        out["completion_tokens_details"] = {
+            "spec_proposed_tokens": sum(p for p, _ in spec),
+            "spec_accepted_tokens": sum(a for _, a in spec),
+        }
+    return out
 
 
 class ResponseFormat(Protocol):
