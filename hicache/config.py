@@ -146,7 +146,7 @@ class DebugConfig(FromArgs):
     debug_storage_fail_rate: float = 0.0  # fraction of storage page reads that fail ...
     debug_storage_fail_rank: int = 0  # ... on this rank only
     debug_disable_pp_sync: bool = False  # later PP stages poll their own ACK queues (a known bug; negative tests)
-    debug_skip_draft_restore: bool = False  # loads restore the target's KV only; the draft recomputes (negative control)
+    debug_skip_draft_restore: bool = False  # a hit restores the target's KV only (negative control)
 
     def __post_init__(self) -> None:
         if self.debug_transfer_delay_ms < 0:

@@ -71,7 +71,7 @@ class HostPoolGroup:
         self.page_size = target.page_size
         self.num_layers = lt  # load events: one per target layer
         self.parts = [
-            PagePart("", self._target.host, range(0, lt)),
+            PagePart("", self._target.host, range(lt)),
             PagePart(DRAFT_PART, self._draft.host, range(self._draft.first_layer, self._draft.first_layer + ld),
                      draft.identity),
         ]  # fmt: skip

@@ -79,7 +79,9 @@ class HostKVPool:
         for d0, s0, k in runs:
             dst[d0 : d0 + k].copy_(src[s0 : s0 + k], non_blocking=True)
 
-    def backup(self, device: DeviceKVPool, device_pages: list[int], host_pages: list[int], first_layer: int = 0) -> None:
+    def backup(
+        self, device: DeviceKVPool, device_pages: list[int], host_pages: list[int], first_layer: int = 0
+    ) -> None:
         """Copy whole pages device -> host, every layer of `device`, to host layers from `first_layer`."""
         for layer in range(device.num_layers):
             host_layer = self._host_pages_of_layer(first_layer + layer)
@@ -126,7 +128,7 @@ class PagePart:
     target's part (its keys are those of a cache without a draft) and "draft" for the draft's."""
 
     name: str
-    host: "HostKVPool"
+    host: HostKVPool
     layers: range
     identity: str | None = None  # the model whose state this is; None: the cache's target model
 

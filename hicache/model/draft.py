@@ -36,9 +36,11 @@ def first_layers(base: LoadedModel, n: int, name: str, salt: str = "") -> Loaded
     """`base` cut after its first `n` layers, keeping its final norm and head (the weights are shared,
     not copied: the decoder reads only the layers its config has)."""
     if not 1 <= n < base.config.num_layers:
-        raise UserError(f"draft {name!r}: {n} layers, the model has {base.config.num_layers} (need 1..{base.config.num_layers - 1})")
+        total = base.config.num_layers
+        raise UserError(f"draft {name!r}: {n} layers of a model with {total} (a draft needs 1..{total - 1})")
     identity = hashlib.sha256(f"{base.identity}:first{n}:{salt}".encode()).hexdigest()
-    return LoadedModel(name, replace(base.config, num_layers=n), base.weights, base.tokenizer, identity, dict(base.extra))
+    config = replace(base.config, num_layers=n)
+    return LoadedModel(name, config, base.weights, base.tokenizer, identity, dict(base.extra))
 
 
 def with_token_shift(draft: LoadedModel, dim: int, seed: int) -> LoadedModel:

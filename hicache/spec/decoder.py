@@ -22,7 +22,7 @@ the target's (a layer's event covers both models' copies, hicache/mem/host_group
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

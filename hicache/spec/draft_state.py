@@ -49,7 +49,7 @@ class KVGeometry:
 
 
 def choose_layout(requested: str, draft: KVGeometry, target: KVGeometry) -> str:
-    """"packed" or "sidecar" for `--hicache-draft-layout requested` (auto, packed or sidecar)."""
+    """The layout (packed or sidecar) for `--hicache-draft-layout requested` (auto, packed or sidecar)."""
     mismatch = draft.mismatch(target)
     if requested == "packed" and mismatch is not None:
         raise UserError(
