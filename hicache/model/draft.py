@@ -7,7 +7,7 @@ downloaded:
   indexing, so its layers can be appended to tiny's host pool (the packed layout).
 - `tiny-draft-sidecar`: tiny's first 3 layers plus a per-token token-shift state beside the KV
   (shift.py): another row shape, so it needs pools of its own (the sidecar layout).
-- `smollm2-draft[-N]`: SmolLM2's first N layers (default 8 of its 30).
+- `smollm2-draft[-N]`: SmolLM2's first N layers (default 20 of its 30: an untrained early exit agrees with the whole model rarely with fewer, docs/BENCHMARKS.md).
 - anything else: a model loaded as `--model` loads it; it must share the target's vocabulary.
 """
 
@@ -28,7 +28,7 @@ TINY_PACKED_LAYERS = 3
 TINY_SIDECAR_LAYERS = 3
 SHIFT_DIM = 8
 SHIFT_SEED = 4321
-SMOLLM2_DRAFT_LAYERS = 8
+SMOLLM2_DRAFT_LAYERS = 20
 _SMOLLM2_DRAFT = re.compile(r"smollm2-draft(?:-(\d+))?")
 
 
