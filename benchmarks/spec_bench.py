@@ -34,6 +34,7 @@ def storage_ttft(model: str, draft: str, history_len: int, reps: int, k: int) ->
     tiers = HiCacheConfig(enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_dir=store)
     spec = SpeculativeConfig("draft", draft, k)
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    turn = SamplingParams(max_new_tokens=8, ignore_eos=True)  # a turn that goes on decoding after its first token
     with Engine(model=model, hicache=tiers, speculative=spec) as writer:
         vocab = writer.tokenizer.vocab_size
         low = min(256, vocab // 2)  # past the special tokens
@@ -45,7 +46,7 @@ def storage_ttft(model: str, draft: str, history_len: int, reps: int, k: int) ->
         for rep in range(reps + 1):  # the first round warms both engines' shapes up; not counted
             for arm, engine in arms.items():
                 assert engine.flush_cache()
-                result = engine.generate([history + history[rep : rep + 3]], one)[0]
+                result = engine.generate([history + history[rep : rep + 3]], turn)[0]
                 assert result.cached_tokens_by_tier["storage"] > 0, f"{arm}: no storage hit ({result.cached_tokens_by_tier})"
                 if rep:
                     ttft[arm].append(result.ttft_s)

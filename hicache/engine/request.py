@@ -93,6 +93,7 @@ class Request:
     aborted: bool = False
     generator: torch.Generator | None = None
     first_event_sent: bool = False
+    prompt_shared: bool = False  # its prompt's pages are in the tree
     spec_proposed: int = 0  # draft tokens proposed for it (speculative decoding) ...
     spec_accepted: int = 0  # ... and accepted by the target's verification
 

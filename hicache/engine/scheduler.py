@@ -132,8 +132,11 @@ class Scheduler:
             req.kv.advance(out.computed)
             if out.kept < out.computed:
                 req.kv.truncate(out.kept)  # rejected speculative rows, in every pool the handle covers
-            if item.end == req.prompt_len and not req.output_ids:
-                self.cache.cache_prefix(req.kv, req.prompt_ids)  # share the prompt with requests arriving meanwhile
+            if not req.prompt_shared and req.kv.valid_len >= req.prompt_len:
+                # Share the prompt with requests arriving meanwhile, once every pool holds it (a
+                # speculative draft may catch up on it a step later).
+                self.cache.cache_prefix(req.kv, req.prompt_ids)
+                req.prompt_shared = True
             for token, logprob in out.tokens:
                 events.append(self._append_token(req, token, logprob))
                 if events[-1].finish_reason is not None:
@@ -179,11 +182,11 @@ class Scheduler:
         return work
 
     def _prefix_in_flight(self, req: Request) -> bool:
-        """True if a request still in prefill is computing (beyond what it found cached) a prefix of at
-        least IN_BATCH_PREFIX_MIN_TOKENS that `req` shares. Waiting costs nothing: that prefill is the
-        work the engine does meanwhile, and the next step finds the prefix in the tree."""
+        """True if a request whose prompt is not in the tree yet is computing (beyond what it found
+        cached) a prefix of at least IN_BATCH_PREFIX_MIN_TOKENS that `req` shares. Waiting costs nothing:
+        that prefill is the work the engine does meanwhile, and a next step finds the prefix in the tree."""
         for other in self.running:
-            if not other.in_prefill or other.namespace != req.namespace:
+            if other.prompt_shared or other.namespace != req.namespace:
                 continue
             shared = common_prefix_len(req.prompt_ids, other.prompt_ids)
             if shared - other.cached_tokens >= IN_BATCH_PREFIX_MIN_TOKENS:

@@ -54,4 +54,6 @@ def build_draft(cfg: EngineConfig, target: LoadedModel, target_pool: DeviceKVPoo
 def build_decoder_for(
     cfg: EngineConfig, target: ModelRunner, draft: Draft, cache: KVCache, context_length: int
 ) -> SpeculativeDecoder:
-    return SpeculativeDecoder(target, draft.runner, cache, cfg.speculative.speculative_num_draft_tokens, context_length)
+    k = cfg.speculative.speculative_num_draft_tokens
+    # A draft catching up on a prompt takes at most a prefill chunk's worth of rows per step.
+    return SpeculativeDecoder(target, draft.runner, cache, k, context_length, cfg.chunked_prefill_size)

@@ -3,10 +3,16 @@ rollback through the KV handle). It is the scheduler's `StepCompute` when specul
 
 A step, for the scheduler's work (prefill chunks, and one decode row per running request):
 
-1. Draft catch-up: the draft computes every row the target computes this step (a prefill chunk, from
-   where its own state ends: a cached prefix whose draft state was not restored is recomputed here,
-   and counted), plus a decode request's rows it lags behind. So every page the tree shares holds both
-   models' state. A decode request's last row gives the draft's first proposal.
+1. Draft catch-up: the draft computes a decode request's rows it lags behind: the prompt the target
+   prefilled in earlier steps (the draft catches up on it after the first token, which keeps the draft
+   out of the TTFT), a cached prefix whose draft state was not restored (recomputed, and counted), a
+   last accepted token. At most `catch_up_limit` rows per request and step; a request still behind
+   gets no proposals. Its last row gives the draft's first proposal. The scheduler shares a prompt
+   through the tree only once every pool holds it (`KVHandle.valid_len`), so a page in the tree always
+   holds both models' state. The draft computes a prompt in its own step where a later one may not
+   come (the first token is also the last), or where pages of its cached prefix lack the draft's
+   state (not restored): those are in the tree already, and must be whole before another request
+   reads them.
 2. Proposals: K-1 more one-row draft steps (greedy), batched over the decode requests.
 3. One target pass: the prefill chunks and, per decode request, a (K+1)-row verify item (its last
    token and the K proposals), logits on every row.
@@ -42,31 +48,43 @@ class SpeculativeDecoder:
     speculative = True
 
     def __init__(
-        self, target: ModelRunner, draft: ModelRunner, cache: KVCache, num_draft_tokens: int, context_length: int
+        self,
+        target: ModelRunner,
+        draft: ModelRunner,
+        cache: KVCache,
+        num_draft_tokens: int,
+        context_length: int,
+        catch_up_limit: int,
     ) -> None:
         self.target = target
         self.draft = draft
         self.cache = cache
         self.num_draft_tokens = num_draft_tokens
         self.context_length = context_length
+        self.catch_up_limit = catch_up_limit
         self._target_layers = target.model.num_local_layers
         self._stats = SpecStats()
 
     def stats(self) -> SpecStats:
         return SpecStats(**vars(self._stats))
 
-    def _budget(self, req: Request) -> int:
-        """Proposals for `req` this step: K, fewer near its end (a step emits at most K+1 tokens), none
-        when it samples."""
-        if req.params.temperature != 0.0:
-            return 0
+    def _left(self, req: Request) -> int:
+        """Tokens `req` may still emit."""
         produced = len(req.output_ids)
-        left = min(req.max_new_tokens - produced, self.context_length - req.prompt_len - produced)
-        return max(0, min(self.num_draft_tokens, left - 1))
+        return min(req.max_new_tokens - produced, self.context_length - req.prompt_len - produced)
+
+    def _budget(self, item: WorkItem) -> int:
+        """Proposals for a decode item this step: K, fewer near its end (a step emits at most K+1
+        tokens), none when it samples or when the draft is still catching up."""
+        req = item.req
+        behind = item.end - (req.kv.draft_len or 0)
+        if req.params.temperature != 0.0 or behind > self.catch_up_limit:
+            return 0
+        return max(0, min(self.num_draft_tokens, self._left(req) - 1))
 
     def step(self, work: list[WorkItem], before_layer: LayerHook | None) -> list[StepOutput]:
         decoding = [item for item in work if not item.req.in_prefill]
-        budgets = [self._budget(item.req) for item in decoding]
+        budgets = [self._budget(item) for item in decoding]
         for item, k in zip(decoding, budgets):
             self.cache.extend(item.req.kv, item.end + k)  # the verify rows' pages, out of its reservation
         proposals = self._propose(work, decoding, budgets, self._draft_hook(before_layer))
@@ -88,15 +106,21 @@ class SpeculativeDecoder:
     def _propose(
         self, work: list[WorkItem], decoding: list[WorkItem], budgets: list[int], hook: LayerHook | None
     ) -> list[list[int]]:
-        """The draft's catch-up over every item, then its proposals for the decode items."""
+        """The draft's catch-up, then its proposals for the decode items."""
         wants_proposal = {id(item) for item, k in zip(decoding, budgets) if k > 0}
         catch_up = []
         for item in work:
             kv = item.req.kv
             assert kv.draft_len is not None, "speculative decoding needs a cache that tracks the draft"
-            if item.req.in_prefill and kv.draft_len < item.start:
-                self._stats.draft_recomputed_tokens += item.start - kv.draft_len
-            catch_up.append(WorkItem(item.req, kv.draft_len, item.end, logit_rows=int(id(item) in wants_proposal)))
+            restored = kv.draft_len >= kv.cached.total
+            if item.req.in_prefill and self._left(item.req) > 1 and restored:
+                continue  # later, from its first decode step on
+            end = min(item.end, kv.draft_len + self.catch_up_limit)
+            # Rows over the cached prefix: its draft state was not restored with the target's.
+            self._stats.draft_recomputed_tokens += max(0, min(end, kv.cached.total) - kv.draft_len)
+            catch_up.append(WorkItem(item.req, kv.draft_len, end, logit_rows=int(id(item) in wants_proposal)))
+        if not catch_up:
+            return [[] for _ in budgets]
         logits = self.draft.forward(catch_up, hook)
         assert logits is not None
         for item in catch_up:
