@@ -13,6 +13,8 @@ from hicache.cache.stats import PrefetchLoss
 from hicache.config import DebugConfig, HiCacheConfig, SpeculativeConfig
 from hicache.errors import UserError
 from tests.conversations import make_conversations, run_turns
+from tests.dist.workload import tier_totals as hits
+from tests.dist.workload import tokens
 
 CONVS = make_conversations(num_groups=2, per_group=2, system_len=200, question_len=30)
 TURNS = 3
@@ -20,19 +22,6 @@ NEW = 16
 DEVICE_TOKENS = 512  # the working set is ~3x this: later turns come back from host memory
 DRAFTS = ("tiny-draft-packed", "tiny-draft-sidecar")
 K = 4
-
-
-def tokens(turns):
-    return [[r.token_ids for r in results] for results in turns]
-
-
-def hits(turns) -> dict[str, int]:
-    totals = {"device": 0, "host": 0, "storage": 0}
-    for results in turns:
-        for r in results:
-            for tier, n in r.cached_tokens_by_tier.items():
-                totals[tier] += n
-    return totals
 
 
 def acceptance(turns) -> tuple[int, int]:
@@ -161,9 +150,9 @@ def test_sampling_requests_and_stops_inside_an_accepted_run():
 @pytest.mark.parametrize(
     "kw,message",
     [
-        (dict(speculative=spec("tiny-draft-sidecar"), hicache=HiCacheConfig(hicache_draft_layout="packed")),
+        ({"speculative": spec("tiny-draft-sidecar"), "hicache": HiCacheConfig(hicache_draft_layout="packed")},
          "--hicache-draft-layout packed: the draft's row shape"),
-        (dict(speculative=spec("tiny-draft-nope")), "unknown model"),
+        ({"speculative": spec("tiny-draft-nope")}, "unknown model"),
     ],
 )  # fmt: skip
 def test_bad_drafts_are_refused_at_start_up(kw, message):

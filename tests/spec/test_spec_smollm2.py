@@ -3,8 +3,9 @@ rows match): a two-turn chat, its second turn's history coming back from host me
 restart, from storage with the draft's pages, equals the cache-off run without a draft, token for
 token, with the same acceptance."""
 
-from hicache import Engine, SamplingParams
+from hicache import Engine
 from hicache.config import HiCacheConfig, SpeculativeConfig
+from tests.conversations import chat_turns
 
 SYSTEM = "You answer questions about European geography in one short sentence. " * 10
 USERS = ["Alice", "Bob"]
@@ -13,17 +14,7 @@ SPEC = SpeculativeConfig("draft", "smollm2-draft", 2)
 
 
 def chat(engine: Engine) -> list:
-    histories = {u: [{"role": "system", "content": f"The user is {u}. " + SYSTEM}] for u in USERS}
-    out = []
-    for q in QUESTIONS:
-        prompts = []
-        for u in USERS:
-            histories[u].append({"role": "user", "content": q})
-            prompts.append(engine.tokenizer.chat_template.render(histories[u]))
-        for u, r in zip(USERS, engine.generate(prompts, SamplingParams(max_new_tokens=12))):
-            histories[u].append({"role": "assistant", "content": r.text})
-            out.append(r)
-    return out
+    return chat_turns(engine, SYSTEM, USERS, QUESTIONS, max_new_tokens=12)
 
 
 def test_smollm2_draft_keeps_the_answers_and_the_acceptance_on_every_tier(tmp_path):
