@@ -38,7 +38,7 @@ class HierarchicalCache(PrefixCache):
     ) -> None:
         """`draft`: a speculative draft whose state the host and storage tiers keep with the target's."""
         debug = debug or DebugConfig()
-        host_pool = make_host_pool(pool, host_pool_pages(pool, cfg), cfg.hicache_mem_layout, draft)
+        host_pool = make_host_pool(pool, host_pool_pages(pool, cfg, draft), cfg.hicache_mem_layout, draft)
         super().__init__(pool, enabled=True, on_host_free=host_pool.allocator.free, draft=draft is not None)
         self.skip_draft_restore = draft is not None and draft.skip_restore
         self.consensus = consensus

@@ -24,6 +24,7 @@ from hicache.cache.stats import HostStats
 from hicache.config import HiCacheConfig
 from hicache.dist.consensus import Consensus
 from hicache.mem.device_pool import DeviceKVPool
+from hicache.mem.host_group import DraftPools, make_host_pool
 from hicache.mem.host_pool import HostKVPool
 
 logger = logging.getLogger(__name__)
@@ -52,10 +53,11 @@ class WritePolicy(str, enum.Enum):
 SELECTIVE_MIN_HITS = 2  # write_through_selective backs up a node at this many hits
 
 
-def host_pool_pages(pool: DeviceKVPool, cfg: HiCacheConfig) -> int:
-    """Host capacity in pages: --hicache-size GB if given, else --hicache-ratio times the device pool."""
+def host_pool_pages(pool: DeviceKVPool, cfg: HiCacheConfig, draft: DraftPools | None = None) -> int:
+    """Host capacity in pages: --hicache-size GB if given (a page holding a draft's state too, when it
+    has one), else --hicache-ratio times the device pool."""
     if cfg.hicache_size > 0:
-        page_bytes = HostKVPool(pool, 1, cfg.hicache_mem_layout).page_bytes
+        page_bytes = make_host_pool(pool, 1, cfg.hicache_mem_layout, draft).page_bytes
         return max(int(cfg.hicache_size * 1e9) // page_bytes, 1)
     return max(int(pool.allocator.num_pages * cfg.hicache_ratio), 1)
 
