@@ -47,7 +47,8 @@ def storage_ttft(model: str, draft: str, history_len: int, reps: int, k: int) ->
             for arm, engine in arms.items():
                 assert engine.flush_cache()
                 result = engine.generate([history + history[rep : rep + 3]], turn)[0]
-                assert result.cached_tokens_by_tier["storage"] > 0, f"{arm}: no storage hit ({result.cached_tokens_by_tier})"
+                tiers = result.cached_tokens_by_tier
+                assert tiers["storage"] > 0, f"{arm}: no storage hit ({tiers})"
                 if rep:
                     ttft[arm].append(result.ttft_s)
     return {arm: statistics.median(values) for arm, values in ttft.items()}

@@ -7,7 +7,8 @@ downloaded:
   indexing, so its layers can be appended to tiny's host pool (the packed layout).
 - `tiny-draft-sidecar`: tiny's first 3 layers plus a per-token token-shift state beside the KV
   (shift.py): another row shape, so it needs pools of its own (the sidecar layout).
-- `smollm2-draft[-N]`: SmolLM2's first N layers (default 20 of its 30: an untrained early exit agrees with the whole model rarely with fewer, docs/BENCHMARKS.md).
+- `smollm2-draft[-N]`: SmolLM2's first N layers (default 20 of its 30: an untrained early exit
+  rarely agrees with the whole model with fewer, docs/BENCHMARKS.md section 5).
 - anything else: a model loaded as `--model` loads it; it must share the target's vocabulary.
 """
 

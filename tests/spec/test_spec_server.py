@@ -42,8 +42,9 @@ def stream(url: str, prompt: list[int]) -> tuple[list, dict, dict]:
 
 
 def test_streamed_answers_equal_the_target_alone_on_every_tier(tmp_path: pathlib.Path) -> None:
+    store = str(tmp_path / "store")
     tiers = ("--enable-hierarchical-cache", "--max-total-tokens", "512", "--hicache-storage-backend", "file",
-             "--hicache-storage-dir", str(tmp_path / "store"), "--hicache-storage-prefetch-threshold", "16")  # fmt: skip
+             "--hicache-storage-dir", store, "--hicache-storage-prefetch-threshold", "16")  # fmt: skip
     with running_servers(tmp_path, ("--disable-radix-cache",), (*tiers, *SPEC)) as (plain, spec):
         served = {"device": 0, "host": 0, "storage": 0}
         proposed = accepted = 0

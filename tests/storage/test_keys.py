@@ -116,7 +116,8 @@ def test_a_part_has_keys_of_its_own_and_the_targets_keys_do_not_change() -> None
     h = page_hashes(range(16), 16)[0]
     # Without a part the digest is that of the fields before parts existed: old stores stay readable.
     canonical = (
-        '{"kv_dtype":"bfloat16","layout":"page_rows","model":"abc123","page_size":16,"rank":"tp0of2","schema_version":1}'
+        '{"kv_dtype":"bfloat16","layout":"page_rows","model":"abc123",'
+        '"page_size":16,"rank":"tp0of2","schema_version":1}'
     )
     assert ns.digest == hashlib.sha256(canonical.encode()).hexdigest()[:16]
     # A part's keys end in `_{part}`: they can never equal a target key (exactly one '_'), even for
