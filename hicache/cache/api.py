@@ -93,6 +93,9 @@ class KVHandle:
     committed_len: int = 0  # tokens handed to the tree (shared with other requests)
     cached: PrefixMatch = PrefixMatch()
     lock: TreeNode | None = None  # the deepest node of its prefix, locked while READY
+    # Owner class of its first page when pages are sharded over ranks (page P on (rotation + P) mod N):
+    # its cached path's base, or where a new prefix starts (hicache/cache/device_tier.py). 0 unsharded.
+    rotation: int = 0
 
     # ---- scheduler side ------------------------------------------------------------------------
 

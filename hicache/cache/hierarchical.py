@@ -34,6 +34,7 @@ class HierarchicalCache(PrefixCache):
         model_identity: str,
         rank_suffix: str = "",
         debug: DebugConfig | None = None,
+        storage_writer: bool = True,  # this rank writes its pages to storage (not a replica of them)
     ) -> None:
         debug = debug or DebugConfig()
         host_pool = HostKVPool(pool, host_pool_pages(pool, cfg), cfg.hicache_mem_layout)
@@ -46,7 +47,7 @@ class HierarchicalCache(PrefixCache):
         if cfg.hicache_storage_backend:
             rank = consensus.pctx.rank
             store = open_store(cfg, pool, host_pool.page_bytes, model_identity, rank_suffix, debug, rank)
-            self.storage = StorageTier(store, self.host, consensus, cfg, delay)
+            self.storage = StorageTier(store, self.host, consensus, cfg, delay, writes=storage_writer)
         logger.info(
             "hierarchical cache: host %d pages (%.2f GB, %s), write policy %s, storage %s",
             host_pool.allocator.num_pages, host_pool.allocator.num_pages * host_pool.page_bytes / 1e9,
@@ -132,7 +133,7 @@ class HierarchicalCache(PrefixCache):
         )
 
     def checked_parts(self) -> list[object]:
-        return super().checked_parts() + ([self.storage] if self.storage is not None else [])
+        return super().checked_parts() + [self.host] + ([self.storage] if self.storage is not None else [])
 
     def shutdown(self) -> None:
         self._drain()

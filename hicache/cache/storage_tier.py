@@ -10,6 +10,12 @@
 - Agreements: the storage thread takes the MIN over every rank of the hit length before reading and of
   the pages read after each batch, and publishes that agreed progress in order; the scheduler consumes
   the number of progress entries the first stage chose, and the first stage decides when to stop waiting.
+- Sharded pages (hicache/dist/placement.py): keys carry the shard rank, each shard rank puts, looks up
+  and reads only its own pages (`writes`: the elected writer of replicated bytes), so a rank's hit is
+  the pages before the first of its own that is missing, and the MIN over the shard group is the
+  common prefix. A prompt the tree does not know yet may have been stored from any rotation base: the
+  lookup asks for every base at once and the agreed longest hit picks it, so the pages are read back
+  onto the owners that wrote them (after a restart too).
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ class Prefetch:
     rid: int
     hashes: list[bytes]  # of the pages to look up (after the tree's match)
     start_page: int  # index of hashes[0] in the prompt
+    rotation: int = 0  # the prefix's rotation base: which shard rank holds, and reads, which page
     started: float = field(default_factory=time.monotonic)
     query: TransferOp | None = None
     hit_pages: int = 0
@@ -104,10 +111,14 @@ def open_store(
 
 class StorageTier:
     def __init__(
-        self, store: VerifiedStore, host: HostTier, consensus: Consensus, cfg: HiCacheConfig, debug_delay_s: float = 0.0
-    ) -> None:
+        self, store: VerifiedStore, host: HostTier, consensus: Consensus, cfg: HiCacheConfig, debug_delay_s: float = 0.0,
+        writes: bool = True,
+    ) -> None:  # fmt: skip
+        """`writes`: this rank is the elected writer of its pages' bytes (not a replica's)."""
         self.store = store
         self.host = host
+        self.writes = writes
+        self.placement = host.host.placement
         self.tree: RadixTree = host.tree
         self.page_size = host.pool.page_size
         self.consensus = consensus
@@ -137,10 +148,15 @@ class StorageTier:
             return None
         hashes: list[bytes] = []
         payloads: list[bytes] = []
+        pool = self.host.host
         for node in nodes:
-            hashes.extend(self._node_hashes(node))
-            # A copy now: the host pages may be evicted and reused before the put runs.
-            payloads.extend(self.host.host.page_payload(p) for p in node.host_pages or [])
+            for digest, page in zip(self._node_hashes(node), node.host_pages or []):
+                if self.writes and pool.owns(page):  # this rank's pages, once per distinct copy
+                    hashes.append(digest)
+                    # A copy now: the host pages may be evicted and reused before the put runs.
+                    payloads.append(pool.page_payload(page))
+        if not hashes:
+            return None
         store = self.store
 
         def run(_: TransferOp) -> None:
@@ -163,20 +179,34 @@ class StorageTier:
             return
         hashes = page_hashes(key[: total * self.page_size], self.page_size)[start:]
         prefetch = Prefetch(rid, hashes, start)
-        store, consensus = self.store, self.consensus
+        consensus = self.consensus
+        # A path the tree has fixes the base; a new prefix may have been stored from any.
+        bases = [match.rotation] if match.rotation is not None else list(range(self.placement.shards))
 
         def query(op: TransferOp) -> None:
-            try:
-                found = store.exists_prefix(hashes)
-            except Exception:  # noqa: BLE001 - a miss here; the agreement below must still happen
-                logger.exception("storage existence query failed; treated as a miss")
-                found = 0
-            # MIN over every rank before reading: the common prefix all ranks can load.
-            op.payload = consensus.agree_min_all("storage_hit_pages", [found])[0]
+            found = [self._own_hit(hashes, start, base) for base in bases]
+            # MIN over every rank before reading: the common prefix all ranks can load, per base; the
+            # longest (the lowest base on a tie) is where the pages were written from.
+            agreed = consensus.agree_min_all("storage_hit_pages", found)
+            best = max(range(len(bases)), key=lambda i: (agreed[i], -i))
+            op.payload = (agreed[best], bases[best])
 
         prefetch.query = self.worker.submit(TransferOp("storage_query", query))
         self.prefetches[rid] = prefetch
         self.stats.prefetch.queried += len(hashes)
+
+    def _own_hit(self, hashes: list[bytes], start: int, base: int) -> int:
+        """Leading pages of `hashes` (prompt pages start..) before the first of this rank's own, placed
+        from rotation base `base`, that storage lacks."""
+        n = self.placement.shards
+        rank = self.host.host.shard_rank
+        own = [i for i in range(len(hashes)) if (base + start + i) % n == rank]
+        try:
+            present = self.store.exists_prefix([hashes[i] for i in own])
+        except Exception:  # noqa: BLE001 - a miss here; the agreement after it must still happen
+            logger.exception("storage existence query failed; treated as a miss")
+            present = 0
+        return own[present] if present < len(own) else len(hashes)
 
     def querying(self) -> list[Prefetch]:
         """Prefetches whose existence query may have finished (the same list on every rank)."""
@@ -188,14 +218,15 @@ class StorageTier:
         for prefetch in agreed_ready:
             assert prefetch.query is not None
             prefetch.query.done.wait()  # finished on the first stage; here it may still be finishing
-            hit = 0 if prefetch.query.failed else int(prefetch.query.payload)  # type: ignore[arg-type]
+            hit, prefetch.rotation = (0, 0) if prefetch.query.failed else prefetch.query.payload  # type: ignore[misc]
             prefetch.hit_pages = hit
             self.stats.prefetch.hit += hit
             if hit * self.page_size < self.threshold:
                 self._lose(PrefetchLoss.BELOW_THRESHOLD, hit)
                 prefetch.done = True
                 continue
-            host_pages = self.host.alloc(hit)
+            classes = self.placement.rotation_classes(prefetch.rotation, prefetch.start_page, hit)
+            host_pages = self.host.alloc(hit, classes)
             if host_pages is None:
                 self._lose(PrefetchLoss.HOST_FULL, hit)
                 prefetch.done = True
@@ -205,18 +236,21 @@ class StorageTier:
             prefetch.read = self.worker.submit(TransferOp("storage_read", self._read_run(prefetch)))
 
     def _read_batch(self, prefetch: Prefetch, first: int, last: int) -> int:
-        """Read pages [first, last) of the hit into their host pages; how many leading ones verified."""
+        """Read this rank's pages among [first, last) of the hit into their host pages; how many
+        leading pages of the range are good here (up to the first own page that did not verify)."""
         store, host = self.store, self.host.host
-        pages = prefetch.host_pages[first:last]
+        own = [j for j in range(first, last) if host.owns(prefetch.host_pages[j])]
+        pages = [prefetch.host_pages[j] for j in own]
+        hashes = [prefetch.hashes[j] for j in own]
         if host.layout == "page_first":
-            ok = store.get_pages_into(prefetch.hashes[first:last], [host.page_view(p) for p in pages])
+            ok = store.get_pages_into(hashes, [host.page_view(p) for p in pages]) if own else []
         else:
-            payloads = store.get_pages(prefetch.hashes[first:last])
+            payloads = store.get_pages(hashes) if own else []
             ok = [p is not None for p in payloads]
             for page, payload in zip(pages, payloads):
                 if payload is not None:
                     host.write_page(page, payload)
-        return next((i for i, good in enumerate(ok) if not good), len(ok))
+        return next((j for j, good in zip(own, ok) if not good), last) - first
 
     def _read_run(self, prefetch: Prefetch) -> Callable[[TransferOp], None]:
         consensus = self.consensus
@@ -297,7 +331,7 @@ class StorageTier:
             return Fetched()
         end_page = prefetch.start_page + completed
         tokens = prompt[: end_page * self.page_size]
-        rejected = self.tree.insert_host(tokens, prefetch.host_pages[:completed], namespace)
+        rejected = self.tree.insert_host(tokens, prefetch.host_pages[:completed], namespace, prefetch.rotation)
         if rejected:
             self.host.free(rejected)
             reason = PrefetchLoss.PREFIX_EVICTED if len(rejected) == completed else PrefetchLoss.ALREADY_CACHED
