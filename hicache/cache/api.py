@@ -190,6 +190,9 @@ class KVCache(Protocol):
     def usage(self) -> dict[str, tuple[int, int]]:
         """(used, capacity) in tokens per tier that exists."""
 
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of cached or in-use KV this rank holds per in-memory tier (its own pages when sharded)."""
+
     def stats(self) -> CacheStats:
         """A snapshot of the tiers' counters (transfers, prefetch lifecycle, storage results)."""
 

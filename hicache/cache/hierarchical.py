@@ -124,6 +124,9 @@ class HierarchicalCache(PrefixCache):
     def usage(self) -> dict[str, tuple[int, int]]:
         return {**super().usage(), "host": self.host.usage()}
 
+    def resident_bytes(self) -> dict[str, int]:
+        return {**super().resident_bytes(), "host": self.host.host.resident_bytes()}
+
     def stats(self) -> CacheStats:
         workers = self.host.workers + ([self.storage.worker] if self.storage is not None else [])
         return CacheStats(

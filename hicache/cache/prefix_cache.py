@@ -217,6 +217,9 @@ class PrefixCache:
     def usage(self) -> dict[str, tuple[int, int]]:
         return {"device": self.device.usage()}
 
+    def resident_bytes(self) -> dict[str, int]:
+        return {"device": self.pool.resident_bytes()}
+
     def stats(self) -> CacheStats:
         return CacheStats()
 

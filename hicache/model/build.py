@@ -11,11 +11,13 @@ from __future__ import annotations
 import torch
 
 from hicache.dist.parallel import ParallelContext
+from hicache.dist.placement import kv_sharding
 from hicache.model import ops
 from hicache.model.calibration import LinearPlanner, NoInvariantPlan
 from hicache.model.config import LoadedModel
 from hicache.model.invariance import InvarianceReport, mechanisms, self_check
 from hicache.model.llama import LlamaModel, PlanFor
+from hicache.model.mla import MLAConfig, MLAModel
 
 
 def build_decoder(
@@ -25,9 +27,11 @@ def build_decoder(
     measure what invariance costs; it is not checked (its report says so)."""
 
     ops.configure_device(device)
+    family = MLAModel if isinstance(loaded.config, MLAConfig) else LlamaModel
+    sharding = kv_sharding(pctx, family.replicated_over_tp)
 
     def build(plan_for: PlanFor) -> LlamaModel:
-        return LlamaModel(loaded.config, loaded.weights, pctx, dtype, device, plan_for)
+        return family(loaded.config, loaded.weights, pctx, dtype, device, plan_for, sharding)
 
     if not invariant:
         model = build(lambda w: ops.PLAIN)
