@@ -54,7 +54,7 @@ def test_cp2_with_delayed_transfers_equals_single_rank_cache_off(reference, tmp_
 def test_a_cp2_store_is_read_after_a_restart_by_cp2(reference, tmp_path):
     """The restarted ranks know nothing; a prompt's first lookup asks storage for each rotation base,
     finds the one its pages were written from, and reads them back onto their writers' ranks."""
-    prompts = _first_turn_prompts()
+    prompts = first_turn_prompts()
     leaders = [prompts[0], prompts[len(prompts) // 2]]  # one per system prompt: nothing else shares them
     with cp_engine(tmp_path / "store") as engine:
         first = engine.generate(prompts, w.PARAMS)
@@ -68,7 +68,7 @@ def test_a_cp2_store_is_read_after_a_restart_by_cp2(reference, tmp_path):
     assert [r.token_ids for r in again] == w.tokens(reference)[0]
 
 
-def _first_turn_prompts() -> list[list[int]]:
+def first_turn_prompts() -> list[list[int]]:
     """The workload's first-turn prompts (its runs draw the questions from the same seeds)."""
     prompts = []
     for c in w.CONVS:
