@@ -236,7 +236,10 @@ class Engine:
     def kv_bytes_by_rank(self) -> dict[str, dict[str, int]]:
         """Per rank (by its tp/pp/cp name): the KV bytes it holds on the device and host tiers, and its
         CP gather scratch."""
-        return self._control("kv_bytes")  # type: ignore[return-value]
+        answer = self._control("kv_bytes")
+        if self.config.parallel.world_size == 1:  # one scheduler here: its answer, not a combination
+            return {ParallelContext().suffix: answer}  # type: ignore[dict-item]
+        return answer  # type: ignore[return-value]
 
     def cache_stats(self) -> CacheStats:
         """Counters of the cache tiers (transfers, prefetch lifecycle, storage hits and corruption)."""
