@@ -26,6 +26,7 @@ replicated), keeps the pages it owns, and gathers the prefix pages the same way.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -149,8 +150,11 @@ class GatheredAttention:
     def forward(
         self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: GatheredMetadata, pool: DeviceKVPool, expand: Expand
     ) -> torch.Tensor:
+        started = time.perf_counter()
         step_kv = self._all_rows(kv, meta)
+        self.stats.step_kv_s += time.perf_counter() - started
         gathered = meta.gather.wait(layer) if meta.gather is not None else None
+        attending = time.perf_counter()
         try:
             # After the gather of this layer: a prefix page this step also writes to was read first.
             pool.write_rows(layer, meta.owned, step_kv)
@@ -173,6 +177,8 @@ class GatheredAttention:
         finally:
             if meta.gather is not None:
                 meta.gather.release(layer)
+            self.stats.attend_s += time.perf_counter() - attending
+            self.stats.attended_layers += 1
 
     def collect(self, hidden: torch.Tensor, meta: GatheredMetadata) -> torch.Tensor:
         return self._all_rows(hidden, meta)

@@ -42,6 +42,9 @@ class GatherStats:
     gather_s: float = 0.0  # time in the all-gathers (the gather thread)
     wait_s: float = 0.0  # time attention waited for a gather (what overlap did not hide)
     restore_wait_s: float = 0.0  # time the gather thread waited for restores of its layer
+    step_kv_s: float = 0.0  # time all-gathering the step's own new KV rows (forward thread)
+    attend_s: float = 0.0  # time writing and attending, once the layer's KV was there (forward thread)
+    attended_layers: int = 0
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ COMMANDS: dict[str, Callable[[Scheduler], object]] = {
     "invariance": lambda s: s.runner.model.invariance.to_json(),
     # This rank's own bytes: with sharded pages each rank holds about 1/N of what one rank would.
     "kv_bytes": lambda s: {**s.cache.resident_bytes(), "scratch": _scratch_bytes(s)},
+    # What the CP gather cost so far (None for unsharded attention): benchmarks/cp_bench.py.
+    "gather_stats": lambda s: getattr(s.runner.model.attention, "stats", None),
 }
 
 
@@ -35,7 +37,7 @@ def combine(command: str, answers: Sequence[object], names: Sequence[str]) -> ob
         return [f"{name}: {problem}" for name, problems in zip(names, reports) for problem in problems]
     if command == "cache_stats":
         return CacheStats.worst(answers)  # type: ignore[arg-type]
-    if command == "kv_bytes":
+    if command in ("kv_bytes", "gather_stats"):
         return dict(zip(names, answers))  # per rank: the point is that they differ from one rank's
     if command == "pool_usage":
         return answers[0]  # token counts are logical: the same on every rank
