@@ -83,6 +83,7 @@ class Fetched:
     inserted: int = 0
     first_page: int = 0
     end_page: int = 0
+    rotation: int = 0  # the rotation base the pages were read for (recorded by the consensus checker)
 
     @property
     def pages(self) -> range:
@@ -338,7 +339,7 @@ class StorageTier:
             self._lose(reason, len(rejected))
         inserted = completed - len(rejected)
         self.stats.prefetch.inserted += inserted
-        return Fetched(inserted, prefetch.start_page, end_page)
+        return Fetched(inserted, prefetch.start_page, end_page, prefetch.rotation)
 
     def cancel(self, rid: int) -> None:
         """The request went away before admission consumed its prefetch."""

@@ -6,14 +6,21 @@ import pytest
 
 from hicache import Engine
 from hicache.config import ParallelConfig
+from hicache.debug.consensus_checker import ENV_ENABLE, ENV_LOG_DIR
 from tests.dist import workload as w
 from tests.dist.test_cp_tiers import cp_engine
-from tests.dist.test_parallel_tiers import run_equal_to
+from tests.dist.test_parallel_tiers import consensus_check, run_equal_to
 
 
 @pytest.mark.timeout(300)
-def test_cp2_tp2_equals_tp2_cache_off(tmp_path):
+def test_cp2_tp2_equals_tp2_cache_off(tmp_path, monkeypatch):
     with Engine(model="tiny", disable_radix_cache=True, parallel=ParallelConfig(tp_size=2)) as engine:
         tp2_reference = w.run(engine)
-    with cp_engine(tmp_path / "store", tp=2) as engine:
+    monkeypatch.setenv(ENV_ENABLE, "1")
+    monkeypatch.setenv(ENV_LOG_DIR, str(tmp_path / "logs"))
+    engine = cp_engine(tmp_path / "store", tp=2)
+    monkeypatch.delenv(ENV_ENABLE)
+    with engine:
         run_equal_to(engine, tp2_reference)
+    checked = consensus_check(tmp_path / "logs")  # the tree is agreed over all four (CP x TP) ranks
+    assert checked.returncode == 0 and "4 ranks agree" in checked.stdout, checked.stdout + checked.stderr
