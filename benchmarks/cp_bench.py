@@ -11,9 +11,9 @@
    machine each CP2 rank gets one core: the same silicon as CP1 with two threads, so the physical limit
    of the time ratio is 1.0 and anything above it is what the split costs (gathers, one-thread GEMMs).
 2. Cached tokens per rank at a fixed pool size: the same --max-total-tokens per rank, K distinct prompts
-   whose KV is about twice the CP1 pool, then the same prompts again. Reported: tokens the device tier
-   still holds, each rank's device KV bytes, and the device hits of the second pass. Physical limit of
-   the ratio: N (less one padding page per rank).
+   whose KV is about twice the CP1 pool, then the same prompts again, most recent first. Reported:
+   tokens the device tier still holds, each rank's device KV bytes, and the device hits of the second
+   pass. Physical limit of the ratio: N (less one padding page per rank).
 3. The physical floor of a gather: a raw gloo all-gather between two processes of the bytes one layer's
    gather moves per rank.
 """
@@ -90,7 +90,9 @@ def cached_tokens_at_fixed_pool(args: argparse.Namespace) -> dict:
                 engine.generate([p], params)
             held = engine.pool_usage()["device"]
             bytes_by_rank = {rank: b["device"] for rank, b in engine.kv_bytes_by_rank().items()}
-            again = [engine.generate([p], params)[0] for p in work]
+            # Most recent first: an LRU cache keeps the latest prompts, so this counts what it kept
+            # (in issue order a scan would evict each prompt just before its turn).
+            again = [engine.generate([p], params)[0] for p in reversed(work)]
         out[cp] = {
             "held_tokens": held[0],
             "capacity_tokens": held[1],

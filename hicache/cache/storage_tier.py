@@ -112,9 +112,14 @@ def open_store(
 
 class StorageTier:
     def __init__(
-        self, store: VerifiedStore, host: HostTier, consensus: Consensus, cfg: HiCacheConfig, debug_delay_s: float = 0.0,
+        self,
+        store: VerifiedStore,
+        host: HostTier,
+        consensus: Consensus,
+        cfg: HiCacheConfig,
+        debug_delay_s: float = 0.0,
         writes: bool = True,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`writes`: this rank is the elected writer of its pages' bytes (not a replica's)."""
         self.store = store
         self.host = host
