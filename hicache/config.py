@@ -107,11 +107,14 @@ class ParallelConfig(FromArgs):
     dist_init_addr: str | None = None  # host:port of node 0's rendezvous; loopback with a free port by default
     dist_timeout: float = 120.0  # seconds a collective may wait for a missing peer before it fails
     cp_size: int = 1
+    cp_gather_tokens: int = 0  # per rank: one layer's gather of sharded pages at most (0: the whole pool)
 
     def __post_init__(self) -> None:
         for name in ("tp_size", "pp_size", "nnodes", "cp_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.cp_gather_tokens < 0:
+            raise UserError(f"--cp-gather-tokens must be >= 0, got {self.cp_gather_tokens}")
         if not 0 <= self.node_rank < self.nnodes:
             raise UserError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
         if self.world_size % self.nnodes:
@@ -275,6 +278,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds a collective waits for a missing peer before the server fails")
     r.add_argument("--cp-size", type=int, default=p.cp_size,
                    help="context parallel ranks (split prefill tokens, shard KV pages over them)")
+    r.add_argument("--cp-gather-tokens", type=int, default=p.cp_gather_tokens,
+                   help="per rank: prefix tokens one layer's gather of sharded KV may hold, its scratch "
+                        "buffers' size, kept by admission (0: a whole layer of the pool)")
     q = DebugConfig()
     b = parser.add_argument_group("fault injection (debugging rank agreement)")
     b.add_argument("--debug-transfer-delay-ms", type=float, default=q.debug_transfer_delay_ms,

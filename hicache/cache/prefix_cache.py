@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 
 from hicache.cache.api import Admission, KVHandle, KVState, PrefixMatch
 from hicache.cache.device_tier import DeviceTier
+from hicache.cache.gather_budget import GatherBudget
 from hicache.cache.radix import MatchResult, PagesFn, TreeNode
 from hicache.cache.stats import CacheStats
 from hicache.debug.consensus_checker import consensus_checked
@@ -48,6 +49,7 @@ class PrefixCache:
         self.enabled = enabled
         self.reserved_pages = 0  # promised to READY handles, not yet allocated by them
         self.reserved_by_class = [0] * pool.allocator.num_classes
+        self.gather = GatherBudget(pool, self.tree)  # the CP gather's scratch (sharded pages only)
 
     # ---- hooks for the hierarchical tiers ------------------------------------------------------
 
@@ -135,8 +137,10 @@ class PrefixCache:
         return admission
 
     def _room(self, handle: KVHandle, first: int, n: int) -> bool:
-        """Whether pages first..first+n-1 of the handle's prefix fit, class by class."""
-        return self.device.room(self.device.classes(handle.rotation, first, n), self.reserved_by_class)
+        """Whether pages first..first+n-1 of the handle's prefix fit, class by class, in the pool and in
+        the gather's scratch."""
+        classes = self.device.classes(handle.rotation, first, n)
+        return self.device.room(classes, self.reserved_by_class) and self.gather.fits(classes, self.reserved_by_class)
 
     def _promise(self, handle: KVHandle, n: int, sign: int) -> None:
         """Count (sign +1) or uncount (-1) the handle's next n pages, from len(pages) on, as promised."""
@@ -159,6 +163,7 @@ class PrefixCache:
         if want > handle.reserved_pages:
             raise RuntimeError("KV reservation invariant broken: a request outgrew its reservation")
         self._promise(handle, want, -1)
+        self.gather.hold(handle.rotation, len(handle.pages), want, +1)
         classes = self.device.classes(handle.rotation, len(handle.pages), want)
         handle.pages.extend(self.device.alloc(want, keep_if=self._keep_on_evict, classes=classes))
         handle.reserved_pages -= want
@@ -180,6 +185,9 @@ class PrefixCache:
         assert handle.lock is not None
         self.tree.unlock(handle.lock)
         handle.lock = res.last_node
+        shared = handle.committed_len // self.page_size
+        if n // self.page_size > shared:  # those pages are the tree's now
+            self.gather.hold(handle.rotation, shared, n // self.page_size - shared, -1)
         handle.committed_len = max(handle.committed_len, n)
         self._on_new_nodes(res.new_nodes)
 
@@ -196,6 +204,7 @@ class PrefixCache:
                 handle.lock = None
                 kept = handle.committed_len // self.page_size  # the tree's: its full pages, unless refused
             self._promise(handle, handle.reserved_pages, -1)
+            self.gather.hold(handle.rotation, kept, len(handle.pages) - kept, -1)
             self.device.free(handle.pages[kept:])
             handle.pages = []
             handle.reserved_pages = 0
@@ -212,6 +221,8 @@ class PrefixCache:
         problems = self.device.leak_report()
         if self.reserved_pages:
             problems.append(f"{self.reserved_pages} pages still reserved")
+        if any(self.gather.private_by_class):
+            problems.append(f"pages still counted as requests' own: {self.gather.private_by_class}")
         return problems
 
     def usage(self) -> dict[str, tuple[int, int]]:

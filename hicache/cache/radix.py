@@ -53,6 +53,7 @@ class RadixTree:
         self.evictable_pages = 0  # device pages of unlocked nodes
         self.protected_pages = 0  # device pages of locked nodes
         self.evictable_by_class = [0] * self.num_classes
+        self.protected_by_class = [0] * self.num_classes
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -144,21 +145,27 @@ class RadixTree:
     # ---- updates -------------------------------------------------------------------------------
 
     def _account_device(self, node: TreeNode, sign: int) -> None:
-        n = sign * len(node.device_pages or [])
         if node.lock_ref > 0:
-            self.protected_pages += n
+            self._protected(node, sign)
         else:
             self._evictable(node, sign)
 
     def _evictable(self, node: TreeNode, sign: int) -> None:
         """Count a node's device pages in (sign +1) or out of (-1) the evictable ones, by class."""
+        self.evictable_pages += sign * len(node.device_pages or [])
+        self._by_class(self.evictable_by_class, node, sign)
+
+    def _protected(self, node: TreeNode, sign: int) -> None:
+        self.protected_pages += sign * len(node.device_pages or [])
+        self._by_class(self.protected_by_class, node, sign)
+
+    def _by_class(self, counts: list[int], node: TreeNode, sign: int) -> None:
         pages = node.device_pages or []
-        self.evictable_pages += sign * len(pages)
         if self.num_classes == 1:
-            self.evictable_by_class[0] += sign * len(pages)
+            counts[0] += sign * len(pages)
             return
         for page in pages:
-            self.evictable_by_class[page % self.num_classes] += sign
+            counts[page % self.num_classes] += sign
 
     def _conflicts(self, path: list[TreeNode], rotation: int) -> bool:
         return any(node.rotation != rotation for node in path)
@@ -237,7 +244,7 @@ class RadixTree:
         while node is not None and not node.is_root:
             if node.lock_ref == 0:
                 self._evictable(node, -1)
-                self.protected_pages += len(node.device_pages or [])
+                self._protected(node, +1)
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
 
@@ -248,7 +255,7 @@ class RadixTree:
             node.lock_ref -= 1
             if node.lock_ref == 0:
                 self._evictable(node, +1)
-                self.protected_pages -= len(node.device_pages or [])
+                self._protected(node, -1)
             node = node.parent  # type: ignore[assignment]
 
     # ---- eviction ------------------------------------------------------------------------------

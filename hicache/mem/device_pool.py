@@ -37,8 +37,11 @@ class DeviceKVPool:
         device: torch.device,
         shards: int = 1,
         shard_rank: int = 0,
+        gather_pages: int | None = None,
     ) -> None:
-        """`num_pages`: this rank's pages; `shards`, `shard_rank`: the sharding of pages (1, 0: none)."""
+        """`num_pages`: this rank's pages; `shards`, `shard_rank`: the sharding of pages (1, 0: none);
+        `gather_pages`: pages per owner class one layer's gather of sharded pages may hold (its scratch
+        buffers' size; None: a whole layer of the logical pool)."""
         self.layout = layout
         self.num_layers = num_layers
         self.page_size = page_size
@@ -48,6 +51,7 @@ class DeviceKVPool:
         self.placement = self.allocator.placement
         self.shard_rank = shard_rank
         self.local_pages = num_pages
+        self.gather_pages = gather_pages
         self.capacity_tokens = self.allocator.num_pages * page_size  # logical, over every shard
         self.buffers = [torch.zeros(num_pages * page_size, layout.row_numel, dtype=dtype, device=device)
                         for _ in range(num_layers)]  # fmt: skip

@@ -128,7 +128,10 @@ class GatheredAttention:
         return pieces
 
     def _ensure_scratch(self, pool: DeviceKVPool) -> None:
-        rows = self.sharding.size * pool.local_pages * pool.page_size  # a whole layer of the logical pool
+        # What admission lets one layer's gather hold (hicache/cache/gather_budget.py), or a whole
+        # layer of the logical pool.
+        per_class = pool.gather_pages if pool.gather_pages is not None else pool.local_pages
+        rows = self.sharding.size * per_class * pool.page_size
         s = self.scratch
         if s is None or s.rows < rows or s.row_numel != pool.layout.row_numel or s.dtype != pool.dtype:
             self.scratch = ScratchBuffers(rows, pool.layout.row_numel, pool.dtype, pool.device)

@@ -16,8 +16,9 @@ own, in layer order, each step ordered by events, never by timing:
         -> gathered event of layer l -> attention of layer l -> release of buffer l % 2
 
 so layer l + 1's gather runs while layer l's attention and MLP compute, and the assembled KV never
-exceeds two layers' buffers. The buffers are sized for a whole layer of the logical pool, so any batch
-the pool admits fits them; their bytes are reported with the pool's (`scratch_bytes`).
+exceeds two layers' buffers. The buffers hold what admission lets a gather hold, --cp-gather-tokens
+per owner class (hicache/cache/gather_budget.py), by default a whole layer of the logical pool; their
+bytes are reported with the pool's (`scratch_bytes`).
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class GatherStats:
     gather_s: float = 0.0  # time in the all-gathers (the gather thread)
     wait_s: float = 0.0  # time attention waited for a gather (what overlap did not hide)
     restore_wait_s: float = 0.0  # time the gather thread waited for restores of its layer
+    most_per_owner: int = 0  # the largest M (pages one rank contributed to one layer's gather)
     step_kv_s: float = 0.0  # time all-gathering the step's own new KV rows (forward thread)
     attend_s: float = 0.0  # time writing and attending, once the layer's KV was there (forward thread)
     attended_layers: int = 0
@@ -136,6 +138,7 @@ class PrefixGather:
                 self.stats.gather_s += time.perf_counter() - gathering
                 self.stats.layers += 1
                 self.stats.pages += self.plan.shards * self.plan.per_owner
+                self.stats.most_per_owner = max(self.stats.most_per_owner, self.plan.per_owner)
                 self.gathered[layer].set()
         except BaseException as exc:  # noqa: BLE001 - handed to the forward pass, which raises it
             self.error = exc
