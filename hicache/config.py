@@ -100,7 +100,8 @@ def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class ParallelConfig(FromArgs):
-    """Ranks: tensor parallel (`--tp-size`) x pipeline parallel (`--pp-size`), one process per rank,
+    """Ranks: tensor parallel (`--tp-size`) x pipeline parallel (`--pp-size`) x context parallel
+    (`--cp-size`: a stage's prefill split over ranks that shard the KV pages), one process per rank,
     optionally over several nodes (`--nnodes`, `--node-rank`, `--dist-init-addr`, as SGLang names them)."""
 
     tp_size: int = 1
@@ -109,16 +110,20 @@ class ParallelConfig(FromArgs):
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of node 0's rendezvous; loopback with a free port by default
     dist_timeout: float = 120.0  # seconds a collective may wait for a missing peer before it fails
+    cp_size: int = 1
+    cp_gather_tokens: int = 0  # per rank: one layer's gather of sharded pages at most (0: the whole pool)
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "pp_size", "nnodes"):
+        for name in ("tp_size", "pp_size", "nnodes", "cp_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.cp_gather_tokens < 0:
+            raise UserError(f"--cp-gather-tokens must be >= 0, got {self.cp_gather_tokens}")
         if not 0 <= self.node_rank < self.nnodes:
             raise UserError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
         if self.world_size % self.nnodes:
             raise UserError(
-                f"tp_size x pp_size = {self.world_size} ranks cannot be split evenly over {self.nnodes} nodes"
+                f"tp_size x pp_size x cp_size = {self.world_size} ranks cannot be split evenly over {self.nnodes} nodes"
             )
         if self.nnodes > 1 and not self.dist_init_addr:
             raise UserError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
@@ -131,7 +136,7 @@ class ParallelConfig(FromArgs):
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size
+        return self.tp_size * self.pp_size * self.cp_size
 
     @property
     def ranks_per_node(self) -> int:
@@ -223,7 +228,7 @@ class EngineConfig(FromArgs):
             rank = self.debug.debug_storage_fail_rank
             raise UserError(f"--debug-storage-fail-rank {rank} is not a rank (0..{world - 1})")
         if self.speculative.enabled and world > 1:
-            raise UserError("--speculative-algorithm needs --tp-size 1 --pp-size 1 (one rank runs the draft)")
+            raise UserError("--speculative-algorithm needs --tp-size 1 --pp-size 1 --cp-size 1 (one rank runs the draft)")
 
     @property
     def num_pages(self) -> int:
@@ -304,6 +309,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous (multi-node)")
     r.add_argument("--dist-timeout", type=float, default=p.dist_timeout,
                    help="seconds a collective waits for a missing peer before the server fails")
+    r.add_argument("--cp-size", type=int, default=p.cp_size,
+                   help="context parallel ranks (split prefill tokens, shard KV pages over them)")
+    r.add_argument("--cp-gather-tokens", type=int, default=p.cp_gather_tokens,
+                   help="per rank: prefix tokens one layer's gather of sharded KV may hold, its scratch "
+                        "buffers' size, kept by admission (0: a whole layer of the pool)")
     q = DebugConfig()
     b = parser.add_argument_group("fault injection (debugging rank agreement)")
     b.add_argument("--debug-transfer-delay-ms", type=float, default=q.debug_transfer_delay_ms,

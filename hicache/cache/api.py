@@ -97,6 +97,9 @@ class KVHandle:
     # share `pages`; None when the cache serves no draft. Admission sets it to the prefix every pool
     # was restored with (the effective hit is their MIN); the draft computes the rest.
     draft_len: int | None = None
+    # Owner class of its first page when pages are sharded over ranks (page P on (rotation + P) mod N):
+    # its cached path's base, or where a new prefix starts (hicache/cache/device_tier.py). 0 unsharded.
+    rotation: int = 0
 
     # ---- scheduler side ------------------------------------------------------------------------
 
@@ -205,6 +208,9 @@ class KVCache(Protocol):
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """(used, capacity) in tokens per tier that exists."""
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of cached or in-use KV this rank holds per in-memory tier (its own pages when sharded)."""
 
     def stats(self) -> CacheStats:
         """A snapshot of the tiers' counters (transfers, prefetch lifecycle, storage results)."""

@@ -15,7 +15,8 @@ from hicache.cache.host_tier import HostTier, WritePolicy, host_pool_pages
 from hicache.cache.prefix_cache import NO_PAGES, PrefixCache
 from hicache.cache.radix import MatchResult, TreeNode
 from hicache.cache.stats import CacheStats, WorkerStats
-from hicache.cache.storage_tier import StorageTier, open_store
+from hicache.cache.storage_tier import StorageTier
+from hicache.cache.stores import open_store
 from hicache.config import DebugConfig, HiCacheConfig
 from hicache.debug.consensus_checker import consensus_checked
 from hicache.dist.consensus import Consensus
@@ -35,6 +36,7 @@ class HierarchicalCache(PrefixCache):
         rank_suffix: str = "",
         debug: DebugConfig | None = None,
         draft: DraftPools | None = None,
+        storage_writer: bool = True,  # this rank writes its pages to storage (not a replica of them)
     ) -> None:
         """`draft`: a speculative draft whose state the host and storage tiers keep with the target's."""
         debug = debug or DebugConfig()
@@ -49,7 +51,7 @@ class HierarchicalCache(PrefixCache):
         if cfg.hicache_storage_backend:
             rank = consensus.pctx.rank
             store = open_store(cfg, pool, host_pool.parts[0].payload_bytes, model_identity, rank_suffix, debug, rank)
-            self.storage = StorageTier(store, self.host, consensus, cfg, delay)
+            self.storage = StorageTier(store, self.host, consensus, cfg, delay, writes=storage_writer)
         logger.info(
             "hierarchical cache: host %d pages (%.2f GB, %s), write policy %s, storage %s",
             host_pool.allocator.num_pages, host_pool.allocator.num_pages * host_pool.page_bytes / 1e9,
@@ -130,6 +132,9 @@ class HierarchicalCache(PrefixCache):
     def usage(self) -> dict[str, tuple[int, int]]:
         return {**super().usage(), "host": self.host.usage()}
 
+    def resident_bytes(self) -> dict[str, int]:
+        return {**super().resident_bytes(), "host": self.host.host.resident_bytes()}
+
     def stats(self) -> CacheStats:
         workers = self.host.workers + ([self.storage.worker] if self.storage is not None else [])
         return CacheStats(
@@ -139,7 +144,7 @@ class HierarchicalCache(PrefixCache):
         )
 
     def checked_parts(self) -> list[object]:
-        return super().checked_parts() + ([self.storage] if self.storage is not None else [])
+        return super().checked_parts() + [self.host] + ([self.storage] if self.storage is not None else [])
 
     def shutdown(self) -> None:
         self._drain()

@@ -84,6 +84,22 @@ class HostPoolGroup:
     def page_bytes(self) -> int:
         return sum(part.payload_bytes for part in self.parts)
 
+    # Page ownership is the target's (a draft runs on one rank, so its pages are never sharded).
+    @property
+    def placement(self):  # noqa: ANN201 - the target pool's Placement
+        return self._target.host.placement
+
+    @property
+    def shard_rank(self) -> int:
+        return self._target.host.shard_rank
+
+    def owns(self, host_page: int) -> bool:
+        return self._target.host.owns(host_page)
+
+    def resident_bytes(self) -> int:
+        """Bytes of both models' state this rank holds for allocated host pages."""
+        return self.allocator.used_by_class()[self.shard_rank] * self.page_bytes
+
     def backup(self, device: DeviceKVPool, device_pages: list[int], host_pages: list[int]) -> None:
         """Copy whole pages device -> host, every layer of both models (`device`: the target's pool)."""
         assert device is self._target.device

@@ -9,6 +9,12 @@ Layouts (`--hicache-mem-layout`):
 Copies between tiers go through `backup` (device -> host) and `load_layer` (host -> device, one layer at
 a time, so a forward pass can start on layer 0 while later layers are still loading). On CUDA the buffer
 is pinned so the copies can run asynchronously on a side stream.
+
+With pages sharded over N ranks (hicache/dist/placement.py) the host pool is sharded the same way: a
+host page's owner class is that of the device page it backs up (the host tier allocates it so), and
+each rank holds, copies and serves only its own pages, about 1/N of the bytes. The copy boundary is
+here: callers pass logical page ids, this rank keeps its own (device, host) pairs and translates both
+to local pages, so the ranks move distinct shards concurrently through their own paths.
 """
 
 from __future__ import annotations
@@ -41,7 +47,10 @@ class HostKVPool:
         self.num_layers = num_layers or device_pool.num_layers
         self.row = device_pool.layout.row_numel
         self.dtype = device_pool.dtype
-        self.allocator = allocator or PageAllocator(num_pages, self.page_size)
+        self.allocator = allocator or PageAllocator(num_pages, self.page_size, device_pool.placement.shards)
+        self.placement = self.allocator.placement
+        self.shard_rank = device_pool.shard_rank
+        self.local_pages = num_pages
         pin = device_pool.device.type == "cuda"
         shape = (
             (num_pages, self.num_layers, self.page_size, self.row)
@@ -49,7 +58,7 @@ class HostKVPool:
             else (self.num_layers, num_pages * self.page_size, self.row)
         )
         self.buffer = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
-        self.capacity_tokens = num_pages * self.page_size
+        self.capacity_tokens = self.allocator.num_pages * self.page_size  # logical, over every shard
 
     @property
     def page_bytes(self) -> int:
@@ -64,7 +73,7 @@ class HostKVPool:
         """Layer `layer` of every host page as a [pages, page_size * row] view (strided for page_first)."""
         if self.layout == "page_first":
             return self.buffer[:, layer].flatten(1)
-        return self.buffer[layer].view(self.allocator.num_pages, -1)
+        return self.buffer[layer].view(self.local_pages, -1)
 
     def _copy(self, dst: torch.Tensor, dst_pages: list[int], src: torch.Tensor, src_pages: list[int]) -> None:
         """dst[dst_pages[i]] = src[src_pages[i]] for [pages, page_bytes] views. Runs of consecutive pages
@@ -79,23 +88,48 @@ class HostKVPool:
         for d0, s0, k in runs:
             dst[d0 : d0 + k].copy_(src[s0 : s0 + k], non_blocking=True)
 
+    def owns(self, host_page: int) -> bool:
+        """Whether this rank holds logical host page `host_page`."""
+        return self.placement.owner(host_page) == self.shard_rank
+
+    def _local(self, host_page: int) -> int:
+        if not self.owns(host_page):
+            raise ValueError(f"host page {host_page} belongs to shard rank {self.placement.owner(host_page)}")
+        return self.placement.local_page(host_page)
+
+    def _own_pairs(self, device_pages: list[int], host_pages: list[int]) -> tuple[list[int], list[int]]:
+        """This rank's (device, host) page pairs as local pages. A pair's pages share an owner class."""
+        if self.placement.shards == 1:
+            return device_pages, host_pages
+        mine = [(d, h) for d, h in zip(device_pages, host_pages) if self.owns(h)]
+        assert all(self.placement.owner(d) == self.shard_rank for d, _ in mine), "a page would change owner"
+        local = self.placement.local_page
+        return [local(d) for d, _ in mine], [local(h) for _, h in mine]
+
     def backup(
         self, device: DeviceKVPool, device_pages: list[int], host_pages: list[int], first_layer: int = 0
     ) -> None:
-        """Copy whole pages device -> host, every layer of `device`, to host layers from `first_layer`."""
+        """Copy whole pages device -> host, every layer of `device`, to host layers from `first_layer`
+        (this rank's pairs)."""
+        d, h = self._own_pairs(device_pages, host_pages)
         for layer in range(device.num_layers):
-            host_layer = self._host_pages_of_layer(first_layer + layer)
-            self._copy(host_layer, host_pages, device.pages_of_layer(layer), device_pages)
+            self._copy(self._host_pages_of_layer(first_layer + layer), h, device.pages_of_layer(layer), d)
 
     def load_layer(
         self, device: DeviceKVPool, layer: int, host_pages: list[int], device_pages: list[int], first_layer: int = 0
     ) -> None:
-        """Copy one layer of whole pages host -> device (host layer `first_layer + layer`)."""
-        host_layer = self._host_pages_of_layer(first_layer + layer)
-        self._copy(device.pages_of_layer(layer), device_pages, host_layer, host_pages)
+        """Copy one layer of whole pages host -> device (host layer `first_layer + layer`; this rank's
+        pairs)."""
+        d, h = self._own_pairs(device_pages, host_pages)
+        self._copy(device.pages_of_layer(layer), d, self._host_pages_of_layer(first_layer + layer), h)
+
+    def resident_bytes(self) -> int:
+        """Bytes of KV this rank holds for allocated host pages (its own class only when sharded)."""
+        return self.allocator.used_by_class()[self.shard_rank] * self.page_bytes
 
     def _page(self, host_page: int, layers: range | None) -> torch.Tensor:
-        """Layers `layers` (all by default) of one page: [layers, page_size, row]."""
+        """Layers `layers` (all by default) of one of this rank's pages: [layers, page_size, row]."""
+        host_page = self._local(host_page)
         a, b = (0, self.num_layers) if layers is None else (layers.start, layers.stop)
         if self.layout == "page_first":
             return self.buffer[host_page, a:b]

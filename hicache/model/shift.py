@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from hicache.dist.parallel import ParallelContext
+from hicache.dist.placement import KVSharding
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVComponent, KVLayout
 from hicache.model import ops
@@ -43,9 +44,9 @@ class TokenShiftModel(LlamaModel):
         dtype: torch.dtype,
         device: torch.device,
         plan_for: PlanFor,
-        attention: str = "local",
+        sharding: KVSharding | None = None,
     ) -> None:
-        super().__init__(cfg, weights, pctx, dtype, device, plan_for, attention)
+        super().__init__(cfg, weights, pctx, dtype, device, plan_for, sharding)
 
         def linear(t: torch.Tensor) -> ops.Linear:
             weight = t.to(device=device, dtype=dtype).contiguous()

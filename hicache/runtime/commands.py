@@ -10,6 +10,11 @@ from typing import Callable, Sequence
 from hicache.cache.stats import CacheStats
 from hicache.engine.scheduler import Scheduler
 
+def _scratch_bytes(s: Scheduler) -> int:
+    """The CP gather's two layer buffers (hicache/model/kv_gather.py); 0 for unsharded attention."""
+    return int(getattr(s.runner.model.attention, "scratch_bytes", 0))
+
+
 COMMANDS: dict[str, Callable[[Scheduler], object]] = {
     "flush": lambda s: s.flush(),
     "leak_report": lambda s: s.leak_report(),
@@ -17,6 +22,10 @@ COMMANDS: dict[str, Callable[[Scheduler], object]] = {
     "pool_usage": lambda s: s.cache.usage(),
     "invariance": lambda s: s.runner.model.invariance.to_json(),
     "spec_stats": lambda s: s.compute.stats() if s.compute.speculative else None,  # type: ignore[attr-defined]
+    # This rank's own bytes: with sharded pages each rank holds about 1/N of what one rank would.
+    "kv_bytes": lambda s: {**s.cache.resident_bytes(), "scratch": _scratch_bytes(s)},
+    # What the CP gather cost so far (None for unsharded attention): benchmarks/cp_bench.py.
+    "gather_stats": lambda s: getattr(s.runner.model.attention, "stats", None),
 }
 
 
@@ -31,6 +40,8 @@ def combine(command: str, answers: Sequence[object], names: Sequence[str]) -> ob
         return CacheStats.worst(answers)  # type: ignore[arg-type]
     if command == "spec_stats":
         return answers[0]  # speculative decoding runs on one rank
+    if command in ("kv_bytes", "gather_stats"):
+        return dict(zip(names, answers))  # per rank: the point is that they differ from one rank's
     if command == "pool_usage":
         return answers[0]  # token counts are logical: the same on every rank
     if command == "invariance":

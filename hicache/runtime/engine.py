@@ -242,6 +242,14 @@ class Engine:
     def num_waiting(self) -> int:
         return self._runtime.num_waiting
 
+    def kv_bytes_by_rank(self) -> dict[str, dict[str, int]]:
+        """Per rank (by its tp/pp/cp name): the KV bytes it holds on the device and host tiers, and its
+        CP gather scratch."""
+        answer = self._control("kv_bytes")
+        if self.config.parallel.world_size == 1:  # one scheduler here: its answer, not a combination
+            return {ParallelContext().suffix: answer}  # type: ignore[dict-item]
+        return answer  # type: ignore[return-value]
+
     def cache_stats(self) -> CacheStats:
         """Counters of the cache tiers (transfers, prefetch lifecycle, storage hits and corruption)."""
         return self._control("cache_stats")  # type: ignore[return-value]

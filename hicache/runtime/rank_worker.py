@@ -82,7 +82,7 @@ def init_distributed(spec: RankSpec, cfg: EngineConfig) -> ParallelContext:
     dist.init_process_group(
         compute, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size, timeout=timeout
     )
-    pctx = ParallelContext.create(spec.rank, Mesh(pp=par.pp_size, tp=par.tp_size), compute, timeout)
+    pctx = ParallelContext.create(spec.rank, Mesh(pp=par.pp_size, cp=par.cp_size, tp=par.tp_size), compute, timeout)
     logger.info("rank %d joined as %s", spec.rank, pctx.suffix)
     return pctx
 

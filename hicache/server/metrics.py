@@ -38,6 +38,13 @@ class _EngineCollector(Collector):
             capacity.add_metric([tier], n_capacity)
         yield used
         yield capacity
+        resident = GaugeMetricFamily(
+            "hicache_kv_resident_bytes", "KV bytes each rank holds (its own pages when sharded)", labels=["rank", "tier"]
+        )
+        for rank, tiers in self._engine.kv_bytes_by_rank().items():
+            for tier, n in tiers.items():
+                resident.add_metric([rank, tier], n)
+        yield resident
         yield from _tier_counters(self._engine.cache_stats())  # type: ignore[arg-type]
         yield from _spec_counters(self._engine.spec_stats())
         yield GaugeMetricFamily("hicache_requests_running", "requests in the running batch", self._engine.num_running)
