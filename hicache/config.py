@@ -152,6 +152,57 @@ class DebugConfig(FromArgs):
             raise UserError(f"--debug-storage-fail-rank must be >= 0, got {self.debug_storage_fail_rank}")
 
 
+DISAGG_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("zmq",)
+
+
+@dataclass(frozen=True)
+class DisaggConfig(FromArgs):
+    """Prefill-decode disaggregation (`--disaggregation-*`, SGLang's names; hicache/disagg/): the role
+    this server plays, where its KV transfer endpoint listens, and whether a decode server keeps its
+    own radix tree to reuse prefixes of earlier turns."""
+
+    disaggregation_mode: str = "null"
+    disaggregation_transfer_backend: str = "zmq"
+    disaggregation_bootstrap_host: str = "127.0.0.1"  # where prefill's transfer endpoint binds and is reached
+    disaggregation_bootstrap_port: int = 8998  # rank r of a prefill server listens on this port + r
+    disaggregation_decode_enable_radix_cache: bool = False
+    disaggregation_transfer_timeout: float = 60.0  # seconds a request waits for its peer's metadata or KV
+    debug_disagg_chunk_delay_ms: float = 0.0  # fault injection: prefill pauses this long before each KV chunk
+
+    def __post_init__(self) -> None:
+        _choice("--disaggregation-mode", self.disaggregation_mode, DISAGG_MODES)
+        _choice("--disaggregation-transfer-backend", self.disaggregation_transfer_backend, TRANSFER_BACKENDS)
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            port = self.disaggregation_bootstrap_port
+            raise UserError(f"--disaggregation-bootstrap-port must be in 1..65535, got {port}")
+        if self.disaggregation_transfer_timeout <= 0:
+            timeout = self.disaggregation_transfer_timeout
+            raise UserError(f"--disaggregation-transfer-timeout must be positive, got {timeout}")
+        if self.debug_disagg_chunk_delay_ms < 0:
+            raise UserError(f"--debug-disagg-chunk-delay-ms must be >= 0, got {self.debug_disagg_chunk_delay_ms}")
+        if self.disaggregation_decode_enable_radix_cache and self.disaggregation_mode != "decode":
+            raise UserError("--disaggregation-decode-enable-radix-cache needs --disaggregation-mode decode")
+
+    @property
+    def enabled(self) -> bool:
+        return self.disaggregation_mode != "null"
+
+
+def _check_disagg(cfg: "EngineConfig") -> None:
+    """What the role implies for the cache flags: a decode server keeps a tree only when asked to."""
+    d = cfg.disagg
+    if d.disaggregation_mode != "decode":
+        return
+    if d.disaggregation_decode_enable_radix_cache and cfg.disable_radix_cache:
+        raise UserError("--disaggregation-decode-enable-radix-cache contradicts --disable-radix-cache")
+    if cfg.hicache.enable_hierarchical_cache and not d.disaggregation_decode_enable_radix_cache:
+        raise UserError(
+            "--enable-hierarchical-cache on a decode server needs --disaggregation-decode-enable-radix-cache "
+            "(without it decode keeps no tree to put in host memory)"
+        )
+
+
 @dataclass(frozen=True)
 class EngineConfig(FromArgs):
     model: str = "tiny"
@@ -170,6 +221,7 @@ class EngineConfig(FromArgs):
     hicache: HiCacheConfig = HiCacheConfig()
     parallel: ParallelConfig = ParallelConfig()
     debug: DebugConfig = DebugConfig()
+    disagg: DisaggConfig = DisaggConfig()
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -193,6 +245,7 @@ class EngineConfig(FromArgs):
         if self.debug.debug_storage_fail_rate > 0 and self.debug.debug_storage_fail_rank >= world:
             rank = self.debug.debug_storage_fail_rank
             raise UserError(f"--debug-storage-fail-rank {rank} is not a rank (0..{world - 1})")
+        _check_disagg(self)
 
     @property
     def num_pages(self) -> int:
@@ -280,3 +333,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--debug-storage-fail-rank", type=int, default=q.debug_storage_fail_rank)
     b.add_argument("--debug-disable-pp-sync", action="store_true",
                    help="let later pipeline stages poll their own transfer queues (reproduces a divergence bug)")
+    s = DisaggConfig()
+    x = parser.add_argument_group("prefill-decode disaggregation")
+    x.add_argument("--disaggregation-mode", default=s.disaggregation_mode,
+                   help="null (one server does everything), prefill or decode (pair them with `hicache router`)")
+    x.add_argument("--disaggregation-transfer-backend", default=s.disaggregation_transfer_backend,
+                   help="how KV moves from prefill to decode: zmq (ZeroMQ over TCP)")
+    x.add_argument("--disaggregation-bootstrap-host", default=s.disaggregation_bootstrap_host,
+                   help="prefill: the address its KV transfer endpoint binds and decode servers reach it at")
+    x.add_argument("--disaggregation-bootstrap-port", type=int, default=s.disaggregation_bootstrap_port,
+                   help="prefill: the transfer endpoint's port (rank r listens on port + r)")
+    x.add_argument("--disaggregation-decode-enable-radix-cache", action="store_true",
+                   help="decode: keep a radix tree and ask prefill only for the KV after the prefix it holds")
+    x.add_argument("--disaggregation-transfer-timeout", type=float, default=s.disaggregation_transfer_timeout,
+                   help="seconds a request waits for its peer's metadata or KV before it fails")
+    x.add_argument("--debug-disagg-chunk-delay-ms", type=float, default=s.debug_disagg_chunk_delay_ms,
+                   help="fault injection: prefill waits this long before sending each KV chunk")

@@ -23,6 +23,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "config debug",  # debug: the consensus checker and fault injection, below what they instrument
         "cache",
         "engine",
+        "disagg",  # prefill-decode roles: schedulers over engine, transports, the router's app
         "runtime",
         "server bench",
         "demo __init__",

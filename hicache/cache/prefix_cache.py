@@ -170,7 +170,8 @@ class PrefixCache:
         if handle.state is KVState.READY and len(tokens) < handle.kv_len:
             raise ValueError(f"release of request {handle.rid}: {len(tokens)} tokens for {handle.kv_len} computed")
         self._on_release(handle)
-        if handle.state is KVState.READY:
+        # RESERVED: a P/D decode request whose suffix never arrived; kv_len covers only its tree prefix.
+        if handle.state in (KVState.READY, KVState.RESERVED):
             kept = 0
             if self.enabled and handle.lock is not None:
                 self.cache_prefix(handle, tokens[: handle.kv_len])

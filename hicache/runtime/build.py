@@ -8,6 +8,7 @@ from hicache.cache.hierarchical import HierarchicalCache
 from hicache.cache.prefix_cache import PrefixCache
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker
+from hicache.disagg.roles import radix_enabled, role_scheduler
 from hicache.dist.consensus import Consensus
 from hicache.dist.parallel import ParallelContext
 from hicache.engine.model_runner import ModelRunner
@@ -56,11 +57,13 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
         checker.instrument(consensus)
         cache = HierarchicalCache(pool, cfg.hicache, consensus, loaded.identity, pctx.suffix, cfg.debug)
     else:
-        cache = PrefixCache(pool, enabled=not cfg.disable_radix_cache)
+        cache = PrefixCache(pool, enabled=radix_enabled(cfg))
     for part in cache.checked_parts():
         checker.instrument(part)
-    scheduler = Scheduler(
-        cfg, ModelRunner(model, pool), cache, loaded.tokenizer, context_length(cfg, loaded.config), checker
+    runner = ModelRunner(model, pool)
+    # The P/D role (hicache/disagg/roles.py) picks the scheduler; without one it is the plain Scheduler.
+    scheduler = role_scheduler(
+        cfg, runner, pctx, loaded.identity, cache, loaded.tokenizer, context_length(cfg, loaded.config), checker
     )
     checker.instrument(scheduler)
     return scheduler

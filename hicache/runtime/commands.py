@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from hicache.cache.stats import CacheStats
+from hicache.disagg import roles
+from hicache.disagg.stats import DisaggStats
 from hicache.engine.scheduler import Scheduler
 
 COMMANDS: dict[str, Callable[[Scheduler], object]] = {
@@ -16,6 +18,8 @@ COMMANDS: dict[str, Callable[[Scheduler], object]] = {
     "cache_stats": lambda s: s.cache.stats(),
     "pool_usage": lambda s: s.cache.usage(),
     "invariance": lambda s: s.runner.model.invariance.to_json(),
+    "disagg_info": roles.info,
+    "disagg_stats": roles.stats,
 }
 
 
@@ -38,4 +42,9 @@ def combine(command: str, answers: Sequence[object], names: Sequence[str]) -> ob
             "mechanisms": checks[0]["mechanisms"],
             "detail": "; ".join(f"{name}: {c['detail']}" for name, c in zip(names, checks) if c["detail"]),
         }
+    if command == "disagg_info":
+        return answers[0]  # rank 0's shard stands for the deployment; every rank checks its own per transfer
+    if command == "disagg_stats":
+        records: Sequence[DisaggStats | None] = answers  # type: ignore[assignment]
+        return None if records[0] is None else DisaggStats.combine(records)  # type: ignore[arg-type]
     raise ValueError(f"unknown control command {command!r}")

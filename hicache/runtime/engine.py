@@ -26,7 +26,8 @@ from hicache.cache.api import TIERS
 from hicache.cache.stats import CacheStats
 from hicache.config import EngineConfig
 from hicache.dist.parallel import ParallelContext
-from hicache.engine.request import FinishReason, Request, RequestEvent, SamplingParams, TokenLogprob
+from hicache.disagg.stats import DisaggStats
+from hicache.engine.request import Bootstrap, FinishReason, Request, RequestEvent, SamplingParams, TokenLogprob
 from hicache.engine.scheduler import check_request_fits
 from hicache.errors import UserError
 from hicache.model.loader import load_model
@@ -178,12 +179,20 @@ class Engine:
         params: SamplingParams | None = None,
         cache_salt: str = "",
         on_event: Callable[[RequestEvent], None] | None = None,
+        bootstrap: Bootstrap | None = None,
     ) -> RequestHandle:
+        """`bootstrap`: where this request's prefill-decode pair meets (required on a P/D server, set by
+        `hicache router`; ignored by a server that does everything itself)."""
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
         max_new = params.max_new_tokens or min(self.config.default_max_new_tokens, max(1, self.context_length - len(ids)))
         check_request_fits(self.config, self.context_length, len(ids), max_new)
-        req = Request(ids, params, max_new, namespace=cache_salt)
+        mode = self.config.disagg.disaggregation_mode
+        if self.config.disagg.enabled and bootstrap is None:
+            raise UserError(
+                f"this is a {mode} server of a prefill-decode deployment: send requests through `hicache router`"
+            )
+        req = Request(ids, params, max_new, namespace=cache_salt, bootstrap=bootstrap if mode != "null" else None)
         handle = RequestHandle(self, req, on_event)
         with self._lock:
             self._check_alive()
@@ -236,6 +245,14 @@ class Engine:
     def cache_stats(self) -> CacheStats:
         """Counters of the cache tiers (transfers, prefetch lifecycle, storage hits and corruption)."""
         return self._control("cache_stats")  # type: ignore[return-value]
+
+    def disagg_info(self) -> dict:
+        """This server's P/D role, transfer endpoint and rank-0 handshake (hicache/disagg/roles.py)."""
+        return self._control("disagg_info")  # type: ignore[return-value]
+
+    def disagg_stats(self) -> DisaggStats | None:
+        """P/D transfer counters (None on a server without a role)."""
+        return self._control("disagg_stats")  # type: ignore[return-value]
 
 
     def on_fatal(self, callback: Callable[[str], None]) -> None:
