@@ -85,7 +85,9 @@ def reserve(cache: PrefixCache, handle: KVHandle, total_pages: int) -> Reservati
     return Reservation(handle.kv_len, by_tier, restore)
 
 
-def _promise(cache: PrefixCache, handle: KVHandle, total_pages: int, by_tier: PrefixMatch, lock, prompt_len: int) -> None:
+def _promise(
+    cache: PrefixCache, handle: KVHandle, total_pages: int, by_tier: PrefixMatch, lock, prompt_len: int
+) -> None:
     """Reserve the rest of `total_pages` and take the suffix's pages out of it now (the transfer lands
     in them), as `PrefixCache.extend` would."""
     handle.reserved_pages = total_pages - len(handle.pages)

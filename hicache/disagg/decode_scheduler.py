@@ -83,7 +83,9 @@ class DecodeScheduler(Scheduler):
         return self._admit_incoming() + self._land() + super().step()
 
     def _admit_incoming(self) -> list[RequestEvent]:
-        events = [self._end(inc, FinishReason.ABORT, "the request was cancelled") for inc in self.incoming if inc.req.aborted]
+        events = [
+            self._end(inc, FinishReason.ABORT, "the request was cancelled") for inc in self.incoming if inc.req.aborted
+        ]
         self.incoming = [inc for inc in self.incoming if not inc.req.aborted]
         busy = bool(self.running or self.transferring)
         for inc in list(self.incoming):

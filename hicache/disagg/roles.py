@@ -52,7 +52,9 @@ def role_scheduler(
         chunk = chunk_tokens(cfg.page_size, handshake.row_bytes)
         port = d.disaggregation_bootstrap_port + pctx.rank
         delay = d.debug_disagg_chunk_delay_ms / 1000
-        transfer = ZmqPrefillBackend(d.disaggregation_bootstrap_host, port, d.disaggregation_transfer_timeout, chunk, delay)
+        transfer = ZmqPrefillBackend(
+            d.disaggregation_bootstrap_host, port, d.disaggregation_transfer_timeout, chunk, delay
+        )
         cls: type[Scheduler] = PrefillScheduler
     else:
         transfer = ZmqDecodeBackend(runner.pool, pctx.rank, d.disaggregation_transfer_timeout)

@@ -3,8 +3,8 @@ the `disagg_stats` control command (one rank's record each, combined across rank
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Sequence
 
 from hicache.cache.api import TIERS
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from hicache.disagg.handshake import Handshake
 from hicache.disagg.transfer import DecodeMetadata, PrefillResult

@@ -12,7 +12,7 @@ import logging
 import queue
 import socket
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 import zmq
 
@@ -70,7 +70,7 @@ class IOLoop:
                         handler()
                 if self._tick is not None:
                     self._tick()
-            except Exception:  # noqa: BLE001 - supervised: log, the handler has failed its room, go on
+            except Exception:
                 if self._stopped.is_set():
                     break
                 logger.exception("%s: a transfer step failed; the loop goes on", self.name)
