@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from hicache.cache.api import KVHandle, KVState, PrefixMatch
 from hicache.cache.controller import TransferOp
 from hicache.cache.prefix_cache import PrefixCache
+from hicache.cache.radix import TreeNode
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class Reservation:
     decode_prefix_len: int  # tokens decode serves from its tree; prefill sends the KV after them
     by_tier: PrefixMatch  # that prefix by the tier it came from (device, host, storage)
     restore: TransferOp | None  # the host part's load, in flight (None when nothing is restored)
+    restored_nodes: tuple[TreeNode, ...] = ()  # the host-only nodes it gives device pages
 
     def restored(self) -> bool | None:
         """True once the restore has landed, None while it runs, False if it failed."""
@@ -82,11 +84,11 @@ def reserve(cache: PrefixCache, handle: KVHandle, total_pages: int) -> Reservati
     )
     handle.kv_len = handle.committed_len = len(handle.pages) * cache.page_size  # those pages are the tree's
     _promise(cache, handle, total_pages, by_tier, deepest, prompt_len)
-    return Reservation(handle.kv_len, by_tier, restore)
+    return Reservation(handle.kv_len, by_tier, restore, tuple(match.host_nodes) if restored_pages else ())
 
 
 def _promise(
-    cache: PrefixCache, handle: KVHandle, total_pages: int, by_tier: PrefixMatch, lock, prompt_len: int
+    cache: PrefixCache, handle: KVHandle, total_pages: int, by_tier: PrefixMatch, lock: TreeNode | None, prompt_len: int
 ) -> None:
     """Reserve the rest of `total_pages` and take the suffix's pages out of it now (the transfer lands
     in them), as `PrefixCache.extend` would."""
@@ -116,7 +118,22 @@ def complete(cache: PrefixCache, handle: KVHandle) -> None:
     cache.cache_prefix(handle, handle.prompt)
 
 
-def fail(cache: PrefixCache, handle: KVHandle) -> None:
+def fail(cache: PrefixCache, handle: KVHandle, reservation: Reservation | None = None) -> None:
     """RESERVED (or still WAITING) → RELEASED: unlock, free the suffix's pages, return the promise.
-    The prefix stays in the tree (its pages were the tree's all along)."""
+    The prefix stays in the tree (its pages were the tree's all along), except device copies a failed
+    restore never filled."""
     cache.release(handle, handle.prompt[: handle.kv_len])
+    if reservation is not None and reservation.restored() is False:
+        _drop_unfilled(cache, reservation.restored_nodes)
+
+
+def _drop_unfilled(cache: PrefixCache, nodes: tuple[TreeNode, ...]) -> None:
+    """Take back the device pages a failed restore attached (the host copies stay), deepest first and
+    only where nobody else holds them, so no later match reads pages that were never written. This is
+    device eviction of host-backed nodes (RadixTree.evict) aimed at these nodes."""
+    for node in reversed(nodes):
+        if node.device_pages is None or node.lock_ref > 0 or any(c.on_device for c in node.children.values()):
+            return
+        pages, node.device_pages = node.device_pages, None
+        cache.tree.evictable_pages -= len(pages)
+        cache.device.free(pages)

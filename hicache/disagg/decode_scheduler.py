@@ -165,7 +165,7 @@ class DecodeScheduler(Scheduler):
         """Release a request that never started decoding, telling prefill why."""
         inc.receiver.abort(message)  # returns only once nothing more can land in its pages
         self.stats.transfers_failed += 1
-        decode_admission.fail(self.cache, inc.req.kv)  # type: ignore[arg-type]
+        decode_admission.fail(self.cache, inc.req.kv, inc.reservation)  # type: ignore[arg-type]
         return RequestEvent(inc.req.rid, (), finish_reason=reason, error=message)
 
     def abort_all(self, reason: FinishReason, message: str) -> list[RequestEvent]:

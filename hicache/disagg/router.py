@@ -114,7 +114,9 @@ class Router:
         decode_request = self.client.build_request("POST", decode.url + path, json={**body, **boot}, headers=headers)
         streaming = body.get("stream") is True
         try:
-            return await _unless_disconnected(request, self._answer(prefill, prefill_task, decode, decode_request, streaming))
+            return await _unless_disconnected(
+                request, self._answer(prefill, prefill_task, decode, decode_request, streaming)
+            )
         except _ClientGone:
             prefill_task.cancel()
             return Response(status_code=499)

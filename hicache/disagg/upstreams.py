@@ -68,7 +68,9 @@ def _upstream(url: str, role: str, info: dict[str, Any]) -> Upstream:
         handshake = Handshake.from_json(info["handshake"])
     except (KeyError, ValueError) as exc:
         raise UserError(f"{url}: unreadable handshake ({exc})") from None
-    return Upstream(url, role, str(info.get("served_model_name")), handshake, info.get("bootstrap_host"), info.get("bootstrap_port"))
+    return Upstream(
+        url, role, str(info.get("served_model_name")), handshake, info.get("bootstrap_host"), info.get("bootstrap_port")
+    )
 
 
 def check_pairs(prefills: Sequence[Upstream], decodes: Sequence[Upstream]) -> None:
