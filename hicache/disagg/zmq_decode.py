@@ -114,11 +114,10 @@ class ZmqDecodeBackend:
         with self.lock:  # no landing is in progress while this is held
             if state.status in (KVPoll.FAILED, KVPoll.SUCCESS):
                 return
-            told = state.meta is not None
             self.fail(state, reason)
-        if told:
-            header = {"room": state.room, "reason": reason}
-            self.io.call(lambda: self._dealer(state.endpoint).send_multipart(wire.encode(wire.ABORT, header)))
+        # Even before any metadata was sent: prefill may hold the request, waiting for it.
+        header = {"room": state.room, "reason": reason}
+        self.io.call(lambda: self._dealer(state.endpoint).send_multipart(wire.encode(wire.ABORT, header)))
 
     def fail(self, state: _Room, reason: str) -> None:
         """Lock held."""

@@ -27,7 +27,15 @@ from hicache.cache.stats import CacheStats
 from hicache.config import EngineConfig
 from hicache.dist.parallel import ParallelContext
 from hicache.disagg.stats import DisaggStats
-from hicache.engine.request import Bootstrap, FinishReason, Request, RequestEvent, SamplingParams, TokenLogprob
+from hicache.engine.request import (
+    Bootstrap,
+    DisaggUsage,
+    FinishReason,
+    Request,
+    RequestEvent,
+    SamplingParams,
+    TokenLogprob,
+)
 from hicache.engine.scheduler import check_request_fits
 from hicache.errors import UserError
 from hicache.model.loader import load_model
@@ -52,6 +60,7 @@ class GenerationResult:
     ttft_s: float = 0.0
     latency_s: float = 0.0
     error: str | None = None
+    disagg: DisaggUsage | None = None  # a P/D decode server's account of the prompt's KV
 
     def to_json(self) -> dict:
         return {
@@ -102,12 +111,13 @@ class RequestHandle:
         tokens: list[int] = []
         logprobs: list[TokenLogprob] = []
         tiers = dict.fromkeys(TIERS, 0)
-        last = None
+        last = disagg = None
         for event in self:
             tokens.extend(event.new_token_ids)
             logprobs.extend(event.logprobs)
             if event.cached_tokens_by_tier is not None:
                 tiers = event.cached_tokens_by_tier
+            disagg = event.disagg or disagg
             last = event
         assert last is not None
         end = time.perf_counter()
@@ -123,6 +133,7 @@ class RequestHandle:
             ttft_s=(self.first_token_at or end) - self.submitted,
             latency_s=end - self.submitted,
             error=last.error,
+            disagg=disagg,
         )
 
 
