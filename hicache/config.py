@@ -168,6 +168,7 @@ class DisaggConfig(FromArgs):
     disaggregation_bootstrap_port: int = 8998  # rank r of a prefill server listens on this port + r
     disaggregation_decode_enable_radix_cache: bool = False
     disaggregation_transfer_timeout: float = 60.0  # seconds a request waits for its peer's metadata or KV
+    disaggregation_transfer_chunk_pages: int = 0  # pages per KV message; 0: about 4 MiB of KV
     debug_disagg_chunk_delay_ms: float = 0.0  # fault injection: prefill pauses this long before each KV chunk
 
     def __post_init__(self) -> None:
@@ -179,6 +180,9 @@ class DisaggConfig(FromArgs):
         if self.disaggregation_transfer_timeout <= 0:
             timeout = self.disaggregation_transfer_timeout
             raise UserError(f"--disaggregation-transfer-timeout must be positive, got {timeout}")
+        if self.disaggregation_transfer_chunk_pages < 0:
+            pages = self.disaggregation_transfer_chunk_pages
+            raise UserError(f"--disaggregation-transfer-chunk-pages must be >= 0, got {pages}")
         if self.debug_disagg_chunk_delay_ms < 0:
             raise UserError(f"--debug-disagg-chunk-delay-ms must be >= 0, got {self.debug_disagg_chunk_delay_ms}")
         if self.disaggregation_decode_enable_radix_cache and self.disaggregation_mode != "decode":
@@ -347,5 +351,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="decode: keep a radix tree and ask prefill only for the KV after the prefix it holds")
     x.add_argument("--disaggregation-transfer-timeout", type=float, default=s.disaggregation_transfer_timeout,
                    help="seconds a request waits for its peer's metadata or KV before it fails")
+    x.add_argument("--disaggregation-transfer-chunk-pages", type=int, default=s.disaggregation_transfer_chunk_pages,
+                   help="prefill: KV pages per transfer message (0: about 4 MiB of KV)")
     x.add_argument("--debug-disagg-chunk-delay-ms", type=float, default=s.debug_disagg_chunk_delay_ms,
                    help="fault injection: prefill waits this long before sending each KV chunk")

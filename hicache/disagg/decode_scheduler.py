@@ -102,8 +102,10 @@ class DecodeScheduler(Scheduler):
             inc.reservation = reservation
             d = reservation.decode_prefix_len
             slots = self.runner.pool.allocator.slots(req.kv.pages, req.prompt_len)[d:].to(self.runner.pool.device)
-            meta = DecodeMetadata(req.bootstrap.room, d, req.prompt_len, prompt_digest(req.prompt_ids), self.handshake)  # type: ignore[union-attr]
-            inc.receiver.init(slots, meta)
+            room = inc.receiver.room
+            inc.receiver.init(
+                slots, DecodeMetadata(room, d, req.prompt_len, prompt_digest(req.prompt_ids), self.handshake)
+            )
             self.transferring.append(inc)
         return events
 

@@ -49,7 +49,8 @@ def role_scheduler(
         )
     transfer: Any
     if d.disaggregation_mode == PREFILL:
-        chunk = chunk_tokens(cfg.page_size, handshake.row_bytes)
+        pages = d.disaggregation_transfer_chunk_pages
+        chunk = pages * cfg.page_size if pages else chunk_tokens(cfg.page_size, handshake.row_bytes)
         port = d.disaggregation_bootstrap_port + pctx.rank
         delay = d.debug_disagg_chunk_delay_ms / 1000
         transfer = ZmqPrefillBackend(
