@@ -152,7 +152,6 @@ class DecodeScheduler(Scheduler):
         transferred = req.prompt_len - reservation.decode_prefix_len
         s = self.stats
         s.received_tokens += transferred
-        s.received_bytes += inc.receiver.received_bytes
         s.transfers_ok += 1
         for tier, n in reservation.by_tier.as_dict().items():
             s.decode_prefix_tokens[tier] += n

@@ -134,7 +134,6 @@ class PrefillScheduler(Scheduler):
                 kv = stage(self.runner.pool, req.kv.pages, meta.decode_prefix_len, req.prompt_len)
                 sender.send(kv, PrefillResult(req.output_ids[0], logprob, dict(req.kv.cached_tokens_by_tier)))
                 self.stats.sent_tokens += kv.end - kv.start
-                self.stats.sent_bytes += kv.num_bytes
                 self.stats.transfers_ok += 1
             else:
                 sender.abort("the prefill request was aborted before its KV was computed")

@@ -9,6 +9,7 @@ The role's description (`info`) is what `/disagg/info` shows and `hicache router
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from hicache.config import EngineConfig
@@ -82,6 +83,8 @@ def info(scheduler: Scheduler) -> dict[str, Any]:
 
 def stats(scheduler: Scheduler) -> DisaggStats | None:
     """This rank's transfer counters (the `disagg_stats` command); None outside a P/D role."""
-    if isinstance(scheduler, (PrefillScheduler, DecodeScheduler)):
-        return scheduler.stats.snapshot()
+    if isinstance(scheduler, PrefillScheduler):
+        return replace(scheduler.stats.snapshot(), sent_bytes=scheduler.transfer.moved_bytes)
+    if isinstance(scheduler, DecodeScheduler):
+        return replace(scheduler.stats.snapshot(), received_bytes=scheduler.transfer.moved_bytes)
     return None

@@ -12,12 +12,12 @@ from hicache.cache.api import TIERS
 @dataclass
 class DisaggStats:
     role: str
-    # decode: prompt tokens whose KV arrived from prefill, and its bytes (this rank's shard)
+    # decode: prompt tokens of completed transfers, and the bytes landed so far (this rank's shard)
     received_tokens: int = 0
     received_bytes: int = 0
     # decode: prompt tokens not transferred because decode's own tree held them, by tier
     decode_prefix_tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
-    # prefill: prompt tokens (and this rank's bytes) sent to decode
+    # prefill: prompt tokens handed to the transport, and the bytes sent so far (this rank's shard)
     sent_tokens: int = 0
     sent_bytes: int = 0
     transfers_ok: int = 0

@@ -114,9 +114,6 @@ class KVReceiver(Protocol):
 
     def failure(self) -> str | None: ...
 
-    @property
-    def received_bytes(self) -> int: ...
-
 
 class KVTransferBackend(Protocol):
     """One rank's transport (SGLang's KVManager): its endpoint, its threads, its per-request parts."""
@@ -126,6 +123,10 @@ class KVTransferBackend(Protocol):
 
     def receiver(self, bootstrap: Bootstrap) -> KVReceiver:
         """Decode: the receiver of that request, from the prefill rank at bootstrap.host:port + rank."""
+
+    @property
+    def moved_bytes(self) -> int:
+        """KV bytes this rank has sent (prefill) or landed (decode) so far, as they move."""
 
     def shutdown(self) -> None:
         """Fail what is in flight, stop the threads, close the endpoint."""

@@ -39,7 +39,6 @@ class _Room:
     slots: torch.Tensor | None = None  # device slots of tokens [decode_prefix_len, prompt_len)
     next: int = 0  # the next token whose KV is expected
     deadline: float = 0.0  # fails when nothing arrives before this
-    received: int = 0  # bytes landed
     result: PrefillResult | None = None
     error: str | None = None
 
@@ -72,10 +71,6 @@ class ZmqKVReceiver:
     def failure(self) -> str | None:
         return self._state.error
 
-    @property
-    def received_bytes(self) -> int:
-        return self._state.received
-
 
 class ZmqDecodeBackend:
     """transfer.KVTransferBackend for a decode rank: KV lands in `pool`."""
@@ -86,6 +81,7 @@ class ZmqDecodeBackend:
         self.timeout_s = timeout_s
         self.lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}  # transfers in flight (metadata sent, not ended)
+        self.moved_bytes = 0  # landed in the pool (transfer.KVTransferBackend.moved_bytes)
         self._dealers: dict[str, zmq.Socket] = {}  # I/O thread only
         self._monitors: dict[str, zmq.Socket] = {}
         self.io = IOLoop("hicache-kv-decode")
@@ -210,7 +206,7 @@ class ZmqDecodeBackend:
         if start != state.next or not start < end <= state.meta.prompt_len:
             raise ValueError(f"rows [{start}, {end}) when token {state.next} was expected")
         base = state.meta.decode_prefix_len
-        state.received += land(self.pool, state.slots[start - base : end - base], payload)
+        self.moved_bytes += land(self.pool, state.slots[start - base : end - base], payload)
         state.next = end
         state.status = KVPoll.TRANSFERRING
         state.deadline = time.monotonic() + self.timeout_s

@@ -84,7 +84,7 @@ class ZmqPrefillBackend:
         # Messages for rooms this rank has not seen yet (metadata first) or has already ended (an abort):
         # room -> (what, identity, payload, when).
         self._early: dict[int, tuple[str, bytes, Any, float]] = {}
-        self.sent_bytes = 0
+        self.moved_bytes = 0  # handed to the socket (transfer.KVTransferBackend.moved_bytes)
         self.io = IOLoop("hicache-kv-prefill", tick=self._tick)
         self._router = self.io.ctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -202,10 +202,11 @@ class ZmqPrefillBackend:
             if state.status is not KVPoll.TRANSFERRING:
                 return  # aborted: decode was told
             header = {"room": state.room, "start": start, "end": end}
-            if not self._send(state.identity, [*wire.encode(wire.KV, header), *frames_of(kv, start, end)], state):
+            frames = frames_of(kv, start, end)
+            if not self._send(state.identity, [*wire.encode(wire.KV, header), *frames], state):
                 return
+            self.moved_bytes += sum(f.nbytes for f in frames)
             start = end
-        self.sent_bytes += kv.num_bytes
         with self.lock:
             state.deadline = time.monotonic() + self.timeout_s  # now waiting for the ack
         self._send(state.identity, wire.encode(wire.DONE, wire.result_header(state.room, kv.end, result)), state)
