@@ -199,6 +199,7 @@ class ArmSession:
             record.output_tokens = result.completion_tokens or 0
             record.cached_tokens = result.cached_tokens or 0
             record.cached_tokens_by_tier = result.cached_tokens_by_tier
+            record.transferred_tokens = result.transferred_tokens
             record.error = result.error
         if result.error is not None:
             logger.warning("conversation %d turn %d failed: %s", conv.conv_id, turn + 1, result.error)
