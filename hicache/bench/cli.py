@@ -43,7 +43,7 @@ class _AppendArm(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[override]
         arms = list(getattr(namespace, "launch", None) or [])
         arms.append((values, option_string))
-        setattr(namespace, "launch", arms)
+        namespace.launch = arms
 
 
 def _split(flags: str, option: str) -> tuple[str, ...]:
