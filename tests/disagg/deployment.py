@@ -65,7 +65,10 @@ def decode_counters(url: str) -> dict[str, float]:
     return {
         "received": metric(samples, "hicache_disagg_received_tokens_total"),
         "bytes": metric(samples, "hicache_disagg_received_bytes_total"),
-        **{tier: metric(samples, "hicache_disagg_decode_prefix_tokens_total", tier=tier) for tier in ("device", "host", "storage")},
+        **{
+            tier: metric(samples, "hicache_disagg_decode_prefix_tokens_total", tier=tier)
+            for tier in ("device", "host", "storage")
+        },
     }
 
 

@@ -89,7 +89,7 @@ def test_a_prefill_killed_mid_transfer_fails_the_request_cleanly(deployment):
     assert_no_leaks(decode)  # flush, then no page, lock or promise left behind
     failed = metric(scrape(decode), "hicache_disagg_transfers_total", outcome="failed")
     assert failed >= 1
-    p_port, _, boot = deployment["ports"]
+    boot = deployment["ports"][2]
     restart(deployment, "prefill", *prefill_args(boot, *SLOW))
     got = complete(front, prompt[:300])
     assert got.status_code == 200, got.text

@@ -7,7 +7,6 @@ the wrong role is refused at start-up."""
 from __future__ import annotations
 
 import json
-import pathlib
 import subprocess
 import sys
 
@@ -25,7 +24,7 @@ from tests.disagg.deployment import (
     serve,
     started,
 )
-from tests.server.server_harness import REPO, assert_no_leaks
+from tests.server.server_harness import REPO, assert_no_leaks, metric, scrape
 
 PAGE = 16
 
@@ -33,18 +32,21 @@ PAGE = 16
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("pd")
-    p_port, d_port, plain_port, ref_port, r_port, r_plain_port, boot = ports(7)
+    p_port, p2_port, d_port, plain_port, ref_port, r_port, r_plain_port, r_many_port, boot, boot2 = ports(10)
     prefill = serve(logs, p_port, *prefill_args(boot))
+    prefill2 = serve(logs, p2_port, *prefill_args(boot2))
     decode = serve(logs, d_port, *DECODE_REUSE)
     plain = serve(logs, plain_port, *DECODE_PLAIN)
     ref = serve(logs, ref_port, "--disable-radix-cache")
-    with started(prefill, decode, plain, ref):
+    with started(prefill, prefill2, decode, plain, ref):
         front = router(logs, r_port, [prefill.url], [decode.url])
         front_plain = router(logs, r_plain_port, [prefill.url], [plain.url])
-        with started(front, front_plain):
-            yield {"router": front.url, "router_plain": front_plain.url, "prefill": prefill.url,
-                   "decode": decode.url, "plain": plain.url, "ref": ref.url}  # fmt: skip
-            for server in (prefill, decode, plain, front, front_plain):
+        many = router(logs, r_many_port, [prefill.url, prefill2.url], [decode.url, plain.url])
+        with started(front, front_plain, many):
+            yield {"router": front.url, "router_plain": front_plain.url, "router_many": many.url,
+                   "prefill": prefill.url, "prefill2": prefill2.url, "decode": decode.url, "plain": plain.url,
+                   "ref": ref.url}  # fmt: skip
+            for server in (prefill, prefill2, decode, plain, front, front_plain, many):
                 assert "Traceback" not in server.log.read_text(), server.log_tail()
 
 
@@ -117,6 +119,22 @@ def test_transferred_tokens_are_prompt_minus_decode_prefix_len(deployment):
         history += list(range(60 + turn, 112 + turn))  # the next turn's answer and question
 
 
+def test_several_servers_of_each_role_share_the_requests(deployment):
+    front, ref = deployment["router_many"], deployment["ref"]
+    sent = {
+        name: metric(scrape(deployment[name]), "hicache_disagg_sent_tokens_total") for name in ("prefill", "prefill2")
+    }
+    for i in range(12):
+        prompt = f"Conversation {i} starts here with its own system prompt. " * 3
+        got = complete(front, prompt)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == complete(ref, prompt).json()["choices"][0]["text"]
+    for name, before in sent.items():
+        assert metric(scrape(deployment[name]), "hicache_disagg_sent_tokens_total") > before, f"{name} served none"
+    for name in ("decode", "plain"):
+        assert metric(scrape(deployment[name]), "hicache_disagg_transfers_total", outcome="ok") > 0
+
+
 def test_bad_input_gets_an_openai_error_and_the_router_keeps_serving(deployment):
     front = deployment["router"]
     cases = [
@@ -146,6 +164,6 @@ def test_bad_input_gets_an_openai_error_and_the_router_keeps_serving(deployment)
 def test_a_server_of_the_wrong_role_is_refused_at_start_up(deployment):
     cmd = [sys.executable, "-m", "hicache", "router", "--prefill", deployment["prefill"],
            "--decode", deployment["ref"], "--port", "0", "--startup-timeout", "10"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2
     assert "--disaggregation-mode null, but was given as a decode server" in done.stderr

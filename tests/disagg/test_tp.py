@@ -55,7 +55,7 @@ def test_tp2_prefill_and_tp2_decode_equal_a_tp2_cache_off_server(deployment):
 def test_a_pair_of_different_tp_sizes_is_refused_at_start_up(deployment):
     cmd = [sys.executable, "-m", "hicache", "router", "--prefill", deployment["prefill_tp1"],
            "--decode", deployment["decode"], "--port", "0", "--startup-timeout", "10"]  # fmt: skip
-    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2, done.stderr
     assert "tensor parallel size (P/D with different TP sizes is refused) differs" in done.stderr
     assert done.stderr.count("\n") == 1, "one line"
