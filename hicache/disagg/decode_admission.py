@@ -5,17 +5,15 @@ of the seed report, Figure 5) through the request's KV handle.
     complete: RESERVED ─suffix landed and host part restored─▶ READY
     fail:     RESERVED ─▶ RELEASED, every page and lock given back
 
-`reserve` matches the whole prompt in decode's tree (device, then host-only nodes; a storage span
-counts only once its prefetch has been accepted, i.e. inserted as host nodes by the cache's own
-`_fetched` step), locks the match, re-checks the memory budget now that the locked prefix can no
-longer be evicted to make room, and promises the request every page it may still need. It issues the
-restore of the host part (the cache's load-back: all or nothing, layer by layer, on the load worker)
-and takes device pages for the suffix, into which the transfer lands. The boundary it reports to
-prefill, `decode_prefix_len`, is the device part plus the restored part: page-aligned by construction.
-Restores of different requests are independent operations: each request waits only for its own.
-
-It runs the same steps as `PrefixCache.admit` through the same hooks, but stops at RESERVED, matches
-the last prompt token too (decode computes none of the prompt) and reserves the suffix's pages up front.
+`reserve` runs the cache's own `PrefixCache.reserve` (the first half of `admit`) over the whole
+prompt: it matches decode's tree (device, then host-only nodes; a storage span counts only once its
+prefetch has been accepted, i.e. inserted as host nodes), locks the match, re-checks the memory budget
+now that the locked prefix can no longer be evicted to make room, and issues the restore of the host
+part (the load-back: all or nothing, layer by layer, on the load worker). Then it promises the request
+every page it may still need and takes the suffix's pages at once, for the transfer to land in. The
+boundary it reports to prefill, `decode_prefix_len`, is the device part plus the restored part:
+page-aligned by construction. Restores of different requests are independent operations: each
+request waits only for its own.
 """
 
 from __future__ import annotations
@@ -49,7 +47,6 @@ def reserve(cache: PrefixCache, handle: KVHandle, total_pages: int) -> Reservati
     tree; None (handle back to WAITING, holding nothing) when they do not fit now."""
     if handle.state is not KVState.WAITING:
         raise RuntimeError(f"request {handle.rid}: decode admission of a {handle.state.value} handle")
-    fetched = cache._fetched(handle)  # an accepted storage prefetch becomes host nodes before the match
     prompt_len = len(handle.prompt)
     if not cache.enabled:  # decode without a tree: the whole prompt is transferred
         if total_pages > cache.device.available_pages() - cache.reserved_pages:
@@ -57,34 +54,13 @@ def reserve(cache: PrefixCache, handle: KVHandle, total_pages: int) -> Reservati
         handle.enter(KVState.RESERVED)
         _promise(cache, handle, total_pages, PrefixMatch(), None, prompt_len)
         return Reservation(0, PrefixMatch(), None)
-    match = cache.tree.match_prefix(handle.prompt, handle.namespace, count_hit=True)
-    handle.enter(KVState.MATCHED)
-    cache.tree.lock(match.last_node)  # also keeps the host-only continuation from host eviction
-    handle.enter(KVState.LOCKED)
-    # Re-checked after locking: the locked prefix no longer counts as evictable room.
-    need = total_pages - len(match.device_pages)
-    if need > cache.device.available_pages() - cache.reserved_pages:
-        cache.tree.unlock(match.last_node)
-        handle.enter(KVState.WAITING)
+    # The whole prompt: decode computes none of it, so even its last token's KV may come from the tree.
+    reserved = cache.reserve(handle, handle.prompt, total_pages)
+    if reserved is None:
         return None
-    handle.enter(KVState.RESERVED)
-    handle.pages = list(match.device_pages)
-    restored_pages = cache._load_back(match, need)  # the restore, issued now, runs while the suffix arrives
-    restore = _load_op(cache) if restored_pages else None
-    handle.pages.extend(restored_pages)
-    deepest = match.host_nodes[-1] if restored_pages else match.last_device_node
-    cache.tree.lock(deepest)
-    cache.tree.unlock(match.last_node)
-    first = len(match.device_pages)
-    in_storage = range(max(first, fetched.start), min(first + len(restored_pages), fetched.stop))
-    by_tier = PrefixMatch(
-        device=match.num_tokens,
-        host=(len(restored_pages) - len(in_storage)) * cache.page_size,
-        storage=len(in_storage) * cache.page_size,
-    )
-    handle.kv_len = handle.committed_len = len(handle.pages) * cache.page_size  # those pages are the tree's
-    _promise(cache, handle, total_pages, by_tier, deepest, prompt_len)
-    return Reservation(handle.kv_len, by_tier, restore, tuple(match.host_nodes) if restored_pages else ())
+    restore = _load_op(cache) if reserved.loaded_nodes else None  # issued just now, runs while the suffix arrives
+    _promise(cache, handle, total_pages, reserved.cached, reserved.lock, prompt_len)
+    return Reservation(handle.kv_len, reserved.cached, restore, reserved.loaded_nodes)
 
 
 def _promise(

@@ -25,13 +25,10 @@ import torch
 from hicache.disagg import decode_admission
 from hicache.disagg.agreement import agree_min
 from hicache.disagg.decode_admission import Reservation
-from hicache.disagg.handshake import Handshake
-from hicache.disagg.stats import DisaggStats
-from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVReceiver, KVTransferBackend
+from hicache.disagg.role_scheduler import RoleScheduler
+from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVReceiver
 from hicache.disagg.wire import prompt_digest
-from hicache.dist.parallel import ParallelContext
 from hicache.engine.request import DisaggUsage, FinishReason, Request, RequestEvent
-from hicache.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -47,17 +44,13 @@ class Incoming:
     reservation: Reservation | None = None
 
 
-class DecodeScheduler(Scheduler):
-    def __init__(
-        self, *args: Any, transfer: KVTransferBackend, pctx: ParallelContext, handshake: Handshake, **kwargs: Any
-    ) -> None:
+class DecodeScheduler(RoleScheduler):
+    role = "decode"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.transfer = transfer
-        self.pctx = pctx
-        self.handshake = handshake
         self.incoming: list[Incoming] = []  # waiting for decode-side admission, in arrival order
         self.transferring: list[Incoming] = []  # RESERVED: the suffix arriving, the host part restoring
-        self.stats = DisaggStats("decode")
 
     # ---- intake --------------------------------------------------------------------------------
 
@@ -173,6 +166,3 @@ class DecodeScheduler(Scheduler):
         events = [self._end(inc, reason, message) for inc in self.incoming + self.transferring]
         self.incoming, self.transferring = [], []
         return events + super().abort_all(reason, message)
-
-    def close(self) -> None:
-        self.transfer.shutdown()

@@ -8,7 +8,8 @@ a request that fails it fails with the reason, and decode is told. Then the requ
 any other (this server's own prefix cache decides how much of the prompt it skips), its prompt and
 first token computed, and as it finishes the KV of the tokens after decode_prefix_len is staged out of
 its pages and handed to the sender with the first token. The request is released at once; the bytes
-travel on the transport's thread.
+travel on the transport's thread. A request whose decode gives up meanwhile (its client left, its
+transfer timed out) is aborted: nobody would receive what it computes.
 """
 
 from __future__ import annotations
@@ -19,12 +20,10 @@ from typing import Any
 from hicache.disagg.agreement import agree_min
 from hicache.disagg.handshake import Handshake
 from hicache.disagg.kv_rows import stage
-from hicache.disagg.stats import DisaggStats
-from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVSender, KVTransferBackend, PrefillResult
+from hicache.disagg.role_scheduler import RoleScheduler
+from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVSender, PrefillResult
 from hicache.disagg.wire import prompt_digest
-from hicache.dist.parallel import ParallelContext
 from hicache.engine.request import FinishReason, Request, RequestEvent, TokenLogprob
-from hicache.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 
@@ -42,18 +41,14 @@ def metadata_problem(meta: DecodeMetadata, req: Request, mine: Handshake) -> str
     return None
 
 
-class PrefillScheduler(Scheduler):
-    def __init__(
-        self, *args: Any, transfer: KVTransferBackend, pctx: ParallelContext, handshake: Handshake, **kwargs: Any
-    ) -> None:
+class PrefillScheduler(RoleScheduler):
+    role = "prefill"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.transfer = transfer
-        self.pctx = pctx
-        self.handshake = handshake
         self.bootstrapping: list[tuple[Request, KVSender]] = []  # waiting for decode's metadata
         self._senders: dict[int, KVSender] = {}  # rid -> sender, from bootstrap to release
         self._first_logprob: dict[int, TokenLogprob | None] = {}
-        self.stats = DisaggStats("prefill")
 
     # ---- intake --------------------------------------------------------------------------------
 
@@ -90,11 +85,17 @@ class PrefillScheduler(Scheduler):
         return (KVPoll.FAILED, problem) if problem else (KVPoll.WAITING_FOR_INPUT, None)
 
     def _bootstrap(self) -> list[RequestEvent]:
-        """Move the requests whose metadata every rank has into the waiting queue; fail the refused."""
-        if not self.bootstrapping:
+        """Move the requests whose metadata every rank has into the waiting queue; fail the refused;
+        abort those being computed for a decode that has given up on them."""
+        admitted = list(self._senders.items())  # in admission order, the same on every rank
+        if not self.bootstrapping and not admitted:
             return []
         local = [self._local_status(req, sender) for req, sender in self.bootstrapping]
-        agreed = agree_min(self.pctx, [status for status, _ in local])
+        wanted = [int(sender.poll() is not KVPoll.FAILED) for _, sender in admitted]
+        agreed = agree_min(self.pctx, [status for status, _ in local] + wanted)
+        for (rid, _), still_wanted in zip(admitted, agreed[len(local) :]):
+            if not still_wanted:
+                self.abort(rid)  # nobody will receive it: the step below drops it
         events, still = [], []
         for (req, sender), (_, reason), status in zip(self.bootstrapping, local, agreed):
             if req.aborted:
@@ -144,6 +145,3 @@ class PrefillScheduler(Scheduler):
         events = [self._end(req, sender, reason, message) for req, sender in self.bootstrapping]
         self.bootstrapping = []
         return events + super().abort_all(reason, message)
-
-    def close(self) -> None:
-        self.transfer.shutdown()

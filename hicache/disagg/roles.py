@@ -17,6 +17,7 @@ from hicache.disagg.decode_scheduler import DecodeScheduler
 from hicache.disagg.handshake import Handshake
 from hicache.disagg.kv_rows import chunk_tokens
 from hicache.disagg.prefill_scheduler import PrefillScheduler
+from hicache.disagg.role_scheduler import RoleScheduler
 from hicache.disagg.stats import DisaggStats
 from hicache.disagg.zmq_decode import ZmqDecodeBackend
 from hicache.disagg.zmq_prefill import ZmqPrefillBackend
@@ -71,7 +72,7 @@ def role_scheduler(
 def info(scheduler: Scheduler) -> dict[str, Any]:
     """This rank's role, transfer endpoint and handshake (the `disagg_info` command)."""
     d = scheduler.cfg.disagg
-    handshake = scheduler.handshake if isinstance(scheduler, (PrefillScheduler, DecodeScheduler)) else None
+    handshake = scheduler.handshake if isinstance(scheduler, RoleScheduler) else None
     return {
         "role": d.disaggregation_mode,
         "bootstrap_host": d.disaggregation_bootstrap_host if d.disaggregation_mode == PREFILL else None,

@@ -75,3 +75,13 @@ def decode_counters(url: str) -> dict[str, float]:
 def complete(url: str, prompt: str | list[int], max_tokens: int = 12, **extra: object) -> httpx.Response:
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def router_refusal(prefill: str, decode: str) -> str:
+    """Start `hicache router` over one pair that it must refuse: its one-line error (exit code 2)."""
+    cmd = [sys.executable, "-m", "hicache", "router", "--prefill", prefill, "--decode", decode,
+           "--port", "0", "--startup-timeout", "10"]  # fmt: skip
+    done = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, f"one line: {done.stderr}"
+    return done.stderr

@@ -68,8 +68,12 @@ class PDPair:
         self.prefill, self.decode, self.port = prefill, decode, port
         self._rooms = random.Random(seed)
 
+    def bootstrap(self) -> Bootstrap:
+        """A fresh room at this pair's prefill, as the router makes one per request."""
+        return Bootstrap("127.0.0.1", self.port, self._rooms.randrange(1 << 62))
+
     def submit(self, prompt: Sequence[int], params: SamplingParams) -> tuple[RequestHandle, RequestHandle]:
-        boot = Bootstrap("127.0.0.1", self.port, self._rooms.randrange(1 << 62))
+        boot = self.bootstrap()
         return self.prefill.submit(prompt, params, bootstrap=boot), self.decode.submit(prompt, params, bootstrap=boot)
 
     def run(self, prompts: Sequence[Sequence[int]], params: SamplingParams) -> list[Turn]:

@@ -151,19 +151,25 @@ def test_a_cancelled_half_fails_the_other_cleanly_and_locks_balance(engines):
     prompt = [rng.randrange(32, 127) for _ in range(300)]
     long = SamplingParams(max_new_tokens=400, ignore_eos=True)
     for attempt in range(3):
-        hp, hd = reuse.submit(prompt, long)
-        hp.cancel()  # the client of prefill's half went away
-        failed = hd.result()
-        assert failed.finish_reason == "error" and "prefill" in (failed.error or ""), failed
+        # Prefill's half goes away first (its client left while it waited for decode): decode is told.
+        boot = reuse.bootstrap()
+        reuse.prefill.submit(prompt, long, bootstrap=boot).cancel()
+        failed = reuse.decode.submit(prompt, long, bootstrap=boot).result()
+        assert failed.finish_reason == "error" and "cancelled on prefill" in (failed.error or ""), failed
+        # Decode's half goes away before its KV arrives: prefill is told, and never computes it.
+        boot = reuse.bootstrap()
+        hd = reuse.decode.submit(prompt, long, bootstrap=boot)
+        hd.cancel()
+        assert hd.result().finish_reason == "abort"
+        time.sleep(0.3)  # the abort reaches prefill before its half of the request does
+        refused = reuse.prefill.submit(prompt, long, bootstrap=boot).result()
+        assert refused.finish_reason == "error" and "decode aborted" in (refused.error or ""), refused
+        # Decode's half goes away mid-generation, after prefill has sent everything.
         hp, hd = reuse.submit(prompt, long)
         while not hd.req.output_ids:
             time.sleep(0.005)
-        hd.cancel()  # the decode half goes away mid-generation: prefill has already sent
-        assert hd.result().finish_reason == "abort"
-        hp, hd = reuse.submit(prompt, long)
-        hd.cancel()  # the decode half goes away before its KV arrives: prefill is told
-        result = hp.result()
-        assert result.finish_reason in ("abort", "error", "length"), result
+        hd.cancel()
+        assert hd.result().finish_reason == "abort" and hp.result().finish_reason == "length"
         for engine in (reuse.prefill, reuse.decode):
             deadline = time.monotonic() + 10
             while engine.num_running + engine.num_waiting and time.monotonic() < deadline:
