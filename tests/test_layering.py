@@ -24,6 +24,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "cache",
         "engine",
         "spec",  # speculative decoding: a way of computing the scheduler's steps, built on the engine's runner
+        "disagg",  # prefill-decode roles: schedulers over engine, transports, the router's app
         "runtime",
         "server bench",
         "demo __init__",

@@ -127,6 +127,7 @@ class RequestRecord:
     output_tokens: int = 0
     cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] | None = None
+    transferred_tokens: int | None = None  # P/D only (None elsewhere)
     ideal_cached_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float = 0.0
@@ -213,6 +214,8 @@ def summarize(arm: str, records: Sequence[RequestRecord], duration_s: float, ext
     }
     summary["tiers_reported"] = any(r.cached_tokens_by_tier is not None for r in ok)
     summary.update(spec_acceptance(ok))
+    moved = [r.transferred_tokens for r in ok if r.transferred_tokens is not None]
+    summary["transferred_tokens"] = sum(moved) if moved else None
     summary["per_round"] = [
         {"round": rnd, "requests": len(group), **hit_rates(group), **_stats("ttft", (r.ttft_s for r in group if r.ok))}
         for rnd, group in _by_round(records)

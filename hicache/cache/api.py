@@ -10,8 +10,9 @@ A handle's life:
                             ▲                           │ refused: the lock is dropped
                             └───────────────────────────┘
 
-`admit` runs the middle steps in one call today; prefill/decode disaggregation will stop at RESERVED
-while the prefix arrives. In READY the scheduler asks for pages (`extend`), records computed tokens
+`admit` runs the middle steps in one call; a prefill-decode decode server (hicache/disagg/) stops at
+RESERVED while the suffix arrives from prefill and the host part restores, and releases from there
+if either fails. In READY the scheduler asks for pages (`extend`), records computed tokens
 (`KVHandle.advance`), rolls back rejected speculative tokens (`KVHandle.truncate`), shares finished
 pages (`cache_prefix`), and at the end, finished or aborted, `release`s the handle. `release` is valid
 in every state, so a request aborted while waiting is released the same way.
@@ -47,7 +48,7 @@ _NEXT: dict[KVState, tuple[KVState, ...]] = {
     KVState.WAITING: (KVState.MATCHED, KVState.RESERVED, KVState.RELEASED),  # RESERVED: radix cache off
     KVState.MATCHED: (KVState.LOCKED,),
     KVState.LOCKED: (KVState.RESERVED, KVState.WAITING),  # WAITING: admission refused
-    KVState.RESERVED: (KVState.READY,),
+    KVState.RESERVED: (KVState.READY, KVState.RELEASED),  # RELEASED: a P/D transfer or restore failed
     KVState.READY: (KVState.RELEASED,),
     KVState.RELEASED: (),
 }

@@ -15,6 +15,7 @@ and never runs out of KV memory mid-way. With sharded pages this holds per owner
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from hicache.cache.api import Admission, KVHandle, KVState, PrefixMatch
@@ -38,6 +39,15 @@ ADMIT_RESULTS = {
 RELEASE_PARAMS = {"rid": "handle.rid", "kv_len": "handle.kv_len"}
 
 NO_PAGES = range(0)
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """What `PrefixCache.reserve` matched and locked."""
+
+    cached: PrefixMatch  # the reused prefix by the tier that holds it
+    lock: TreeNode  # the deepest node of that prefix, locked for the handle
+    loaded_nodes: tuple[TreeNode, ...]  # host-only nodes whose KV is being loaded back (none: nothing loads)
 
 
 class PrefixCache:
@@ -108,7 +118,6 @@ class PrefixCache:
     def admit(self, handle: KVHandle, total_pages: int) -> Admission:
         if handle.state is not KVState.WAITING:
             raise RuntimeError(f"request {handle.rid}: admission of a {handle.state.value} handle")
-        fetched = self._fetched(handle)
         if not self.enabled:
             handle.rotation = self.device.new_rotation()
             if not self._room(handle, 0, total_pages):
@@ -116,7 +125,23 @@ class PrefixCache:
             handle.enter(KVState.RESERVED)
             return self._ready(handle, total_pages, PrefixMatch(), None)
         # At least the last prompt token is always computed: its logits give the first output token.
-        match = self.tree.match_prefix(handle.prompt[: len(handle.prompt) - 1], handle.namespace, count_hit=True)
+        reserved = self.reserve(handle, handle.prompt[: len(handle.prompt) - 1], total_pages)
+        if reserved is None:
+            return Admission(False)
+        admission = self._ready(handle, total_pages - len(handle.pages), reserved.cached, reserved.lock)
+        self._on_admitted(handle)
+        return admission
+
+    def reserve(self, handle: KVHandle, tokens: Sequence[int], total_pages: int) -> Reserved | None:
+        """WAITING → MATCHED → LOCKED → RESERVED over the cached prefix of `tokens`: match it (a finished
+        prefetch is inserted first), lock it, and, if the `total_pages` less its device part fit in
+        free + evictable pages minus what others were promised (checked with the prefix locked), start
+        loading its host part back; else back to WAITING holding nothing (None). The handle then holds
+        the prefix's pages (kv_len = committed_len = their tokens) and one lock, on `Reserved.lock`;
+        promising the rest is the caller's: `admit` goes on to READY, a P/D decode server stops here
+        while the suffix arrives (hicache/disagg/decode_admission.py). Changes the tree: yes."""
+        fetched = self._fetched(handle)
+        match = self.tree.match_prefix(tokens, handle.namespace, count_hit=True)
         handle.enter(KVState.MATCHED)
         self.tree.lock(match.last_node)  # also keeps a host-resident continuation from host eviction
         handle.enter(KVState.LOCKED)
@@ -125,7 +150,7 @@ class PrefixCache:
         if not self._room(handle, len(match.device_pages), need):
             self.tree.unlock(match.last_node)
             handle.enter(KVState.WAITING)
-            return Admission(False)
+            return None
         handle.enter(KVState.RESERVED)
         handle.pages = list(match.device_pages)
         loaded = self._load_back(match, need)
@@ -142,9 +167,7 @@ class PrefixCache:
         )
         handle.kv_len = len(handle.pages) * self.page_size
         handle.committed_len = handle.kv_len  # those pages are the tree's
-        admission = self._ready(handle, total_pages - len(handle.pages), cached, deepest)
-        self._on_admitted(handle)
-        return admission
+        return Reserved(cached, deepest, tuple(match.host_nodes) if loaded else ())
 
     def _room(self, handle: KVHandle, first: int, n: int) -> bool:
         """Whether pages first..first+n-1 of the handle's prefix fit, class by class, in the pool and in
@@ -208,7 +231,8 @@ class PrefixCache:
         if handle.state is KVState.READY and len(tokens) < handle.kv_len:
             raise ValueError(f"release of request {handle.rid}: {len(tokens)} tokens for {handle.kv_len} computed")
         self._on_release(handle)
-        if handle.state is KVState.READY:
+        # RESERVED: a P/D decode request whose suffix never arrived; kv_len covers only its tree prefix.
+        if handle.state in (KVState.READY, KVState.RESERVED):
             kept = 0
             if self.enabled and handle.lock is not None:
                 self.cache_prefix(handle, tokens[: handle.kv_len])

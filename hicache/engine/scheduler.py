@@ -268,3 +268,6 @@ class Scheduler:
         """Problems a flush should have left none of: pages not back in the pool, nodes still locked,
         pages still promised."""
         return self.cache.leak_report()
+
+    def close(self) -> None:
+        """Stop what this scheduler started besides the cache (a P/D role's transfer endpoint)."""

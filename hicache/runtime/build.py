@@ -8,6 +8,7 @@ from hicache.cache.hierarchical import HierarchicalCache
 from hicache.cache.prefix_cache import PrefixCache
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker
+from hicache.disagg.roles import radix_enabled, role_scheduler
 from hicache.dist.consensus import Consensus
 from hicache.dist.parallel import ParallelContext
 from hicache.dist.placement import storage_shard
@@ -83,11 +84,12 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
             draft.pools if draft else None, storage_writer=shard.writes,
         )
     else:
-        cache = PrefixCache(pool, enabled=not cfg.disable_radix_cache, draft=draft is not None)
+        cache = PrefixCache(pool, enabled=radix_enabled(cfg), draft=draft is not None)
     for part in cache.checked_parts():
         checker.instrument(part)
     runner, context = ModelRunner(model, pool), context_length(cfg, loaded.config)
     compute = build_decoder_for(cfg, runner, draft, cache, context) if draft is not None else None
-    scheduler = Scheduler(cfg, runner, cache, loaded.tokenizer, context, checker, compute)
+    # The P/D role (hicache/disagg/roles.py) picks the scheduler; without one it is the plain Scheduler.
+    scheduler = role_scheduler(cfg, runner, pctx, loaded.identity, cache, loaded.tokenizer, context, checker, compute)
     checker.instrument(scheduler)
     return scheduler

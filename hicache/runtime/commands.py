@@ -8,6 +8,8 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 from hicache.cache.stats import CacheStats
+from hicache.disagg import roles
+from hicache.disagg.stats import DisaggStats
 from hicache.engine.scheduler import Scheduler
 
 def _scratch_bytes(s: Scheduler) -> int:
@@ -26,6 +28,8 @@ COMMANDS: dict[str, Callable[[Scheduler], object]] = {
     "kv_bytes": lambda s: {**s.cache.resident_bytes(), "scratch": _scratch_bytes(s)},
     # What the CP gather cost so far (None for unsharded attention): benchmarks/cp_bench.py.
     "gather_stats": lambda s: getattr(s.runner.model.attention, "stats", None),
+    "disagg_info": roles.info,
+    "disagg_stats": roles.stats,
 }
 
 
@@ -52,4 +56,9 @@ def combine(command: str, answers: Sequence[object], names: Sequence[str]) -> ob
             "mechanisms": checks[0]["mechanisms"],
             "detail": "; ".join(f"{name}: {c['detail']}" for name, c in zip(names, checks) if c["detail"]),
         }
+    if command == "disagg_info":
+        return answers[0]  # rank 0's shard stands for the deployment; every rank checks its own per transfer
+    if command == "disagg_stats":
+        records: Sequence[DisaggStats | None] = answers  # type: ignore[assignment]
+        return None if records[0] is None else DisaggStats.combine(records)  # type: ignore[arg-type]
     raise ValueError(f"unknown control command {command!r}")

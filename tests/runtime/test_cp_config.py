@@ -5,7 +5,8 @@ import argparse
 
 import pytest
 
-from hicache.config import EngineConfig, ParallelConfig, add_engine_args
+from hicache.config import EngineConfig, ParallelConfig
+from hicache.config.flags import add_engine_args
 from hicache.errors import UserError
 from hicache.model.tiny import TINY_CONFIG
 from hicache.runtime.build import check_topology

@@ -162,6 +162,61 @@ class DebugConfig(FromArgs):
             raise UserError(f"--debug-storage-fail-rank must be >= 0, got {self.debug_storage_fail_rank}")
 
 
+DISAGG_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("zmq",)
+
+
+@dataclass(frozen=True)
+class DisaggConfig(FromArgs):
+    """Prefill-decode disaggregation (`--disaggregation-*`, SGLang's names; hicache/disagg/): the role
+    this server plays, where its KV transfer endpoint listens, and whether a decode server keeps its
+    own radix tree to reuse prefixes of earlier turns."""
+
+    disaggregation_mode: str = "null"
+    disaggregation_transfer_backend: str = "zmq"
+    disaggregation_bootstrap_host: str = "127.0.0.1"  # where prefill's transfer endpoint binds and is reached
+    disaggregation_bootstrap_port: int = 8998  # rank r of a prefill server listens on this port + r
+    disaggregation_decode_enable_radix_cache: bool = False
+    disaggregation_transfer_timeout: float = 60.0  # seconds a request waits for its peer's metadata or KV
+    disaggregation_transfer_chunk_pages: int = 0  # pages per KV message; 0: about 4 MiB of KV
+    debug_disagg_chunk_delay_ms: float = 0.0  # fault injection: prefill pauses this long before each KV chunk
+
+    def __post_init__(self) -> None:
+        _choice("--disaggregation-mode", self.disaggregation_mode, DISAGG_MODES)
+        _choice("--disaggregation-transfer-backend", self.disaggregation_transfer_backend, TRANSFER_BACKENDS)
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            port = self.disaggregation_bootstrap_port
+            raise UserError(f"--disaggregation-bootstrap-port must be in 1..65535, got {port}")
+        if self.disaggregation_transfer_timeout <= 0:
+            timeout = self.disaggregation_transfer_timeout
+            raise UserError(f"--disaggregation-transfer-timeout must be positive, got {timeout}")
+        if self.disaggregation_transfer_chunk_pages < 0:
+            pages = self.disaggregation_transfer_chunk_pages
+            raise UserError(f"--disaggregation-transfer-chunk-pages must be >= 0, got {pages}")
+        if self.debug_disagg_chunk_delay_ms < 0:
+            raise UserError(f"--debug-disagg-chunk-delay-ms must be >= 0, got {self.debug_disagg_chunk_delay_ms}")
+        if self.disaggregation_decode_enable_radix_cache and self.disaggregation_mode != "decode":
+            raise UserError("--disaggregation-decode-enable-radix-cache needs --disaggregation-mode decode")
+
+    @property
+    def enabled(self) -> bool:
+        return self.disaggregation_mode != "null"
+
+
+def _check_disagg(cfg: "EngineConfig") -> None:
+    """What the role implies for the cache flags: a decode server keeps a tree only when asked to."""
+    d = cfg.disagg
+    if d.disaggregation_mode != "decode":
+        return
+    if d.disaggregation_decode_enable_radix_cache and cfg.disable_radix_cache:
+        raise UserError("--disaggregation-decode-enable-radix-cache contradicts --disable-radix-cache")
+    if cfg.hicache.enable_hierarchical_cache and not d.disaggregation_decode_enable_radix_cache:
+        raise UserError(
+            "--enable-hierarchical-cache on a decode server needs --disaggregation-decode-enable-radix-cache "
+            "(without it decode keeps no tree to put in host memory)"
+        )
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig(FromArgs):
     """Speculative decoding (`--speculative-*`, hicache/spec/): a draft model proposes tokens that the
@@ -204,6 +259,7 @@ class EngineConfig(FromArgs):
     parallel: ParallelConfig = ParallelConfig()
     debug: DebugConfig = DebugConfig()
     speculative: SpeculativeConfig = SpeculativeConfig()
+    disagg: DisaggConfig = DisaggConfig()
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -229,6 +285,9 @@ class EngineConfig(FromArgs):
             raise UserError(f"--debug-storage-fail-rank {rank} is not a rank (0..{world - 1})")
         if self.speculative.enabled and world > 1:
             raise UserError("--speculative-algorithm needs --tp-size 1 --pp-size 1 --cp-size 1 (one rank runs the draft)")
+        if self.speculative.enabled and self.disagg.enabled:
+            raise UserError("--speculative-algorithm with --disaggregation-mode is not supported yet")
+        _check_disagg(self)
 
     @property
     def num_pages(self) -> int:
@@ -261,74 +320,3 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return capability.startswith("AVX512") and ("avx512_bf16" in flags or "amx_bf16" in flags)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", "--model-path", dest="model", default=d.model,
-                   help="tiny, smollm2, or a local Hugging Face Llama directory")
-    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (a power of two)")
-    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="device KV pool capacity in tokens")
-    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
-                   help="most prompt tokens prefilled in one step")
-    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-    g.add_argument("--context-length", type=int, default=None, help="defaults to the model's")
-    g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
-    g.add_argument("--dtype", default=d.dtype, help="auto, float32 or bfloat16")
-    g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse at all")
-    h = HiCacheConfig()
-    t = parser.add_argument_group("hierarchical cache")
-    t.add_argument("--enable-hierarchical-cache", action="store_true", help="add the host-memory tier")
-    t.add_argument("--hicache-ratio", type=float, default=h.hicache_ratio, help="host capacity / device capacity")
-    t.add_argument("--hicache-size", type=float, default=h.hicache_size, help="host capacity in GB (overrides the ratio)")
-    t.add_argument("--hicache-mem-layout", default=h.hicache_mem_layout, help="page_first or layer_first")
-    t.add_argument("--hicache-write-policy", default=h.hicache_write_policy,
-                   help="write_through, write_through_selective or write_back")
-    t.add_argument("--hicache-load-back-threshold", type=int, default=h.hicache_load_back_threshold,
-                   help="host hits shorter than this many tokens are recomputed")
-    t.add_argument("--hicache-storage-backend", default=None, help="file or redis: add the storage tier")
-    t.add_argument("--hicache-storage-dir", default=None, help="file backend directory (default: user cache dir)")
-    t.add_argument("--hicache-storage-url", default=h.hicache_storage_url, help="redis backend URL")
-    t.add_argument("--hicache-storage-prefetch-threshold", type=int, default=h.hicache_storage_prefetch_threshold,
-                   help="prefetch from storage only when at least this many tokens are there")
-    t.add_argument("--hicache-storage-prefetch-policy", default=h.hicache_storage_prefetch_policy,
-                   help="best_effort, wait_complete or timeout")
-    t.add_argument("--hicache-storage-prefetch-timeout-base", type=float, default=h.hicache_storage_prefetch_timeout_base)
-    t.add_argument("--hicache-storage-prefetch-timeout-per-ki-token", type=float,
-                   default=h.hicache_storage_prefetch_timeout_per_ki_token)
-    t.add_argument("--hicache-draft-layout", default=h.hicache_draft_layout,
-                   help="packed (draft layers appended to the target's host pool), sidecar (pools of its own) or auto")
-    p = ParallelConfig()
-    r = parser.add_argument_group("parallelism")
-    r.add_argument("--tp-size", type=int, default=p.tp_size,
-                   help="tensor parallel ranks (split KV heads and MLP columns)")
-    r.add_argument("--pp-size", type=int, default=p.pp_size, help="pipeline parallel stages (split layers)")
-    r.add_argument("--nnodes", type=int, default=p.nnodes, help="nodes the ranks are spread over")
-    r.add_argument("--node-rank", type=int, default=p.node_rank, help="this node's index (0 serves the API)")
-    r.add_argument("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous (multi-node)")
-    r.add_argument("--dist-timeout", type=float, default=p.dist_timeout,
-                   help="seconds a collective waits for a missing peer before the server fails")
-    r.add_argument("--cp-size", type=int, default=p.cp_size,
-                   help="context parallel ranks (split prefill tokens, shard KV pages over them)")
-    r.add_argument("--cp-gather-tokens", type=int, default=p.cp_gather_tokens,
-                   help="per rank: prefix tokens one layer's gather of sharded KV may hold, its scratch "
-                        "buffers' size, kept by admission (0: a whole layer of the pool)")
-    q = DebugConfig()
-    b = parser.add_argument_group("fault injection (debugging rank agreement)")
-    b.add_argument("--debug-transfer-delay-ms", type=float, default=q.debug_transfer_delay_ms,
-                   help="delay each transfer's completion by a random amount up to N ms (seeded per rank)")
-    b.add_argument("--debug-storage-fail-rate", type=float, default=q.debug_storage_fail_rate,
-                   help="fraction of storage page reads that fail on --debug-storage-fail-rank")
-    b.add_argument("--debug-storage-fail-rank", type=int, default=q.debug_storage_fail_rank)
-    b.add_argument("--debug-disable-pp-sync", action="store_true",
-                   help="let later pipeline stages poll their own transfer queues (reproduces a divergence bug)")
-    b.add_argument("--debug-skip-draft-restore", action="store_true",
-                   help="restore only the target's KV on a host or storage hit; the draft recomputes its prefix")
-    s = SpeculativeConfig()
-    v = parser.add_argument_group("speculative decoding")
-    v.add_argument("--speculative-algorithm", default=None, help="draft: a separate draft model proposes tokens")
-    v.add_argument("--speculative-draft-model", default=None,
-                   help="tiny-draft-packed, tiny-draft-sidecar, smollm2-draft[-N], or a model path")
-    v.add_argument("--speculative-num-draft-tokens", type=int, default=s.speculative_num_draft_tokens,
-                   help="tokens the draft proposes per step (the target verifies them in one pass)")
