@@ -9,7 +9,8 @@ import logging
 import sys
 from typing import Callable, Sequence
 
-from hicache.config import EngineConfig, add_engine_args
+from hicache.config import EngineConfig
+from hicache.config.flags import add_engine_args
 from hicache.errors import UserError
 
 
@@ -88,9 +89,9 @@ def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     from hicache.bench.cli import add_bench_command
     from hicache.debug.cli import add_consensus_check_command
     from hicache.demo import add_demo_command
-    from hicache.server.cli import add_serve_command
+    from hicache.server.cli import add_router_command, add_serve_command
 
-    return [add_demo_command, add_serve_command, add_bench_command, add_consensus_check_command]
+    return [add_demo_command, add_serve_command, add_router_command, add_bench_command, add_consensus_check_command]
 
 
 def main(argv: Sequence[str] | None = None) -> int:

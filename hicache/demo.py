@@ -32,7 +32,7 @@ import time
 from dataclasses import replace
 
 from hicache.bench import Arm, BenchConfig, GSPParams
-from hicache.config import add_engine_args
+from hicache.config.flags import add_engine_args
 from hicache.errors import UserError
 
 DEFAULT_OUT = "hicache-demo"

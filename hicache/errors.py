@@ -16,3 +16,12 @@ class RequestTooLargeError(UserError):
     """A prompt (plus its output budget) that can never fit the context or the KV pool."""
 
     status = 400
+
+
+_ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error", 503: "service_unavailable"}
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
+    """An OpenAI-style error object, the one shape of every HTTP error (the server's and the router's)."""
+    kind = _ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

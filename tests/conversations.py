@@ -36,3 +36,19 @@ def run_turns(engine: Engine, convs, turns: int, max_new_tokens: int, cache_salt
             h.extend(r.token_ids)
         out.append(results)
     return out
+
+
+def chat_turns(engine: Engine, system: str, users: list[str], questions: list[str], max_new_tokens: int):
+    """Several users' chats on the model's chat template, interleaved turn by turn, each turn carrying its
+    whole history (the answers as text). Returns every turn's results, in order."""
+    histories = {u: [{"role": "system", "content": f"The user is {u}. " + system}] for u in users}
+    out = []
+    for q in questions:
+        prompts = []
+        for u in users:
+            histories[u].append({"role": "user", "content": q})
+            prompts.append(engine.tokenizer.chat_template.render(histories[u]))
+        for u, r in zip(users, engine.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))):
+            histories[u].append({"role": "assistant", "content": r.text})
+            out.append(r)
+    return out

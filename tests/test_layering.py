@@ -23,6 +23,8 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "config debug",  # debug: the consensus checker and fault injection, below what they instrument
         "cache",
         "engine",
+        "spec",  # speculative decoding: a way of computing the scheduler's steps, built on the engine's runner
+        "disagg",  # prefill-decode roles: schedulers over engine, transports, the router's app
         "runtime",
         "server bench",
         "demo __init__",

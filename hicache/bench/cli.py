@@ -37,12 +37,20 @@ from hicache.errors import UserError
 
 
 class _AppendArm(argparse.Action):
-    """--launch and --launch-warm append to one list, so arms keep the order they were given in."""
+    """--launch, --launch-warm and --launch-pd append to one list, so arms keep the order they were
+    given in: (flags, or [prefill flags, decode flags] for --launch-pd; the option)."""
 
     def __call__(self, parser, namespace, values, option_string=None) -> None:  # type: ignore[override]
-        arms = list(getattr(namespace, self.dest) or [])
-        arms.append((values, option_string == "--launch-warm"))
-        setattr(namespace, self.dest, arms)
+        arms = list(getattr(namespace, "launch", None) or [])
+        arms.append((values, option_string))
+        namespace.launch = arms
+
+
+def _split(flags: str, option: str) -> tuple[str, ...]:
+    try:
+        return tuple(shlex.split(flags))
+    except ValueError as exc:
+        raise UserError(f"cannot split {option} {flags!r}: {exc}") from None
 
 
 def _json_object(text: str) -> dict:
@@ -56,11 +64,11 @@ def _json_object(text: str) -> dict:
 
 
 def _arms(args: argparse.Namespace) -> tuple[Arm, ...]:
-    launches: list[tuple[str, bool]] = args.launch or []
+    launches: list[tuple[str | list[str], str]] = args.launch or []
     if args.base_url and launches:
         raise UserError("give either --base-url or --launch, not both")
     if not args.base_url and not launches:
-        raise UserError("give a target: --base-url URL, or --launch SERVE_FLAGS once per arm")
+        raise UserError("give a target: --base-url URL, or --launch SERVE_FLAGS (or --launch-pd) once per arm")
     count = len(launches) or 1
     names = [n.strip() for n in args.arm_names.split(",")] if args.arm_names else []
     if names and len(names) != count:
@@ -68,13 +76,17 @@ def _arms(args: argparse.Namespace) -> tuple[Arm, ...]:
     if args.base_url:
         return (Arm(names[0] if names else args.base_url),)
     arms = []
-    for i, (flags, warm) in enumerate(launches):
-        try:
-            serve_args = tuple(shlex.split(flags))
-        except ValueError as exc:
-            raise UserError(f"cannot split --launch {flags!r}: {exc}") from None
+    for i, (flags, option) in enumerate(launches):
+        if option == "--launch-pd":
+            prefill, decode = flags
+            pd = (_split(prefill, option), _split(decode, option))
+            default = f"P/D: prefill [{prefill.strip()}] decode [{decode.strip()}]"
+            arms.append(Arm(names[i] if names else default, pd_args=pd))
+            continue
+        assert isinstance(flags, str)
+        warm = option == "--launch-warm"
         default = (flags.strip() or "(default flags)") + (" +warm-restart" if warm else "")
-        arms.append(Arm(names[i] if names else default, serve_args, warm))
+        arms.append(Arm(names[i] if names else default, _split(flags, option), warm))
     if not names:
         # Two arms with the same flags get numbered rather than refused.
         totals, seen = Counter(arm.name for arm in arms), Counter[str]()
@@ -158,6 +170,15 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         help="one arm: `hicache serve` flags for a fresh server on a free 127.0.0.1 port, stopped after the arm; "
         "repeat per arm. --launch-warm: run the workload once, restart that server with the same flags, and "
         "measure the second pass (what survives a restart)",
+    )
+    target.add_argument(
+        "--launch-pd",
+        dest="launch_pd",
+        nargs=2,
+        action=_AppendArm,
+        metavar=("PREFILL_FLAGS", "DECODE_FLAGS"),
+        help="one arm: a prefill-decode deployment (a prefill server, a decode server, `hicache router` in front), "
+        "each on a free 127.0.0.1 port; the flags are `hicache serve` flags without --disaggregation-mode",
     )
     target.add_argument("--arm-names", help="comma-separated names, one per arm")
     target.add_argument(

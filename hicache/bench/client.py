@@ -3,9 +3,10 @@ OpenAI-compatible server, timed on the raw SSE stream.
 
 TTFT is the time from sending the request to the first chunk that carries text; ITL the gaps between
 later text chunks (a chunk may hold more than one token). Usage comes from the final chunk that
-`stream_options.include_usage` asks for. The only non-standard field read is
-`cached_tokens_by_tier` (hicache's per-tier split of `prompt_tokens_details.cached_tokens`); servers
-without it are reported with tiers unknown.
+`stream_options.include_usage` asks for. The non-standard fields read are `cached_tokens_by_tier`
+(hicache's per-tier split of `prompt_tokens_details.cached_tokens`; servers without it are reported
+with tiers unknown) and, through `hicache router`, `transferred_tokens` (the prompt tokens whose KV
+crossed from prefill to decode).
 """
 
 from __future__ import annotations
@@ -36,7 +37,10 @@ class StreamResult:
     completion_tokens: int | None = None
     cached_tokens: int | None = None
     cached_tokens_by_tier: dict[str, int] | None = None
+    transferred_tokens: int | None = None  # a P/D deployment's: prompt tokens whose KV crossed to decode
     error: str | None = None
+    spec_proposed_tokens: int | None = None  # speculative decoding, where the server reports it
+    spec_accepted_tokens: int | None = None
 
 
 def build_payload(
@@ -83,6 +87,12 @@ def _read_usage(result: StreamResult, usage: dict[str, Any]) -> None:
     tiers = details.get("cached_tokens_by_tier") or usage.get("cached_tokens_by_tier")
     if isinstance(tiers, dict):
         result.cached_tokens_by_tier = {str(k): int(v) for k, v in tiers.items()}
+    completion = usage.get("completion_tokens_details") or {}
+    if "spec_proposed_tokens" in completion:
+        result.spec_proposed_tokens = int(completion["spec_proposed_tokens"])
+        result.spec_accepted_tokens = int(completion.get("spec_accepted_tokens") or 0)
+    if isinstance(details.get("transferred_tokens"), int):
+        result.transferred_tokens = details["transferred_tokens"]
 
 
 async def stream_request(client: httpx.AsyncClient, path: str, body: dict[str, Any]) -> StreamResult:

@@ -27,11 +27,25 @@ class Arm:
     name: str
     serve_args: tuple[str, ...] | None = None
     warm_then_restart: bool = False
+    pd_args: tuple[tuple[str, ...], tuple[str, ...]] | None = None  # prefill and decode flags (--launch-pd)
 
     def __post_init__(self) -> None:
         if self.serve_args is not None:
             object.__setattr__(self, "serve_args", tuple(self.serve_args))  # a list is fine too
             check_serve_args(self.serve_args)
+        if self.pd_args is not None:
+            prefill, decode = (tuple(flags) for flags in self.pd_args)
+            object.__setattr__(self, "pd_args", (prefill, decode))
+            for flags in (prefill, decode):
+                check_serve_args(flags)
+                if any(f.startswith("--disaggregation-mode") for f in flags):
+                    raise UserError("--launch-pd chooses --disaggregation-mode itself; leave it out")
+            if self.serve_args is not None or self.warm_then_restart:
+                raise UserError(f"arm {self.name!r}: a P/D arm has no single server's flags to restart")
+
+    @property
+    def launched(self) -> bool:
+        return self.serve_args is not None or self.pd_args is not None
 
 
 @dataclass(frozen=True)
@@ -61,9 +75,9 @@ class BenchConfig:
         if len(set(names)) != len(names):
             raise UserError(f"arm names must be unique, got {names}")
         for arm in self.arms:
-            if arm.serve_args is None and self.base_url is None:
+            if not arm.launched and self.base_url is None:
                 raise UserError(f"arm {arm.name!r} has no serve flags and there is no --base-url")
-            if arm.serve_args is None and arm.warm_then_restart:
+            if not arm.launched and arm.warm_then_restart:
                 raise UserError(f"arm {arm.name!r}: warm-then-restart needs a launched server, not --base-url")
         if self.endpoint not in ENDPOINTS:
             raise UserError(f"--endpoint must be one of {', '.join(ENDPOINTS)}, got {self.endpoint!r}")

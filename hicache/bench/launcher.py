@@ -44,13 +44,19 @@ def check_serve_args(serve_args: Sequence[str]) -> None:
 
 
 class ServerProcess:
-    """One `python -m hicache serve SERVE_ARGS --host 127.0.0.1 --port P`; a context manager."""
+    """One `python -m hicache serve SERVE_ARGS --host 127.0.0.1 --port P` (or another `command` that
+    serves /health, such as `router`); a context manager."""
 
     def __init__(
-        self, serve_args: Sequence[str], startup_timeout_s: float = 300.0, stop_timeout_s: float = 30.0
+        self,
+        serve_args: Sequence[str],
+        startup_timeout_s: float = 300.0,
+        stop_timeout_s: float = 30.0,
+        command: str = "serve",
     ) -> None:
         check_serve_args(serve_args)
         self.serve_args = list(serve_args)
+        self.command = command
         self.startup_timeout_s = startup_timeout_s
         self.stop_timeout_s = stop_timeout_s
         self.port = 0
@@ -69,7 +75,8 @@ class ServerProcess:
         if self._proc is not None:
             raise RuntimeError("the server is already running")
         self.port = free_port(HOST)
-        command = [sys.executable, "-m", "hicache", "serve", *self.serve_args, "--host", HOST, "--port", str(self.port)]
+        command = [sys.executable, "-m", "hicache", self.command, *self.serve_args]
+        command += ["--host", HOST, "--port", str(self.port)]
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - lives as long as the server, closed in stop()
         started = time.perf_counter()
         # Its own session, so that a server that ignores SIGTERM can be killed with every process it spawned
@@ -93,7 +100,7 @@ class ServerProcess:
                 code = self._proc.poll()
                 if code is not None:
                     raise UserError(
-                        f"server `hicache serve {' '.join(self.serve_args)}` exited with code {code} before it was "
+                        f"`hicache {self.command} {' '.join(self.serve_args)}` exited with code {code} before it was "
                         f"healthy; its output ends with:\n{self.output_tail()}"
                     )
                 try:
@@ -103,7 +110,7 @@ class ServerProcess:
                     pass  # not listening yet
                 time.sleep(0.1)
         raise RuntimeError(
-            f"server `hicache serve {' '.join(self.serve_args)}` not healthy after {self.startup_timeout_s:.0f} s; "
+            f"`hicache {self.command} {' '.join(self.serve_args)}` not healthy after {self.startup_timeout_s:.0f} s; "
             f"its output ends with:\n{self.output_tail()}"
         )
 

@@ -127,11 +127,14 @@ class RequestRecord:
     output_tokens: int = 0
     cached_tokens: int = 0
     cached_tokens_by_tier: dict[str, int] | None = None
+    transferred_tokens: int | None = None  # P/D only (None elsewhere)
     ideal_cached_tokens: int = 0
     ttft_s: float | None = None
     latency_s: float = 0.0
     itl_s: list[float] = field(default_factory=list)
     error: str | None = None
+    spec_proposed_tokens: int | None = None  # None where the server does not speculate (or say so)
+    spec_accepted_tokens: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -210,12 +213,28 @@ def summarize(arm: str, records: Sequence[RequestRecord], duration_s: float, ext
         **hit_rates(records),
     }
     summary["tiers_reported"] = any(r.cached_tokens_by_tier is not None for r in ok)
+    summary.update(spec_acceptance(ok))
+    moved = [r.transferred_tokens for r in ok if r.transferred_tokens is not None]
+    summary["transferred_tokens"] = sum(moved) if moved else None
     summary["per_round"] = [
         {"round": rnd, "requests": len(group), **hit_rates(group), **_stats("ttft", (r.ttft_s for r in group if r.ok))}
         for rnd, group in _by_round(records)
     ]
     summary.update(extra)
     return summary
+
+
+def spec_acceptance(records: Sequence[RequestRecord]) -> dict[str, object]:
+    """Draft tokens proposed and accepted over the records that report them, and their ratio (None
+    where no record does: the server did not speculate)."""
+    spec = [r for r in records if r.spec_proposed_tokens is not None]
+    proposed = sum(r.spec_proposed_tokens or 0 for r in spec)
+    accepted = sum(r.spec_accepted_tokens or 0 for r in spec)
+    return {
+        "spec_proposed_tokens": proposed if spec else None,
+        "spec_accepted_tokens": accepted if spec else None,
+        "spec_acceptance_rate": _ratio(accepted, proposed) if spec else None,
+    }
 
 
 def _by_round(records: Sequence[RequestRecord]) -> list[tuple[int, list[RequestRecord]]]:

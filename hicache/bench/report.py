@@ -77,6 +77,10 @@ def _tier(tier: str) -> Callable[[dict], object]:
     return lambda s: (s.get("hit_rate_by_tier") or {}).get(tier)
 
 
+def _mib(key: str) -> Callable[[dict], object]:
+    return lambda s: s[key] / 2**20 if isinstance(s.get(key), (int, float)) else None
+
+
 def _hit_vs_ideal(s: dict) -> object:
     hit, ideal = s.get("hit_rate"), s.get("ideal_hit_rate")
     return hit / ideal if hit is not None and ideal else None
@@ -99,6 +103,9 @@ ROWS: tuple[tuple[str, Callable[[dict], object], str], ...] = (
     ("ideal hit rate", _key("ideal_hit_rate"), "%"),
     ("hit rate / ideal", _hit_vs_ideal, "%"),
     *[(f"{tier} hit rate", _tier(tier), "%") for tier in TIERS],
+    ("draft acceptance rate", _key("spec_acceptance_rate"), "%"),  # n/a without speculative decoding
+    ("P/D: prompt tokens transferred", _key("transferred_tokens"), "int"),
+    ("P/D: KV bytes transferred", _mib("kv_bytes_transferred"), "MiB"),
 )
 
 

@@ -19,6 +19,7 @@ from hicache.bench.client import served_model
 from hicache.bench.config import Arm, BenchConfig, serve_model
 from hicache.bench.launcher import ServerProcess
 from hicache.bench.metrics import summarize
+from hicache.bench.pd_launcher import PDDeployment
 from hicache.bench.session import ArmSession
 from hicache.bench.workload import Workload, build_workload, load_tokenizer
 from hicache.errors import UserError
@@ -27,11 +28,19 @@ from hicache.model.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
+def _launch_flags(arm: Arm) -> tuple[str, ...]:
+    """The `hicache serve` flags that name a launched arm's model (a P/D arm's prefill's)."""
+    if arm.pd_args is not None:
+        return arm.pd_args[0]
+    assert arm.serve_args is not None
+    return arm.serve_args
+
+
 def _arm_model(config: BenchConfig, arm: Arm, url: str | None, transport: httpx.AsyncBaseTransport | None) -> str:
     if config.model is not None:
         return config.model
-    if arm.serve_args is not None:
-        return serve_model(arm.serve_args)[1]
+    if arm.launched:
+        return serve_model(_launch_flags(arm))[1]
 
     async def ask() -> str:
         async with httpx.AsyncClient(base_url=url, transport=transport, timeout=30.0) as client:
@@ -48,9 +57,14 @@ def _run_arm(
     transport: httpx.AsyncBaseTransport | None,
     out: IO[str] | None,
 ) -> dict:
-    server = ServerProcess(arm.serve_args) if arm.serve_args is not None else None
+    server: ServerProcess | PDDeployment | None = None
+    if arm.pd_args is not None:
+        server = PDDeployment(*arm.pd_args)
+    elif arm.serve_args is not None:
+        server = ServerProcess(arm.serve_args)
     if server is not None:
         server.start()
+    moved = None
     try:
         url = server.url if server is not None else config.base_url
         assert url is not None
@@ -58,11 +72,15 @@ def _run_arm(
         session = ArmSession(config, arm, workload, tokenizer, model, transport)
         flushed = asyncio.run(session.warm_up_and_flush(url))
         if arm.warm_then_restart:
-            assert server is not None
+            assert isinstance(server, ServerProcess)
             asyncio.run(session.run_pass(url, measured=False, label=f"{arm.name} (warming pass)"))
             server.restart()
             url = server.url
+        before = server.received_bytes() if isinstance(server, PDDeployment) else None
         records, duration = asyncio.run(session.run_pass(url, measured=True, label=arm.name))
+        if isinstance(server, PDDeployment) and before is not None:
+            after = server.received_bytes()
+            moved = after - before if after is not None else None
     finally:
         if server is not None:
             server.stop()
@@ -86,7 +104,9 @@ def _run_arm(
             "endpoint": config.endpoint,
             "model": model,
             "serve_args": list(arm.serve_args) if arm.serve_args is not None else None,
-            "base_url": config.base_url if arm.serve_args is None else None,
+            "pd_args": [list(flags) for flags in arm.pd_args] if arm.pd_args is not None else None,
+            "kv_bytes_transferred": moved,
+            "base_url": config.base_url if not arm.launched else None,
             "warm_then_restart": arm.warm_then_restart,
             "max_concurrency": config.max_concurrency,
             "request_rate": config.request_rate if math.isfinite(config.request_rate) else "inf",
@@ -116,8 +136,8 @@ def resolve_tokenizer_name(config: BenchConfig, transport: httpx.AsyncBaseTransp
     if config.model is not None:
         return config.model
     first = config.arms[0]
-    if first.serve_args is not None:
-        return serve_model(first.serve_args)[0]
+    if first.launched:
+        return serve_model(_launch_flags(first))[0]
     return _arm_model(config, first, config.base_url, transport)
 
 

@@ -199,6 +199,9 @@ class ArmSession:
             record.output_tokens = result.completion_tokens or 0
             record.cached_tokens = result.cached_tokens or 0
             record.cached_tokens_by_tier = result.cached_tokens_by_tier
+            record.spec_proposed_tokens = result.spec_proposed_tokens
+            record.spec_accepted_tokens = result.spec_accepted_tokens
+            record.transferred_tokens = result.transferred_tokens
             record.error = result.error
         if result.error is not None:
             logger.warning("conversation %d turn %d failed: %s", conv.conv_id, turn + 1, result.error)

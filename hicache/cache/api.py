@@ -10,8 +10,9 @@ A handle's life:
                             ▲                           │ refused: the lock is dropped
                             └───────────────────────────┘
 
-`admit` runs the middle steps in one call today; prefill/decode disaggregation will stop at RESERVED
-while the prefix arrives. In READY the scheduler asks for pages (`extend`), records computed tokens
+`admit` runs the middle steps in one call; a prefill-decode decode server (hicache/disagg/) stops at
+RESERVED while the suffix arrives from prefill and the host part restores, and releases from there
+if either fails. In READY the scheduler asks for pages (`extend`), records computed tokens
 (`KVHandle.advance`), rolls back rejected speculative tokens (`KVHandle.truncate`), shares finished
 pages (`cache_prefix`), and at the end, finished or aborted, `release`s the handle. `release` is valid
 in every state, so a request aborted while waiting is released the same way.
@@ -47,7 +48,7 @@ _NEXT: dict[KVState, tuple[KVState, ...]] = {
     KVState.WAITING: (KVState.MATCHED, KVState.RESERVED, KVState.RELEASED),  # RESERVED: radix cache off
     KVState.MATCHED: (KVState.LOCKED,),
     KVState.LOCKED: (KVState.RESERVED, KVState.WAITING),  # WAITING: admission refused
-    KVState.RESERVED: (KVState.READY,),
+    KVState.RESERVED: (KVState.READY, KVState.RELEASED),  # RELEASED: a P/D transfer or restore failed
     KVState.READY: (KVState.RELEASED,),
     KVState.RELEASED: (),
 }
@@ -93,6 +94,13 @@ class KVHandle:
     committed_len: int = 0  # tokens handed to the tree (shared with other requests)
     cached: PrefixMatch = PrefixMatch()
     lock: TreeNode | None = None  # the deepest node of its prefix, locked while READY
+    # Speculative decoding (hicache/spec/): tokens whose draft-model state is in the draft pools, which
+    # share `pages`; None when the cache serves no draft. Admission sets it to the prefix every pool
+    # was restored with (the effective hit is their MIN); the draft computes the rest.
+    draft_len: int | None = None
+    # Owner class of its first page when pages are sharded over ranks (page P on (rotation + P) mod N):
+    # its cached path's base, or where a new prefix starts (hicache/cache/device_tier.py). 0 unsharded.
+    rotation: int = 0
 
     # ---- scheduler side ------------------------------------------------------------------------
 
@@ -117,6 +125,21 @@ class KVHandle:
         if not self.committed_len <= kv_len <= self.kv_len:
             raise ValueError(f"truncate to {kv_len}: must be in [{self.committed_len}, {self.kv_len}]")
         self.kv_len = kv_len
+        if self.draft_len is not None:  # the draft's rejected proposals go with the target's
+            self.draft_len = min(self.draft_len, kv_len)
+
+    def advance_draft(self, end: int) -> None:
+        """The draft's state of tokens [draft_len, end) was computed into its pools (speculative
+        proposals may run ahead of kv_len until the verify step truncates). Raises ValueError for a
+        handle without a draft, or `end` moving back or beyond its pages."""
+        if self.draft_len is None or not self.draft_len <= end <= len(self.pages) * self.page_size:
+            raise ValueError(f"advance_draft to {end}: draft_len is {self.draft_len}, pages hold {len(self.pages)}")
+        self.draft_len = end
+
+    @property
+    def valid_len(self) -> int:
+        """Tokens whose state every pool of the request holds (what may be shared through the tree)."""
+        return self.kv_len if self.draft_len is None else min(self.kv_len, self.draft_len)
 
     # ---- cache side ----------------------------------------------------------------------------
 
@@ -186,6 +209,9 @@ class KVCache(Protocol):
 
     def usage(self) -> dict[str, tuple[int, int]]:
         """(used, capacity) in tokens per tier that exists."""
+
+    def resident_bytes(self) -> dict[str, int]:
+        """Bytes of cached or in-use KV this rank holds per in-memory tier (its own pages when sharded)."""
 
     def stats(self) -> CacheStats:
         """A snapshot of the tiers' counters (transfers, prefetch lifecycle, storage results)."""

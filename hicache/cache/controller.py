@@ -170,6 +170,10 @@ class AckQueue:
             op.wait()
         return ops
 
+    def last(self) -> TransferOp | None:
+        """The operation pushed last (a caller that just issued one holds on to it)."""
+        return self._ops[-1] if self._ops else None
+
     def running(self) -> list[TransferOp]:
         """Operations issued and not yet completed on this rank."""
         return [op for op in self._ops if not op.done.is_set()]

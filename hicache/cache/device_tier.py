@@ -4,11 +4,19 @@ It allocates device pages (evicting unlocked cache, least recently used first, w
 short), inserts computed pages into the tree (returning a duplicate when another request cached the
 same tokens first), and reports what it holds. The tree itself is shared with the host tier, whose
 pages live in the same nodes.
+
+Sharded pages (hicache/dist/placement.py): page P of a prefix comes from owner class (b + P) mod N,
+b the prefix's rotation base, kept on its tree nodes; a new prefix starts on the class with the most
+free pages (`new_rotation`). Room is counted per class (`room`: the tightest class decides, not the
+total), and eviction repeats until every class asked for has room. Every input of these decisions
+(free lists, evictable pages by class, the tree) is mirrored on every shard rank, so they are pure
+functions of mirrored state; the consensus checker records them.
 """
 
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -24,6 +32,7 @@ class Inserted:
     pages: list[int]  # the tree's device pages for the key (the caller's, or the ones cached first)
     last_node: TreeNode
     new_nodes: list[TreeNode]
+    refused: bool = False  # another rotation base is cached on the path: nothing was inserted
 
 
 class DeviceTier:
@@ -33,29 +42,63 @@ class DeviceTier:
         self.pool = pool
         self.allocator = pool.allocator
         self.page_size = pool.page_size
-        self.tree = RadixTree(self.page_size, on_device_free=self.allocator.free, on_host_free=on_host_free)
+        self.placement = pool.placement
+        self.tree = RadixTree(
+            self.page_size, on_device_free=self.allocator.free, on_host_free=on_host_free,
+            num_classes=self.allocator.num_classes,
+        )  # fmt: skip
         self._evict = evict
 
     def available_pages(self) -> int:
         """Pages an allocation can get: free ones plus what eviction can free."""
         return self.allocator.free_pages + self.tree.evictable_pages
 
+    def classes(self, rotation: int, first: int, n: int) -> list[int]:
+        """Owner classes of pages first..first+n-1 of a prefix with rotation base `rotation`."""
+        return self.placement.rotation_classes(rotation, first, n)
+
+    @consensus_checked(params=(), results=("result",))
+    def new_rotation(self) -> int:
+        """Where a new prefix starts: the class with the most free pages (the lowest on a tie)."""
+        return self.allocator.emptiest_class()
+
+    def room(self, classes: Sequence[int], reserved_by_class: Sequence[int]) -> bool:
+        """Whether pages of `classes` fit in each class's free and evictable pages, less what admitted
+        requests were promised there: the tightest class decides."""
+        wanted = Counter(classes)
+        free, evictable = self.allocator.free_by_class(), self.tree.evictable_by_class
+        return all(k <= free[c] + evictable[c] - reserved_by_class[c] for c, k in wanted.items())
+
+    # The pages' ids name their classes (class = id mod N), so the result records those too.
     @consensus_checked(params=("n",), results=("result",))
-    def alloc(self, n: int, keep_if: Callable[[TreeNode], bool] | None = None) -> list[int]:
-        """n device pages, evicting unlocked cache if needed (`keep_if`: see RadixTree.evict). Callers
-        only ask for what admission reserved, so this cannot fail."""
-        short = n - self.allocator.free_pages
-        if short > 0 and self._evict:
-            self.tree.evict(short, keep_if=keep_if)
-        pages = self.allocator.alloc(n)
+    def alloc(
+        self, n: int, keep_if: Callable[[TreeNode], bool] | None = None, classes: Sequence[int] | None = None
+    ) -> list[int]:
+        """n device pages, page i of class classes[i] (None: one class), evicting unlocked cache until
+        every class asked for has room (`keep_if`: see RadixTree.evict). Callers only ask for what
+        admission reserved, so this cannot fail."""
+        if classes is None:
+            classes = self.classes(self.allocator.emptiest_class(), 0, n)
+        wanted = Counter(classes)
+        while self._evict:
+            free = self.allocator.free_by_class()
+            short = sum(max(0, k - free[c]) for c, k in wanted.items())
+            # Eviction frees least recently used pages of any class: repeat until this one has room.
+            if short <= 0 or self.tree.evict(short, keep_if=keep_if) == 0:
+                break
+        pages = self.allocator.alloc(n, classes)
         if pages is None:
             raise RuntimeError("KV reservation invariant broken: an admitted request could not allocate")
         return pages
 
-    def insert(self, tokens: Sequence[int], pages: list[int], namespace: str) -> Inserted:
-        """Cache `tokens` (a page multiple) computed into `pages`. Where the tree already had them on the
-        device, its page wins and ours goes back to the pool."""
-        res = self.tree.insert(tokens, pages, namespace)
+    @consensus_checked(params=("rotation",), results={"refused": "result.refused"})
+    def insert(self, tokens: Sequence[int], pages: list[int], namespace: str, rotation: int = 0) -> Inserted:
+        """Cache `tokens` (a page multiple) computed into `pages` from rotation base `rotation`. Where
+        the tree already had them on the device, its page wins and ours goes back to the pool. Refused
+        (the caller keeps its pages) where the cached path has another rotation base."""
+        res = self.tree.insert(tokens, pages, namespace, rotation)
+        if res.refused:
+            return Inserted(list(pages), res.last_node, [], refused=True)
         duplicates = [mine for mine, theirs in zip(pages, res.pages) if mine != theirs]
         self.allocator.free(duplicates)
         return Inserted(list(res.pages), res.last_node, res.new_nodes)

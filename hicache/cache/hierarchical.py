@@ -15,12 +15,13 @@ from hicache.cache.host_tier import HostTier, WritePolicy, host_pool_pages
 from hicache.cache.prefix_cache import NO_PAGES, PrefixCache
 from hicache.cache.radix import MatchResult, TreeNode
 from hicache.cache.stats import CacheStats, WorkerStats
-from hicache.cache.storage_tier import StorageTier, open_store
+from hicache.cache.storage_tier import StorageTier
+from hicache.cache.stores import open_store
 from hicache.config import DebugConfig, HiCacheConfig
 from hicache.debug.consensus_checker import consensus_checked
 from hicache.dist.consensus import Consensus
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.mem.host_pool import HostKVPool
+from hicache.mem.host_group import DraftPools, make_host_pool
 
 logger = logging.getLogger(__name__)
 
@@ -34,10 +35,14 @@ class HierarchicalCache(PrefixCache):
         model_identity: str,
         rank_suffix: str = "",
         debug: DebugConfig | None = None,
+        draft: DraftPools | None = None,
+        storage_writer: bool = True,  # this rank writes its pages to storage (not a replica of them)
     ) -> None:
+        """`draft`: a speculative draft whose state the host and storage tiers keep with the target's."""
         debug = debug or DebugConfig()
-        host_pool = HostKVPool(pool, host_pool_pages(pool, cfg), cfg.hicache_mem_layout)
-        super().__init__(pool, enabled=True, on_host_free=host_pool.allocator.free)
+        host_pool = make_host_pool(pool, host_pool_pages(pool, cfg, draft), cfg.hicache_mem_layout, draft)
+        super().__init__(pool, enabled=True, on_host_free=host_pool.allocator.free, draft=draft is not None)
+        self.skip_draft_restore = draft is not None and draft.skip_restore
         self.consensus = consensus
         delay = debug.debug_transfer_delay_ms / 1000
         policy = WritePolicy(cfg.hicache_write_policy)
@@ -48,8 +53,8 @@ class HierarchicalCache(PrefixCache):
         self.storage: StorageTier | None = None
         if cfg.hicache_storage_backend:
             rank = consensus.pctx.rank
-            store = open_store(cfg, pool, host_pool.page_bytes, model_identity, rank_suffix, debug, rank)
-            self.storage = StorageTier(store, self.host, consensus, cfg, delay)
+            store = open_store(cfg, pool, host_pool.parts[0].payload_bytes, model_identity, rank_suffix, debug, rank)
+            self.storage = StorageTier(store, self.host, consensus, cfg, delay, writes=storage_writer)
         logger.info(
             "hierarchical cache: host %d pages (%.2f GB, %s), write policy %s, storage %s",
             host_pool.allocator.num_pages, host_pool.allocator.num_pages * host_pool.page_bytes / 1e9,
@@ -91,6 +96,10 @@ class HierarchicalCache(PrefixCache):
         if self.storage is not None:
             self.storage.cancel(handle.rid)
 
+    def _draft_unrestored(self, handle: KVHandle) -> int:
+        # Loads skipped the draft's layers (a negative control): it recomputes what came from host.
+        return handle.cached.host + handle.cached.storage if self.skip_draft_restore else 0
+
     def _put(self, nodes: list[TreeNode]) -> None:
         if self.storage is not None:
             self.storage.put(nodes)
@@ -126,6 +135,9 @@ class HierarchicalCache(PrefixCache):
     def usage(self) -> dict[str, tuple[int, int]]:
         return {**super().usage(), "host": self.host.usage()}
 
+    def resident_bytes(self) -> dict[str, int]:
+        return {**super().resident_bytes(), "host": self.host.host.resident_bytes()}
+
     def stats(self) -> CacheStats:
         workers = self.host.workers + ([self.storage.worker] if self.storage is not None else [])
         return CacheStats(
@@ -135,7 +147,7 @@ class HierarchicalCache(PrefixCache):
         )
 
     def checked_parts(self) -> list[object]:
-        return super().checked_parts() + ([self.storage] if self.storage is not None else [])
+        return super().checked_parts() + [self.host] + ([self.storage] if self.storage is not None else [])
 
     def shutdown(self) -> None:
         self._drain()

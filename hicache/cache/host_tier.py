@@ -9,21 +9,30 @@
 - Every consumption of a completed copy goes through `Consensus` (identity at one rank): ranks agree
   on how many ACKs to consume, then fold the identities of what they consumed into the chain the next
   agreement compares.
+- Sharded pages (hicache/dist/placement.py): a host page takes the owner class of the device page it
+  backs up, and a load-back allocates device pages through the nodes' rotation base, so every page
+  returns to its owner whatever its new physical page; each rank copies only its own pairs (the host
+  pool's copy boundary), about 1/N of the bytes. The tree, the queues and the ACKs stay logical.
 """
 
 from __future__ import annotations
 
 import enum
 import logging
+import random
 import threading
-from typing import Callable
+import time
+from collections import Counter
+from typing import Callable, Sequence
 
 from hicache.cache.controller import DEFAULT_TRANSFER_TIMEOUT_S, AckQueue, CopyStream, SupervisedWorker, TransferOp
 from hicache.cache.radix import MatchResult, RadixTree, TreeNode
 from hicache.cache.stats import HostStats
 from hicache.config import HiCacheConfig
+from hicache.debug.consensus_checker import consensus_checked
 from hicache.dist.consensus import Consensus
 from hicache.mem.device_pool import DeviceKVPool
+from hicache.mem.host_group import DraftPools, make_host_pool
 from hicache.mem.host_pool import HostKVPool
 
 logger = logging.getLogger(__name__)
@@ -52,21 +61,24 @@ class WritePolicy(str, enum.Enum):
 SELECTIVE_MIN_HITS = 2  # write_through_selective backs up a node at this many hits
 
 
-def host_pool_pages(pool: DeviceKVPool, cfg: HiCacheConfig) -> int:
-    """Host capacity in pages: --hicache-size GB if given, else --hicache-ratio times the device pool.
-    A host tier no larger than the device pool is allowed but warned about: it holds little beyond
-    copies of what the device has, so host hits and prefetches mostly evict each other."""
+def host_pool_pages(pool: DeviceKVPool, cfg: HiCacheConfig, draft: DraftPools | None = None) -> int:
+    """Host capacity in pages: --hicache-size GB if given (a page holding a draft's state too, when it
+    has one), else --hicache-ratio times the device pool. A host tier no larger than the device pool is
+    allowed but warned about: it holds little beyond copies of what the device has, so host hits and
+    prefetches mostly evict each other."""
+    # Per rank: a sharded pool's ranks each hold their own pages, so each gets the budget for its own.
+    least = 2 if pool.sharded else 1  # a padding page and a page
     if cfg.hicache_size > 0:
-        page_bytes = HostKVPool(pool, 1, cfg.hicache_mem_layout).page_bytes
-        pages = max(int(cfg.hicache_size * 1e9) // page_bytes, 1)
+        page_bytes = make_host_pool(pool, least, cfg.hicache_mem_layout, draft).page_bytes
+        pages = max(int(cfg.hicache_size * 1e9) // page_bytes, least)
     else:
-        pages = max(int(pool.allocator.num_pages * cfg.hicache_ratio), 1)
-    if pages <= pool.allocator.num_pages:
+        pages = max(int(pool.local_pages * cfg.hicache_ratio), least)
+    if pages <= pool.local_pages:
         logger.warning(
             "the host tier (%d pages) is no larger than the device pool (%d pages): it will mostly hold copies "
             "of device-resident prefixes, which are dropped (LRU, hicache_cache_events{event=\"host_copies_dropped_"
             "pages\"}) to make room for prefetches and backups; raise --hicache-ratio above 1 for host hits",
-            pages, pool.allocator.num_pages,
+            pages, pool.local_pages,
         )
     return pages
 
@@ -95,6 +107,10 @@ class HostTier:
         # Per-rank seeds: the ranks' copies finish in different orders, which is what agreement is for.
         self.backup_worker = SupervisedWorker("backup", debug_delay_s, rank * 16, transfer_timeout_s)
         self.load_worker = SupervisedWorker("load", debug_delay_s, rank * 16 + 1, transfer_timeout_s)
+        # Fault injection for restores: the layers of a load land late, in a different rhythm on every
+        # rank, so a reader that does not wait for a layer's event reads pages not restored yet.
+        self._layer_delay_s = debug_delay_s
+        self._layer_rng = random.Random(rank * 16 + 3)
         self.backups = AckQueue()
         self.loads = AckQueue()
         self.stats = HostStats()
@@ -105,17 +121,27 @@ class HostTier:
 
     # ---- host memory ---------------------------------------------------------------------------
 
-    def alloc(self, n: int) -> list[int] | None:
-        """n host pages, evicting host-only cache first, then the host copies of device-resident
-        prefixes (LRU); None if even that is not enough."""
-        short = n - self.host.allocator.free_pages
-        if short > 0:
-            short -= self.tree.evict_host(short)
-        if short > 0:
-            self._drop_host_copies(short)
-        return self.host.allocator.alloc(n)
+    @consensus_checked(params=("n", "classes"), results=("result",))
+    def alloc(self, n: int, classes: Sequence[int] | None = None) -> list[int] | None:
+        """n host pages, page i of owner class classes[i] (None: one class), evicting host-only cache
+        first, then the host copies of device-resident prefixes (LRU), until every class asked for has
+        room; None if even that is not enough."""
+        classes = list(classes) if classes is not None else [0] * n
+        wanted = Counter(classes)
+        for make_room in (self.tree.evict_host, self._drop_host_copies):
+            while (short := self._short(wanted)) > 0 and make_room(short) > 0:
+                pass
+        return self.host.allocator.alloc(n, classes)
 
-    def _drop_host_copies(self, num_pages: int) -> None:
+    def _short(self, wanted: Counter) -> int:
+        free = self.host.allocator.free_by_class()
+        return sum(max(0, k - free[c]) for c, k in wanted.items())
+
+    def _classes_of(self, device_pages: list[int]) -> list[int]:
+        """A backup's host pages take the owner classes of the device pages they copy."""
+        return [self.host.allocator.class_of(p) for p in device_pages]
+
+    def _drop_host_copies(self, num_pages: int) -> int:
         """Free host copies of unlocked device-resident nodes, least recently used first. Without this a
         host tier full of copies of what the device holds starves prefetch and new backups for good
         (SGLang never evicts them). A dropped copy costs only a re-backup (or, for write-through, the
@@ -133,6 +159,7 @@ class HostTier:
             self.free(pages)
             freed += len(pages)
         self.stats.host_copies_dropped_pages += freed
+        return freed
 
     def free(self, pages: list[int]) -> None:
         self.host.allocator.free(pages)
@@ -143,7 +170,7 @@ class HostTier:
         """Start copying a device node to the host (nothing if it has a host copy or no device pages)."""
         if node.host_pages is not None or node.device_pages is None:
             return
-        host_pages = self.alloc(len(node.device_pages))
+        host_pages = self.alloc(len(node.device_pages), self._classes_of(node.device_pages))
         if host_pages is None:
             self.stats.backup_skipped_host_full_pages += len(node.device_pages)
             return
@@ -178,7 +205,7 @@ class HostTier:
         if not self.policy.backs_up_on_evict or node.host_pages is not None:
             return False
         device_pages = list(node.device_pages or [])
-        host_pages = self.alloc(len(device_pages))
+        host_pages = self.alloc(len(device_pages), self._classes_of(device_pages))
         if host_pages is None:
             self.stats.backup_skipped_host_full_pages += len(device_pages)
             return False
@@ -238,15 +265,21 @@ class HostTier:
 
     # ---- host -> device loads ------------------------------------------------------------------
 
-    def load_back(self, match: MatchResult, budget: int, alloc: Callable[[int], list[int]]) -> list[int]:
-        """Device pages (from `alloc`) for every host-only node of `match`, loading layer by layer; []
-        if the host part is under the threshold or more than `budget` pages."""
+    def load_back(
+        self, match: MatchResult, budget: int, alloc: Callable[[int, Sequence[int]], list[int]]
+    ) -> list[int]:
+        """Device pages (from `alloc(n, classes)`) for every host-only node of `match`, loading layer by
+        layer; [] if the host part is under the threshold or more than `budget` pages."""
         host_pages = match.host_pages
         if not host_pages or len(host_pages) * self.pool.page_size < self.load_back_threshold:
             return []
         if len(host_pages) > budget:
             return []
-        device_pages = alloc(len(host_pages))
+        # Through the path's rotation base: each page returns to the owner its host copy is on.
+        rotation, first = match.last_node.rotation, len(match.device_pages)
+        classes = self.pool.placement.rotation_classes(rotation, first, len(host_pages))
+        assert classes == self._classes_of(host_pages), "a host page is off its prefix's owner cycle"
+        device_pages = alloc(len(host_pages), classes)
         offset = 0
         for node in match.host_nodes:
             k = len(node.host_pages or [])
@@ -255,8 +288,14 @@ class HostTier:
         layer_done = [threading.Event() for _ in range(self.pool.num_layers)]
         fence = self.copies.fence()
 
+        # (the whole load at most the configured delay late, as every other transfer)
+        per_layer = self._layer_delay_s / len(layer_done)
+        delays = [self._layer_rng.uniform(0, per_layer) for _ in layer_done] if per_layer else []
+
         def run(_: TransferOp) -> None:
             for layer, event in enumerate(layer_done):
+                if delays:
+                    time.sleep(delays[layer])
                 self.copies.run(fence, lambda: self.host.load_layer(self.pool, layer, host_pages, device_pages))
                 event.set()
 

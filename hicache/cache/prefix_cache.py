@@ -8,16 +8,19 @@ moving it deeper (after its prompt is cached) locks the new node before unlockin
 NOTE (memory invariant): a request is admitted only if the pages it may ever need (prompt + max new
 tokens, less its cached prefix) fit in free + evictable pages minus what admitted requests were
 promised (`reserved_pages`); so a READY handle can always `extend`, evicting unlocked cache if needed,
-and never runs out of KV memory mid-way.
+and never runs out of KV memory mid-way. With sharded pages this holds per owner class
+(`reserved_by_class`; the handle's pages cycle through the classes from its `rotation`).
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from hicache.cache.api import Admission, KVHandle, KVState, PrefixMatch
 from hicache.cache.device_tier import DeviceTier
+from hicache.cache.gather_budget import GatherBudget
 from hicache.cache.radix import MatchResult, PagesFn, TreeNode
 from hicache.cache.stats import CacheStats
 from hicache.debug.consensus_checker import consensus_checked
@@ -38,14 +41,30 @@ RELEASE_PARAMS = {"rid": "handle.rid", "kv_len": "handle.kv_len"}
 NO_PAGES = range(0)
 
 
+@dataclass(frozen=True)
+class Reserved:
+    """What `PrefixCache.reserve` matched and locked."""
+
+    cached: PrefixMatch  # the reused prefix by the tier that holds it
+    lock: TreeNode  # the deepest node of that prefix, locked for the handle
+    loaded_nodes: tuple[TreeNode, ...]  # host-only nodes whose KV is being loaded back (none: nothing loads)
+
+
 class PrefixCache:
-    def __init__(self, pool: DeviceKVPool, enabled: bool = True, on_host_free: PagesFn | None = None) -> None:
+    def __init__(
+        self, pool: DeviceKVPool, enabled: bool = True, on_host_free: PagesFn | None = None, draft: bool = False
+    ) -> None:
+        """`draft`: a speculative draft's pools share the device pages (hicache/spec/): handles then
+        track the draft's length beside the target's (`KVHandle.draft_len`)."""
+        self.draft = draft
         self.device = DeviceTier(pool, on_host_free, evict=enabled)
         self.pool = pool
         self.page_size = pool.page_size
         self.tree = self.device.tree
         self.enabled = enabled
         self.reserved_pages = 0  # promised to READY handles, not yet allocated by them
+        self.reserved_by_class = [0] * pool.allocator.num_classes
+        self.gather = GatherBudget(pool, self.tree)  # the CP gather's scratch (sharded pages only)
 
     # ---- hooks for the hierarchical tiers ------------------------------------------------------
 
@@ -74,6 +93,11 @@ class PrefixCache:
     def _on_release(self, handle: KVHandle) -> None:
         """The request went away (a prefetch still running for it is cancelled)."""
 
+    def _draft_unrestored(self, handle: KVHandle) -> int:
+        """Tokens of the handle's cached prefix whose draft state was not restored with the target's
+        (every pool of a device page holds its state: nothing, on the device tier)."""
+        return 0
+
     def ready_to_admit(self, handle: KVHandle, busy: bool) -> bool:
         return True
 
@@ -86,7 +110,7 @@ class PrefixCache:
     # ---- a handle's life -----------------------------------------------------------------------
 
     def open(self, rid: int, prompt: Sequence[int], namespace: str) -> KVHandle:
-        handle = KVHandle(rid, prompt, namespace, self.page_size)
+        handle = KVHandle(rid, prompt, namespace, self.page_size, draft_len=0 if self.draft else None)
         self._on_open(handle)
         return handle
 
@@ -94,22 +118,39 @@ class PrefixCache:
     def admit(self, handle: KVHandle, total_pages: int) -> Admission:
         if handle.state is not KVState.WAITING:
             raise RuntimeError(f"request {handle.rid}: admission of a {handle.state.value} handle")
-        fetched = self._fetched(handle)
         if not self.enabled:
-            if total_pages > self.device.available_pages() - self.reserved_pages:
+            handle.rotation = self.device.new_rotation()
+            if not self._room(handle, 0, total_pages):
                 return Admission(False)
             handle.enter(KVState.RESERVED)
             return self._ready(handle, total_pages, PrefixMatch(), None)
         # At least the last prompt token is always computed: its logits give the first output token.
-        match = self.tree.match_prefix(handle.prompt[: len(handle.prompt) - 1], handle.namespace, count_hit=True)
+        reserved = self.reserve(handle, handle.prompt[: len(handle.prompt) - 1], total_pages)
+        if reserved is None:
+            return Admission(False)
+        admission = self._ready(handle, total_pages - len(handle.pages), reserved.cached, reserved.lock)
+        self._on_admitted(handle)
+        return admission
+
+    def reserve(self, handle: KVHandle, tokens: Sequence[int], total_pages: int) -> Reserved | None:
+        """WAITING → MATCHED → LOCKED → RESERVED over the cached prefix of `tokens`: match it (a finished
+        prefetch is inserted first), lock it, and, if the `total_pages` less its device part fit in
+        free + evictable pages minus what others were promised (checked with the prefix locked), start
+        loading its host part back; else back to WAITING holding nothing (None). The handle then holds
+        the prefix's pages (kv_len = committed_len = their tokens) and one lock, on `Reserved.lock`;
+        promising the rest is the caller's: `admit` goes on to READY, a P/D decode server stops here
+        while the suffix arrives (hicache/disagg/decode_admission.py). Changes the tree: yes."""
+        fetched = self._fetched(handle)
+        match = self.tree.match_prefix(tokens, handle.namespace, count_hit=True)
         handle.enter(KVState.MATCHED)
         self.tree.lock(match.last_node)  # also keeps a host-resident continuation from host eviction
         handle.enter(KVState.LOCKED)
+        handle.rotation = match.rotation if match.rotation is not None else self.device.new_rotation()
         need = total_pages - len(match.device_pages)
-        if need > self.device.available_pages() - self.reserved_pages:
+        if not self._room(handle, len(match.device_pages), need):
             self.tree.unlock(match.last_node)
             handle.enter(KVState.WAITING)
-            return Admission(False)
+            return None
         handle.enter(KVState.RESERVED)
         handle.pages = list(match.device_pages)
         loaded = self._load_back(match, need)
@@ -126,16 +167,28 @@ class PrefixCache:
         )
         handle.kv_len = len(handle.pages) * self.page_size
         handle.committed_len = handle.kv_len  # those pages are the tree's
-        admission = self._ready(handle, total_pages - len(handle.pages), cached, deepest)
-        self._on_admitted(handle)
-        return admission
+        return Reserved(cached, deepest, tuple(match.host_nodes) if loaded else ())
+
+    def _room(self, handle: KVHandle, first: int, n: int) -> bool:
+        """Whether pages first..first+n-1 of the handle's prefix fit, class by class, in the pool and in
+        the gather's scratch."""
+        classes = self.device.classes(handle.rotation, first, n)
+        return self.device.room(classes, self.reserved_by_class) and self.gather.fits(classes, self.reserved_by_class)
+
+    def _promise(self, handle: KVHandle, n: int, sign: int) -> None:
+        """Count (sign +1) or uncount (-1) the handle's next n pages, from len(pages) on, as promised."""
+        self.reserved_pages += sign * n
+        for c in self.device.classes(handle.rotation, len(handle.pages), n):
+            self.reserved_by_class[c] += sign
 
     def _ready(self, handle: KVHandle, reserve: int, cached: PrefixMatch, lock: TreeNode | None) -> Admission:
         handle.reserved_pages = reserve
         handle.cached = cached
         handle.lock = lock
+        if handle.draft_len is not None:  # the effective hit is the MIN over every pool it needs
+            handle.draft_len = handle.kv_len - self._draft_unrestored(handle)
         handle.enter(KVState.READY)
-        self.reserved_pages += reserve
+        self._promise(handle, reserve, +1)
         return Admission(True, cached, reserve)
 
     def extend(self, handle: KVHandle, end: int) -> None:
@@ -144,24 +197,32 @@ class PrefixCache:
             return
         if want > handle.reserved_pages:
             raise RuntimeError("KV reservation invariant broken: a request outgrew its reservation")
-        handle.pages.extend(self.device.alloc(want, keep_if=self._keep_on_evict))
+        self._promise(handle, want, -1)
+        self.gather.hold(handle.rotation, len(handle.pages), want, +1)
+        classes = self.device.classes(handle.rotation, len(handle.pages), want)
+        handle.pages.extend(self.device.alloc(want, keep_if=self._keep_on_evict, classes=classes))
         handle.reserved_pages -= want
-        self.reserved_pages -= want
 
-    def alloc(self, n: int) -> list[int]:
-        """n device pages outside any reservation's accounting (a load-back's, which admission counted)."""
-        return self.device.alloc(n, keep_if=self._keep_on_evict)
+    def alloc(self, n: int, classes: Sequence[int] | None = None) -> list[int]:
+        """n device pages (of `classes`) outside any reservation's accounting (a load-back's, which
+        admission counted)."""
+        return self.device.alloc(n, keep_if=self._keep_on_evict, classes=classes)
 
     def cache_prefix(self, handle: KVHandle, tokens: Sequence[int]) -> None:
         n = len(tokens) - len(tokens) % self.page_size
         if not self.enabled or n == 0:
             return
-        res = self.device.insert(tokens[:n], handle.pages[: n // self.page_size], handle.namespace)
+        res = self.device.insert(tokens[:n], handle.pages[: n // self.page_size], handle.namespace, handle.rotation)
+        if res.refused:  # another placement of these tokens is cached: this request keeps its own pages
+            return
         handle.pages[: len(res.pages)] = res.pages
         self.tree.lock(res.last_node)
         assert handle.lock is not None
         self.tree.unlock(handle.lock)
         handle.lock = res.last_node
+        shared = handle.committed_len // self.page_size
+        if n // self.page_size > shared:  # those pages are the tree's now
+            self.gather.hold(handle.rotation, shared, n // self.page_size - shared, -1)
         handle.committed_len = max(handle.committed_len, n)
         self._on_new_nodes(res.new_nodes)
 
@@ -170,16 +231,18 @@ class PrefixCache:
         if handle.state is KVState.READY and len(tokens) < handle.kv_len:
             raise ValueError(f"release of request {handle.rid}: {len(tokens)} tokens for {handle.kv_len} computed")
         self._on_release(handle)
-        if handle.state is KVState.READY:
+        # RESERVED: a P/D decode request whose suffix never arrived; kv_len covers only its tree prefix.
+        if handle.state in (KVState.READY, KVState.RESERVED):
             kept = 0
             if self.enabled and handle.lock is not None:
                 self.cache_prefix(handle, tokens[: handle.kv_len])
                 self.tree.unlock(handle.lock)
                 handle.lock = None
-                kept = handle.kv_len // self.page_size
+                kept = handle.committed_len // self.page_size  # the tree's: its full pages, unless refused
+            self._promise(handle, handle.reserved_pages, -1)
+            self.gather.hold(handle.rotation, kept, len(handle.pages) - kept, -1)
             self.device.free(handle.pages[kept:])
             handle.pages = []
-            self.reserved_pages -= handle.reserved_pages
             handle.reserved_pages = 0
         handle.enter(KVState.RELEASED)
 
@@ -194,10 +257,15 @@ class PrefixCache:
         problems = self.device.leak_report()
         if self.reserved_pages:
             problems.append(f"{self.reserved_pages} pages still reserved")
+        if any(self.gather.private_by_class):
+            problems.append(f"pages still counted as requests' own: {self.gather.private_by_class}")
         return problems
 
     def usage(self) -> dict[str, tuple[int, int]]:
         return {"device": self.device.usage()}
+
+    def resident_bytes(self) -> dict[str, int]:
+        return {"device": self.pool.resident_bytes()}
 
     def stats(self) -> CacheStats:
         return CacheStats()

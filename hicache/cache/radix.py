@@ -16,105 +16,32 @@ Contracts:
 - `namespace` (a request's cache_salt) selects a separate root: different salts never share pages.
 - Recency is a logical clock, not wall time, so ranks that apply the same operations in the same order
   make the same eviction choices.
+- Sharded pages (`num_classes` N > 1, hicache/dist/placement.py): every shard rank keeps this same tree
+  with the same logical page ids. A root's subtree has one rotation base (tree_node.py); an insert
+  whose base differs from the cached path's is refused whole, never grafted. Evictable device pages
+  are counted per owner class (page q in class q mod N), so admission can count the tightest class.
 """
 
 from __future__ import annotations
 
 import heapq
 import itertools
-from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
+from hicache.cache.tree_node import InsertResult, MatchResult, TreeNode
 from hicache.debug.consensus_checker import consensus_checked
+
+__all__ = ["InsertResult", "MatchResult", "PagesFn", "RadixTree", "TreeNode"]
 
 PagesFn = Callable[[list[int]], None]
 
 
-class TreeNode:
-    __slots__ = (
-        "key", "device_pages", "host_pages", "hashes", "children", "parent",
-        "lock_ref", "last_access", "hit_count", "backup_pending", "id",
-    )  # fmt: skip
-
-    _ids = itertools.count()
-
-    def __init__(
-        self,
-        key: tuple[int, ...],
-        device_pages: list[int] | None,
-        parent: "TreeNode | None",
-        host_pages: list[int] | None = None,
-    ) -> None:
-        self.key = key
-        self.device_pages = device_pages
-        self.host_pages = host_pages
-        self.hashes: list[bytes] | None = None  # storage page hashes, computed when first needed
-        self.children: dict[tuple[int, ...], TreeNode] = {}
-        self.parent = parent
-        self.lock_ref = 0
-        self.last_access = 0
-        self.hit_count = 0
-        self.backup_pending = False  # host_pages assigned, device -> host copy not yet acknowledged
-        self.id = next(TreeNode._ids)
-
-    @property
-    def is_root(self) -> bool:
-        return self.parent is None
-
-    @property
-    def on_device(self) -> bool:
-        return self.device_pages is not None
-
-    @property
-    def backed_up(self) -> bool:
-        return self.host_pages is not None and not self.backup_pending
-
-    @property
-    def num_pages(self) -> int:
-        return len(self.device_pages if self.device_pages is not None else self.host_pages or [])
-
-    def __repr__(self) -> str:
-        return (
-            f"TreeNode(id={self.id}, tokens={len(self.key)}, lock_ref={self.lock_ref}, "
-            f"device={self.device_pages is not None}, host={self.host_pages is not None})"
-        )
-
-
-@dataclass(frozen=True)
-class MatchResult:
-    device_pages: list[int]  # the device-resident prefix
-    last_device_node: TreeNode
-    host_nodes: list[TreeNode]  # host-only nodes continuing the match, in path order
-    page_size: int
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens usable without any copy."""
-        return len(self.device_pages) * self.page_size
-
-    @property
-    def host_pages(self) -> list[int]:
-        return [p for n in self.host_nodes for p in n.host_pages or []]
-
-    @property
-    def host_tokens(self) -> int:
-        return len(self.host_pages) * self.page_size
-
-    @property
-    def last_node(self) -> TreeNode:
-        return self.host_nodes[-1] if self.host_nodes else self.last_device_node
-
-
-@dataclass(frozen=True)
-class InsertResult:
-    pages: list[int]  # the tree's device pages for the whole key; the caller frees its own that differ
-    last_node: TreeNode
-    new_nodes: list[TreeNode] = field(default_factory=list)  # created by this insert, top-down
-
-
 class RadixTree:
-    def __init__(self, page_size: int, on_device_free: PagesFn, on_host_free: PagesFn | None = None) -> None:
+    def __init__(
+        self, page_size: int, on_device_free: PagesFn, on_host_free: PagesFn | None = None, num_classes: int = 1
+    ) -> None:
         self.page_size = page_size
+        self.num_classes = num_classes
         self._free_device = on_device_free
         self._free_host = on_host_free
         self._clock = itertools.count(1)
@@ -125,6 +52,8 @@ class RadixTree:
         self._roots: dict[str, TreeNode] = {}
         self.evictable_pages = 0  # device pages of unlocked nodes
         self.protected_pages = 0  # device pages of locked nodes
+        self.evictable_by_class = [0] * self.num_classes
+        self.protected_by_class = [0] * self.num_classes
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -194,6 +123,7 @@ class RadixTree:
             None if node.device_pages is None else node.device_pages[:k],
             node.parent,
             None if node.host_pages is None else node.host_pages[:k],
+            rotation=node.rotation,
         )
         if node.hashes is not None:
             upper.hashes, node.hashes = node.hashes[:k], node.hashes[k:]
@@ -215,20 +145,42 @@ class RadixTree:
     # ---- updates -------------------------------------------------------------------------------
 
     def _account_device(self, node: TreeNode, sign: int) -> None:
-        n = sign * len(node.device_pages or [])
         if node.lock_ref > 0:
-            self.protected_pages += n
+            self._protected(node, sign)
         else:
-            self.evictable_pages += n
+            self._evictable(node, sign)
 
-    def insert(self, tokens: Sequence[int], pages: list[int], namespace: str = "") -> InsertResult:
-        """Cache `tokens` (a page multiple) whose KV lives in device `pages`. Where the tree already has
-        the KV on the device, its pages win and the caller frees its own; where it has it only on the
-        host, the caller's pages are attached to the node."""
+    def _evictable(self, node: TreeNode, sign: int) -> None:
+        """Count a node's device pages in (sign +1) or out of (-1) the evictable ones, by class."""
+        self.evictable_pages += sign * len(node.device_pages or [])
+        self._by_class(self.evictable_by_class, node, sign)
+
+    def _protected(self, node: TreeNode, sign: int) -> None:
+        self.protected_pages += sign * len(node.device_pages or [])
+        self._by_class(self.protected_by_class, node, sign)
+
+    def _by_class(self, counts: list[int], node: TreeNode, sign: int) -> None:
+        pages = node.device_pages or []
+        if self.num_classes == 1:
+            counts[0] += sign * len(pages)
+            return
+        for page in pages:
+            counts[page % self.num_classes] += sign
+
+    def _conflicts(self, path: list[TreeNode], rotation: int) -> bool:
+        return any(node.rotation != rotation for node in path)
+
+    def insert(self, tokens: Sequence[int], pages: list[int], namespace: str = "", rotation: int = 0) -> InsertResult:
+        """Cache `tokens` (a page multiple) whose KV lives in device `pages`, placed from rotation base
+        `rotation`. Where the tree already has the KV on the device, its pages win and the caller frees
+        its own; where it has it only on the host, the caller's pages are attached to the node. Refused
+        whole (`refused`, nothing changed but recency) if the cached path has another rotation base."""
         if len(tokens) % self.page_size or len(pages) * self.page_size != len(tokens):
             raise ValueError("insert needs a page-aligned key and one page per page_size tokens")
         tokens = tuple(tokens)
         path = self._walk(tokens, namespace)
+        if self._conflicts(path, rotation):
+            return InsertResult(list(pages), path[-1], refused=True)
         now = next(self._clock)
         tree_pages: list[int] = []
         for node in path:
@@ -241,7 +193,7 @@ class RadixTree:
         new_nodes = []
         if len(tree_pages) < len(pages):
             start = len(tree_pages) * self.page_size
-            child = TreeNode(tokens[start:], list(pages[len(tree_pages) :]), parent)
+            child = TreeNode(tokens[start:], list(pages[len(tree_pages) :]), parent, rotation=rotation)
             child.last_access = now
             parent.children[self._page_key(child.key, 0)] = child
             self._account_device(child, +1)
@@ -250,15 +202,18 @@ class RadixTree:
             parent = child
         return InsertResult(tree_pages, parent, new_nodes)
 
-    def insert_host(self, tokens: Sequence[int], host_pages: list[int], namespace: str = "") -> list[int]:
-        """Cache the last len(host_pages) pages of `tokens` as host-only KV (read from storage); the
-        rest of `tokens` must already be cached. Returns the host pages the tree did not take (the
-        caller frees them): all of them if the prefix is gone, and those the tree already holds."""
+    def insert_host(
+        self, tokens: Sequence[int], host_pages: list[int], namespace: str = "", rotation: int = 0
+    ) -> list[int]:
+        """Cache the last len(host_pages) pages of `tokens` as host-only KV (read from storage), placed
+        from rotation base `rotation`; the rest of `tokens` must already be cached. Returns the host
+        pages the tree did not take (the caller frees them): all of them if the prefix is gone or has
+        another rotation base, and those the tree already holds."""
         tokens = tuple(tokens)
         n_prefix = len(tokens) // self.page_size - len(host_pages)
         path = self._walk(tokens, namespace)
         covered = sum(len(n.key) for n in path) // self.page_size
-        if covered < n_prefix:
+        if covered < n_prefix or self._conflicts(path, rotation):
             return list(host_pages)
         rejected: list[int] = []
         pos = 0  # page index along tokens
@@ -272,7 +227,8 @@ class RadixTree:
             pos += k
         if covered < len(tokens) // self.page_size:
             parent = path[-1] if path else self._root(namespace)
-            child = TreeNode(tokens[covered * self.page_size :], None, parent, list(host_pages[covered - n_prefix :]))
+            rest = list(host_pages[covered - n_prefix :])
+            child = TreeNode(tokens[covered * self.page_size :], None, parent, rest, rotation=rotation)
             child.last_access = next(self._clock)
             parent.children[self._page_key(child.key, 0)] = child
         return rejected
@@ -287,8 +243,8 @@ class RadixTree:
     def lock(self, node: TreeNode) -> None:
         while node is not None and not node.is_root:
             if node.lock_ref == 0:
-                self.evictable_pages -= len(node.device_pages or [])
-                self.protected_pages += len(node.device_pages or [])
+                self._evictable(node, -1)
+                self._protected(node, +1)
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
 
@@ -298,8 +254,8 @@ class RadixTree:
                 raise RuntimeError(f"unlock of an unlocked node {node}")
             node.lock_ref -= 1
             if node.lock_ref == 0:
-                self.evictable_pages += len(node.device_pages or [])
-                self.protected_pages -= len(node.device_pages or [])
+                self._evictable(node, +1)
+                self._protected(node, -1)
             node = node.parent  # type: ignore[assignment]
 
     # ---- eviction ------------------------------------------------------------------------------

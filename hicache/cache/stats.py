@@ -29,6 +29,7 @@ class PrefetchLoss(str, enum.Enum):
     ALREADY_CACHED = "already_cached"  # the tree got it from elsewhere meanwhile
     PREFIX_EVICTED = "prefix_evicted"  # the cached prefix it continues was evicted meanwhile
     CANCELLED = "cancelled"  # the request went away
+    DRAFT_MISSING = "draft_missing"  # the target's page is stored, the speculative draft's is not
 
 
 @dataclass

@@ -10,6 +10,16 @@
 - Agreements: the storage thread takes the MIN over every rank of the hit length before reading and of
   the pages read after each batch, and publishes that agreed progress in order; the scheduler consumes
   the number of progress entries the first stage chose, and the first stage decides when to stop waiting.
+- Parts: with a speculative draft a page is two objects, the target's (under the keys a cache without a
+  draft uses) and the draft's (under keys of its own, `Namespace.part`). Both are put together, and a
+  hit is the MIN over the parts: a page whose draft object is missing or bad is not used (counted as
+  `draft_missing`, or as a failed read), so a prefix is never restored for one model and not the other.
+- Sharded pages (hicache/dist/placement.py): keys carry the shard rank, each shard rank puts, looks up
+  and reads only its own pages (`writes`: the elected writer of replicated bytes), so a rank's hit is
+  the pages before the first of its own that is missing, and the MIN over the shard group is the
+  common prefix. A prompt the tree does not know yet may have been stored from any rotation base: the
+  lookup asks for every base at once and the agreed longest hit picks it, so the pages are read back
+  onto the owners that wrote them (after a restart too).
 """
 
 from __future__ import annotations
@@ -27,12 +37,11 @@ from hicache.cache.controller import SupervisedWorker, TransferOp
 from hicache.cache.host_tier import HostTier
 from hicache.cache.radix import RadixTree, TreeNode
 from hicache.cache.stats import PrefetchLoss, StorageTierStats
-from hicache.config import DebugConfig, HiCacheConfig
+from hicache.cache.stores import part_store
+from hicache.config import HiCacheConfig
 from hicache.debug.consensus_checker import consensus_checked
-from hicache.debug.faults import FlakyReads
 from hicache.dist.consensus import Consensus
-from hicache.mem.device_pool import DeviceKVPool
-from hicache.storage import Namespace, VerifiedStore, make_backend, page_hashes
+from hicache.storage import StorageStats, VerifiedStore, page_hashes
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +63,7 @@ class Prefetch:
     rid: int
     hashes: list[bytes]  # of the pages to look up (after the tree's match)
     start_page: int  # index of hashes[0] in the prompt
+    rotation: int = 0  # the prefix's rotation base: which shard rank holds, and reads, which page
     started: float = field(default_factory=time.monotonic)
     query: TransferOp | None = None
     hit_pages: int = 0
@@ -76,40 +86,31 @@ class Fetched:
     inserted: int = 0
     first_page: int = 0
     end_page: int = 0
+    rotation: int = 0  # the rotation base the pages were read for (recorded by the consensus checker)
 
     @property
     def pages(self) -> range:
         return range(self.first_page, self.end_page) if self.inserted else range(0)
 
 
-def open_store(
-    cfg: HiCacheConfig, pool: DeviceKVPool, page_bytes: int, model_identity: str, rank_suffix: str,
-    debug: DebugConfig, rank: int,
-) -> VerifiedStore:  # fmt: skip
-    """The configured backend under this model's namespace (with fault injection where asked)."""
-    namespace = Namespace(
-        model=model_identity,
-        kv_dtype=str(pool.dtype).removeprefix("torch."),
-        page_size=pool.page_size,
-        layout=f"page_rows:{pool.layout.row_numel}x{pool.num_layers}",
-        rank=rank_suffix,
-    )
-    backend = make_backend(
-        cfg.hicache_storage_backend, cfg.hicache_storage_dir, cfg.hicache_storage_url, cfg.hicache_storage_max_bytes
-    )
-    if debug.debug_storage_fail_rate > 0 and rank == debug.debug_storage_fail_rank:
-        backend = FlakyReads(backend, debug.debug_storage_fail_rate, seed=rank)
-        rate = 100 * debug.debug_storage_fail_rate
-        logger.warning("rank %d fails %.0f%% of storage reads (fault injection)", rank, rate)
-    return VerifiedStore(backend, namespace, payload_bytes=page_bytes)
-
-
 class StorageTier:
     def __init__(
-        self, store: VerifiedStore, host: HostTier, consensus: Consensus, cfg: HiCacheConfig, debug_delay_s: float = 0.0
+        self,
+        store: VerifiedStore,
+        host: HostTier,
+        consensus: Consensus,
+        cfg: HiCacheConfig,
+        debug_delay_s: float = 0.0,
+        writes: bool = True,
     ) -> None:
+        """`writes`: this rank is the elected writer of its pages' bytes (not a replica's)."""
         self.store = store
         self.host = host
+        self.writes = writes
+        self.placement = host.host.placement
+        # (store, host part) per object of a page, the target's first (host_group.py).
+        parts = host.host.parts
+        self.parts = [(store, parts[0])] + [(part_store(store, part), part) for part in parts[1:]]
         self.tree: RadixTree = host.tree
         self.page_size = host.pool.page_size
         self.consensus = consensus
@@ -140,17 +141,24 @@ class StorageTier:
         if not nodes:
             return None
         hashes: list[bytes] = []
-        payloads: list[bytes] = []
+        owned: list[int] = []
+        pool = self.host.host
         for node in nodes:
-            hashes.extend(self._node_hashes(node))
-            # A copy now: the host pages may be evicted and reused before the put runs.
-            payloads.extend(self.host.host.page_payload(p) for p in node.host_pages or [])
-        store = self.store
+            for digest, page in zip(self._node_hashes(node), node.host_pages or []):
+                if self.writes and pool.owns(page):  # this rank's pages, once per distinct copy
+                    hashes.append(digest)
+                    owned.append(page)
+        if not hashes:
+            return None
+        # A copy now: the host pages may be evicted and reused before the put runs.
+        payloads = [[part.payload(page) for page in owned] for _, part in self.parts]
+        parts = self.parts
 
         def run(_: TransferOp) -> None:
-            # Content-addressed: what another server (or an earlier run) stored need not be written again.
-            present = store.exists_prefix(hashes)
-            store.put_pages(hashes[present:], payloads[present:])
+            for (store, _), part_payloads in zip(parts, payloads):
+                # Content-addressed: what another server (or an earlier run) stored need not be written again.
+                present = store.exists_prefix(hashes)
+                store.put_pages(hashes[present:], part_payloads[present:])
 
         self.stats.put_pages += len(hashes)
         return self.worker.submit(TransferOp("storage_put", run))
@@ -167,20 +175,39 @@ class StorageTier:
             return
         hashes = page_hashes(key[: total * self.page_size], self.page_size)[start:]
         prefetch = Prefetch(rid, hashes, start)
-        store, consensus = self.store, self.consensus
+        consensus = self.consensus
+        # A path the tree has fixes the base; a new prefix may have been stored from any.
+        bases = [match.rotation] if match.rotation is not None else list(range(self.placement.shards))
 
         def query(op: TransferOp) -> None:
-            try:
-                found = store.exists_prefix(hashes)
-            except Exception:  # noqa: BLE001 - a miss here; the agreement below must still happen
-                logger.exception("storage existence query failed; treated as a miss")
-                found = 0
-            # MIN over every rank before reading: the common prefix all ranks can load.
-            op.payload = consensus.agree_min_all("storage_hit_pages", [found])[0]
+            found = [self._own_hits(hashes, start, base) for base in bases]
+            # MIN over every rank before reading: the common prefix all ranks can load, per base, of
+            # every part (and of the target's alone, to count what a missing draft part cost); the
+            # longest (the lowest base on a tie) is where the pages were written from.
+            agreed = consensus.agree_min_all("storage_hit_pages", [n for pair in found for n in pair])
+            best = max(range(len(bases)), key=lambda i: (agreed[2 * i], -i))
+            op.payload = (agreed[2 * best], agreed[2 * best + 1], bases[best])
 
         prefetch.query = self.worker.submit(TransferOp("storage_query", query))
         self.prefetches[rid] = prefetch
         self.stats.prefetch.queried += len(hashes)
+
+    def _own_hits(self, hashes: list[bytes], start: int, base: int) -> tuple[int, int]:
+        """Leading pages of `hashes` (prompt pages start..) before the first of this rank's own, placed
+        from rotation base `base`, that storage lacks: in some part, and in the target's part."""
+        n = self.placement.shards
+        rank = self.host.host.shard_rank
+        own = [i for i in range(len(hashes)) if (base + start + i) % n == rank]
+        try:
+            present = [store.exists_prefix([hashes[i] for i in own]) for store, _ in self.parts]
+        except Exception:  # noqa: BLE001 - a miss here; the agreement after it must still happen
+            logger.exception("storage existence query failed; treated as a miss")
+            present = [0]
+
+        def hit(k: int) -> int:
+            return own[k] if k < len(own) else len(hashes)
+
+        return hit(min(present)), hit(present[0])
 
     def querying(self) -> list[Prefetch]:
         """Prefetches whose existence query may have finished (the same list on every rank)."""
@@ -192,14 +219,16 @@ class StorageTier:
         for prefetch in agreed_ready:
             assert prefetch.query is not None
             prefetch.query.wait()  # finished on the first stage; here it may still be finishing
-            hit = 0 if prefetch.query.failed else int(prefetch.query.payload)  # type: ignore[arg-type]
+            hit, target_hit, prefetch.rotation = (0, 0, 0) if prefetch.query.failed else prefetch.query.payload  # type: ignore[misc]
             prefetch.hit_pages = hit
             self.stats.prefetch.hit += hit
+            self._lose(PrefetchLoss.DRAFT_MISSING, target_hit - hit)
             if hit * self.page_size < self.threshold:
                 self._lose(PrefetchLoss.BELOW_THRESHOLD, hit)
                 prefetch.done = True
                 continue
-            host_pages = self.host.alloc(hit)
+            classes = self.placement.rotation_classes(prefetch.rotation, prefetch.start_page, hit)
+            host_pages = self.host.alloc(hit, classes)
             if host_pages is None:
                 self._lose(PrefetchLoss.HOST_FULL, hit)
                 prefetch.done = True
@@ -209,18 +238,29 @@ class StorageTier:
             prefetch.read = self.worker.submit(TransferOp("storage_read", self._read_run(prefetch)))
 
     def _read_batch(self, prefetch: Prefetch, first: int, last: int) -> int:
-        """Read pages [first, last) of the hit into their host pages; how many leading ones verified."""
-        store, host = self.store, self.host.host
-        pages = prefetch.host_pages[first:last]
-        if host.layout == "page_first":
-            ok = store.get_pages_into(prefetch.hashes[first:last], [host.page_view(p) for p in pages])
-        else:
-            payloads = store.get_pages(prefetch.hashes[first:last])
-            ok = [p is not None for p in payloads]
-            for page, payload in zip(pages, payloads):
-                if payload is not None:
-                    host.write_page(page, payload)
-        return next((i for i, good in enumerate(ok) if not good), len(ok))
+        """Read this rank's pages among [first, last) of the hit into their host pages, every part; how
+        many leading pages of the range are good here (up to the first own page that did not verify in
+        every part; a later part reads only what the earlier ones verified)."""
+        host = self.host.host
+        own = [j for j in range(first, last) if host.owns(prefetch.host_pages[j])]
+        for store, part in self.parts:
+            pages = [prefetch.host_pages[j] for j in own]
+            hashes = [prefetch.hashes[j] for j in own]
+            if not own:
+                ok: list[bool] = []
+            elif part.host.layout == "page_first":
+                ok = store.get_pages_into(hashes, [part.view(p) for p in pages])
+            else:
+                payloads = store.get_pages(hashes)
+                ok = [p is not None for p in payloads]
+                for page, payload in zip(pages, payloads):
+                    if payload is not None:
+                        part.write(page, payload)
+            bad = next((j for j, good in zip(own, ok) if not good), None)
+            if bad is not None:
+                own = [j for j in own if j < bad]
+                last = bad
+        return last - first
 
     def _read_run(self, prefetch: Prefetch) -> Callable[[TransferOp], None]:
         consensus = self.consensus
@@ -301,14 +341,14 @@ class StorageTier:
             return Fetched()
         end_page = prefetch.start_page + completed
         tokens = prompt[: end_page * self.page_size]
-        rejected = self.tree.insert_host(tokens, prefetch.host_pages[:completed], namespace)
+        rejected = self.tree.insert_host(tokens, prefetch.host_pages[:completed], namespace, prefetch.rotation)
         if rejected:
             self.host.free(rejected)
             reason = PrefetchLoss.PREFIX_EVICTED if len(rejected) == completed else PrefetchLoss.ALREADY_CACHED
             self._lose(reason, len(rejected))
         inserted = completed - len(rejected)
         self.stats.prefetch.inserted += inserted
-        return Fetched(inserted, prefetch.start_page, end_page)
+        return Fetched(inserted, prefetch.start_page, end_page, prefetch.rotation)
 
     def cancel(self, rid: int) -> None:
         """The request went away before admission consumed its prefetch."""
@@ -330,8 +370,14 @@ class StorageTier:
 
     def snapshot(self) -> StorageTierStats:
         """A copy of the counters, with the store's own."""
-        return dataclasses.replace(copy.deepcopy(self.stats), store=self.store.stats)
+        return dataclasses.replace(copy.deepcopy(self.stats), store=_summed([store.stats for store, _ in self.parts]))
 
     def shutdown(self) -> None:
         self.worker.stop()
         self.store.backend.close()
+
+
+def _summed(stats: list[StorageStats]) -> StorageStats:
+    """The stores' counters together (with a draft part, a page is two objects)."""
+    fields = dataclasses.fields(StorageStats)
+    return StorageStats(**{f.name: sum(getattr(s, f.name) for s in stats) for f in fields})

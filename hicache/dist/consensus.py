@@ -2,7 +2,7 @@
 load ACKs, storage hit lengths, prefetch progress, stop decisions) decides how much to consume.
 
 - `agree_min(name, values)` (scheduler thread, at cache checks): the first pipeline stage takes the
-  element-wise MIN over its TP group (a dedicated gloo group, off the compute path) and sends the
+  element-wise MIN over its tree-sharing group, TP x CP (a dedicated gloo group, off the compute path) and sends the
   agreed values down the pipeline (`pp_sync`, non-blocking, with a bounded backlog of pending sends);
   every later stage receives them and forwards them instead of polling its own queues, then consumes
   exactly that prefix of its ACK queues (AckQueue.pop waits for a copy still running here; extra
@@ -60,7 +60,7 @@ class Consensus:
 
     @consensus_checked(params=("name",), results=("result",))
     def agree_min(self, name: str, values: Sequence[int]) -> list[int]:
-        """Element-wise MIN of `values` over the first stage's TP group; identical on every rank."""
+        """Element-wise MIN of `values` over the first stage's TP x CP ranks; identical on every rank."""
         if self._single:
             return list(values)
         self.count += 1
@@ -95,10 +95,10 @@ class Consensus:
 
     def _reduce_tp(self, name: str, name_hash: int, values: Sequence[int]) -> list[int]:
         n = len(values)
-        if self.pctx.tp_size == 1:
+        if self.pctx.tree_size == 1:
             return list(values)
         tensor = torch.tensor([*values, self.chain, -self.chain, name_hash, -name_hash], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.pctx.tp_cpu_group)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.pctx.tree_cpu_group)
         reduced = tensor.tolist()
         low_chain, high_chain, low_name, high_name = reduced[n:]
         where = f"agreement #{self.count} '{name}' on rank {self.pctx.rank} ({self.pctx.suffix})"

@@ -4,8 +4,9 @@ groups it talks on, over three named axes: pipeline (pp), context (cp) and tenso
 `Mesh` holds the axis sizes and the one rank formula; `ParallelContext` is one rank's place in it and its
 groups, one pair per axis. World size 1 is the default topology, not a special code path: every collective
 below is an identity when its group has one member, so the single-rank engine runs the same code as a
-TP/PP deployment. Context parallelism is laid out (its axis, groups and coordinates) but nothing runs with
-cp_size > 1 yet, so cp is absent from every user-facing name while it is 1.
+TP/PP deployment. Context parallelism (--cp-size) shares a stage's tree between its CP and TP ranks
+(`tree_cpu_group`, where cache decisions are agreed) and shards KV pages over the CP ranks
+(hicache/dist/placement.py); cp is absent from every user-facing name while it is 1.
 """
 
 from __future__ import annotations
@@ -73,24 +74,29 @@ class Mesh:
             rank, coords[axis] = divmod(rank, self.size(axis))
         return {axis: coords[axis] for axis in AXES}
 
-    def groups(self, axis: str) -> list[list[int]]:
-        """The ranks that differ only in `axis`, one list per setting of the other axes (in rank order of
+    def groups(self, *axes: str) -> list[list[int]]:
+        """The ranks that differ only in `axes`, one list per setting of the other axes (in rank order of
         their first member): a partition of every rank."""
-        others = [a for a in AXES if a != axis]
+        others = [a for a in AXES if a not in axes]
         groups = []
         for fixed in itertools.product(*(range(self.size(a)) for a in others)):
             coords = dict(zip(others, fixed))
-            groups.append([self.rank_of(**{**coords, axis: i}) for i in range(self.size(axis))])
+            varying = itertools.product(*(range(self.size(a)) for a in axes))
+            groups.append(sorted(self.rank_of(**coords, **dict(zip(axes, v))) for v in varying))
         return sorted(groups)
 
 
 @dataclass(frozen=True)
 class AxisGroups:
     """One axis's groups of a rank: `compute` carries activations (NCCL on GPUs), `cpu` (gloo) carries
-    small control messages, so agreement never queues behind a compute collective."""
+    small control messages, so agreement never queues behind a compute collective; `side` (compute
+    backend, cp and tp only) carries the KV page gathers that run on their own thread beside the
+    forward pass, since one group's collectives must be issued in one order, which two threads cannot
+    promise."""
 
     compute: Any
     cpu: Any
+    side: Any = None
 
 
 @dataclass(frozen=True)
@@ -114,6 +120,7 @@ class ParallelContext:
     axis_groups: Mapping[str, AxisGroups] = field(default_factory=dict, compare=False)
     world_group: Any = field(default=None, compare=False)
     storage_group: Any = field(default=None, compare=False)
+    stage_cpu_group: Any = field(default=None, compare=False)  # this stage's CP x TP ranks (cp > 1 only)
 
     def __post_init__(self) -> None:
         self.mesh.rank_of(**self.coords)  # refuses coordinates outside the mesh
@@ -136,14 +143,22 @@ class ParallelContext:
             if mesh.size(axis) == 1:
                 continue
             for ranks in mesh.groups(axis):
-                pair = AxisGroups(group(ranks, compute_backend), group(ranks, "gloo"))
+                side = group(ranks, compute_backend) if axis != "pp" else None
+                pair = AxisGroups(group(ranks, compute_backend), group(ranks, "gloo"), side)
                 if rank in ranks:
                     mine[axis] = pair
+        stage_cpu_group = None
+        if mesh.cp > 1:
+            for ranks in mesh.groups("cp", "tp"):
+                made = group(ranks, "gloo")
+                if rank in ranks:
+                    stage_cpu_group = made
         coords = mesh.coords_of(rank)
         return cls(
             tp_size=mesh.tp, tp_rank=coords["tp"], pp_size=mesh.pp, pp_rank=coords["pp"],
             cp_size=mesh.cp, cp_rank=coords["cp"],
             axis_groups=mine, world_group=world_group, storage_group=storage_group,
+            stage_cpu_group=stage_cpu_group,
         )  # fmt: skip
 
     # ---- coordinates ---------------------------------------------------------------------------
@@ -201,6 +216,21 @@ class ParallelContext:
         """This rank's gloo group along `axis` (None when the axis has one member)."""
         pair = self.axis_groups.get(axis)
         return pair.cpu if pair is not None else None
+
+    def side_group(self, axis: str) -> Any:
+        """This rank's KV-gather group along `axis` (cp or tp; None when the axis has one member)."""
+        pair = self.axis_groups.get(axis)
+        return pair.side if pair is not None else None
+
+    @property
+    def tree_size(self) -> int:
+        """Ranks that keep one radix tree in step: a stage's CP x TP ranks."""
+        return self.cp_size * self.tp_size
+
+    @property
+    def tree_cpu_group(self) -> Any:
+        """Those ranks, gloo: where cache decisions are agreed (MIN of ready ACK counts)."""
+        return self.stage_cpu_group if self.cp_size > 1 else self.tp_cpu_group
 
     @property
     def tp_group(self) -> Any:

@@ -1,11 +1,15 @@
 """Turns one step's work items (request, token range) into a ForwardBatch, runs this rank's part of the
 model on it (receiving and sending hidden states between pipeline stages), and samples next tokens
-on the sampling rank, which shares them with every rank (hicache/dist/pipeline.py)."""
+on the sampling rank, which shares them with every rank (hicache/dist/pipeline.py).
+
+`ModelRunner.step` is the scheduler's plain way of computing a step (`StepCompute`); speculative
+decoding (hicache/spec/) is the other, built on the same runner for the target and for its draft.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
 
 import torch
 
@@ -19,19 +23,51 @@ from hicache.model.llama import LlamaModel
 
 @dataclass(frozen=True)
 class WorkItem:
-    """Compute KV (and maybe logits) for tokens [start, end) of `req`'s sequence."""
+    """Compute KV (and maybe logits) for tokens [start, end) of `req`'s sequence, extended by `draft`:
+    tokens proposed after its known ones (speculative decoding), which rows past the sequence read."""
 
     req: Request
     start: int
     end: int
+    draft: tuple[int, ...] = ()
+    logit_rows: int | None = None  # logits of this many last rows; None: of the last if it needs them
 
     @property
     def needs_logits(self) -> bool:
         # The chunk reaches the last known token: its logits give the next token.
-        return self.end == self.req.prompt_len + len(self.req.output_ids)
+        return self.end == self.req.prompt_len + len(self.req.output_ids) + len(self.draft)
+
+    @property
+    def num_logit_rows(self) -> int:
+        return (1 if self.needs_logits else 0) if self.logit_rows is None else self.logit_rows
+
+    def token(self, index: int) -> int:
+        known = self.req.prompt_len + len(self.req.output_ids)
+        return self.req.token(index) if index < known else self.draft[index - known]
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one work item's step gave: the handle advances to `computed`, then truncates to `kept`
+    (below it: rejected speculative rows), and `tokens` are appended in order."""
+
+    computed: int
+    kept: int
+    tokens: list[tuple[int, TokenLogprob | None]] = field(default_factory=list)
+
+
+class StepCompute(Protocol):
+    """How the scheduler computes a step's work: `ModelRunner` (plain), or speculative decoding."""
+
+    speculative: bool
+
+    def step(self, work: list[WorkItem], before_layer: Callable[[int], None] | None) -> list[StepOutput]:
+        """One output per item, in order."""
 
 
 class ModelRunner:
+    speculative = False
+
     def __init__(self, model: LlamaModel, pool: DeviceKVPool) -> None:
         self.model = model
         self.pool = pool
@@ -48,10 +84,9 @@ class ModelRunner:
             kv_slots = self.pool.allocator.slots(r.kv.pages, e)
             seqs.append(SeqSlice(len(ids), e - s, kv_slots.to(self.pool.device)))
             out_slots.append(kv_slots[s:e])
-            ids.extend(r.token(i) for i in range(s, e))
+            ids.extend(item.token(i) for i in range(s, e))
             positions.extend(range(s, e))
-            if item.needs_logits:
-                logit_rows.append(len(ids) - 1)
+            logit_rows.extend(range(len(ids) - item.num_logit_rows, len(ids)))
         dev = self.pool.device
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
@@ -73,6 +108,11 @@ class ModelRunner:
             self.link.send_hidden(out)
             return None
         return out.cpu()
+
+    def step(self, work: list[WorkItem], before_layer: Callable[[int], None] | None = None) -> list[StepOutput]:
+        """The plain step: one forward pass, the next token of every item reaching its sequence's end."""
+        samples = iter(self.sample(self.forward(work, before_layer), work))
+        return [StepOutput(i.end, i.end, [next(samples)] if i.needs_logits else []) for i in work]
 
     def sample(self, logits: torch.Tensor | None, work: list[WorkItem]) -> list[tuple[int, TokenLogprob | None]]:
         """The next token (and logprobs) of every item needing logits, in order, on every rank."""

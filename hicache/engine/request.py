@@ -66,6 +66,27 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class Bootstrap:
+    """Where the two halves of a prefill-decode request meet (hicache/disagg/): the prefill server's KV
+    transfer endpoint (rank r at port + r) and the room both servers name the request by. `hicache
+    router` sets it on both copies of the request."""
+
+    host: str
+    port: int
+    room: int
+
+
+@dataclass(frozen=True)
+class DisaggUsage:
+    """A decode server's account of one request's KV: the page-aligned prefix it served from its own
+    tree (by tier) and the prompt tokens whose KV came from prefill."""
+
+    decode_prefix_tokens: int
+    decode_prefix_by_tier: dict[str, int]
+    transferred_tokens: int
+
+
+@dataclass(frozen=True)
 class RequestEvent:
     """New output of one request in one step; the last event of a request has `finish_reason` set."""
 
@@ -76,6 +97,8 @@ class RequestEvent:
     matched_stop: str | int | None = None
     cached_tokens_by_tier: dict[str, int] | None = None  # set on the first event
     error: str | None = None
+    spec_tokens: tuple[int, int] | None = None  # (proposed, accepted) draft tokens: last event, speculative only
+    disagg: DisaggUsage | None = None  # first event of a P/D decode request
 
 
 _rids = itertools.count(1)
@@ -93,6 +116,10 @@ class Request:
     aborted: bool = False
     generator: torch.Generator | None = None
     first_event_sent: bool = False
+    prompt_shared: bool = False  # its prompt's pages are in the tree
+    spec_proposed: int = 0  # draft tokens proposed for it (speculative decoding) ...
+    spec_accepted: int = 0  # ... and accepted by the target's verification
+    bootstrap: Bootstrap | None = None  # a prefill-decode request's meeting point
 
     @property
     def prompt_len(self) -> int:

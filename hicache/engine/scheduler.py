@@ -22,10 +22,10 @@ from collections import deque
 
 import torch
 
-from hicache.cache.api import KVCache
+from hicache.cache.api import KVCache, KVState
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker, consensus_checked
-from hicache.engine.model_runner import ModelRunner, WorkItem
+from hicache.engine.model_runner import ModelRunner, StepCompute, WorkItem
 from hicache.engine.request import FinishReason, Request, RequestEvent, TokenLogprob
 from hicache.errors import RequestTooLargeError
 from hicache.model.tokenizer import Tokenizer
@@ -84,10 +84,14 @@ class Scheduler:
         tokenizer: Tokenizer,
         context_length: int,
         checker: ConsensusChecker | None = None,
+        compute: StepCompute | None = None,
     ) -> None:
+        """`compute`: how a step's work is computed (speculative decoding, hicache/spec/); the runner's
+        plain forward pass by default."""
         self.cfg = cfg
         self.checker = checker if checker is not None else ConsensusChecker(env={})
         self.runner = runner
+        self.compute: StepCompute = compute if compute is not None else runner
         self.cache = cache
         self.tokenizer = tokenizer
         self.context_length = context_length
@@ -123,17 +127,20 @@ class Scheduler:
         self.checker.checkpoint()
         if not work:
             return events
-        logits = self.runner.forward(work, self.cache.before_layer())
-        samples = iter(self.runner.sample(logits, work))
-        for item in work:
+        for item, out in zip(work, self.compute.step(work, self.cache.before_layer())):
             req = item.req
-            needs_logits = item.needs_logits
-            req.kv.advance(item.end)
-            if item.end == req.prompt_len and not req.output_ids:
-                self.cache.cache_prefix(req.kv, req.prompt_ids)  # share the prompt with requests arriving meanwhile
-            if needs_logits:
-                token, logprob = next(samples)
+            req.kv.advance(out.computed)
+            if out.kept < out.computed:
+                req.kv.truncate(out.kept)  # rejected speculative rows, in every pool the handle covers
+            if not req.prompt_shared and req.kv.valid_len >= req.prompt_len:
+                # Share the prompt with requests arriving meanwhile, once every pool holds it (a
+                # speculative draft may catch up on it a step later).
+                self.cache.cache_prefix(req.kv, req.prompt_ids)
+                req.prompt_shared = True
+            for token, logprob in out.tokens:
                 events.append(self._append_token(req, token, logprob))
+                if events[-1].finish_reason is not None:
+                    break  # tokens a speculative step accepted past a stop are dropped
         return events
 
     def _drop_aborted(self) -> list[RequestEvent]:
@@ -175,11 +182,11 @@ class Scheduler:
         return work
 
     def _prefix_in_flight(self, req: Request) -> bool:
-        """True if a request still in prefill is computing (beyond what it found cached) a prefix of at
-        least IN_BATCH_PREFIX_MIN_TOKENS that `req` shares. Waiting costs nothing: that prefill is the
-        work the engine does meanwhile, and the next step finds the prefix in the tree."""
+        """True if a request whose prompt is not in the tree yet is computing (beyond what it found
+        cached) a prefix of at least IN_BATCH_PREFIX_MIN_TOKENS that `req` shares. Waiting costs nothing:
+        that prefill is the work the engine does meanwhile, and a next step finds the prefix in the tree."""
         for other in self.running:
-            if not other.in_prefill or other.namespace != req.namespace:
+            if other.prompt_shared or other.namespace != req.namespace:
                 continue
             shared = common_prefix_len(req.prompt_ids, other.prompt_ids)
             if shared - other.cached_tokens >= IN_BATCH_PREFIX_MIN_TOKENS:
@@ -206,6 +213,7 @@ class Scheduler:
             finish_reason=reason,
             matched_stop=matched,
             cached_tokens_by_tier=first,
+            spec_tokens=(req.spec_proposed, req.spec_accepted) if reason and self.compute.speculative else None,
         )
 
     def _stop_reason(self, req: Request, token: int) -> tuple[FinishReason | None, str | int | None]:
@@ -230,7 +238,12 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         """Finished, aborted or never admitted: the cache keeps what it computed and takes the rest back."""
-        self.cache.release(req.kv, req.tokens(req.kv.kv_len))
+        kv = req.kv
+        if kv.state is KVState.READY:
+            # Only what every pool holds, up to the sequence's end, is shared: not speculative rows
+            # computed past a stop, nor a last accepted token the draft has not computed yet.
+            kv.truncate(max(kv.committed_len, min(kv.valid_len, req.prompt_len + len(req.output_ids))))
+        self.cache.release(kv, req.tokens(kv.kv_len))
 
     def abort_all(self, reason: FinishReason, message: str) -> list[RequestEvent]:
         """End every request now, releasing its pages and locks (after a failed step, or at shutdown)."""
@@ -255,3 +268,6 @@ class Scheduler:
         """Problems a flush should have left none of: pages not back in the pool, nodes still locked,
         pages still promised."""
         return self.cache.leak_report()
+
+    def close(self) -> None:
+        """Stop what this scheduler started besides the cache (a P/D role's transfer endpoint)."""

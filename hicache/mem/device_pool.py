@@ -1,15 +1,29 @@
 """Device KV pool: per-layer buffers of token rows, indexed by logical slot.
 
-At one rank a logical slot is its row. Only this class (and the host pool's copy boundary) maps slots
-to memory, so a sharded placement (CP) changes this file, not the tree or the scheduler.
+Only this class (and the host pool's copy boundary) maps slots to memory. At one rank a logical slot
+is its row. With pages sharded over N ranks (hicache/dist/placement.py) each rank's buffers hold only
+the pages it owns, `num_pages` local pages (local page 0 its padding page); a write keeps the slots
+this rank owns and translates them to local rows, and the attention backend reads other ranks' pages
+through an all-gather of local pages (`pages_of_layer`).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from hicache.mem.allocator import PageAllocator
 from hicache.mem.kv_layout import KVLayout
+
+
+@dataclass(frozen=True)
+class OwnedSlots:
+    """Which of a list of logical slots this rank holds (`index` into the list; None: all) and at what
+    local rows."""
+
+    index: torch.Tensor | None
+    rows: torch.Tensor
 
 
 class DeviceKVPool:
@@ -21,28 +35,77 @@ class DeviceKVPool:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        shards: int = 1,
+        shard_rank: int = 0,
+        gather_pages: int | None = None,
     ) -> None:
+        """`num_pages`: this rank's pages; `shards`, `shard_rank`: the sharding of pages (1, 0: none);
+        `gather_pages`: pages per owner class one layer's gather of sharded pages may hold (its scratch
+        buffers' size; None: a whole layer of the logical pool)."""
         self.layout = layout
         self.num_layers = num_layers
         self.page_size = page_size
         self.dtype = dtype
         self.device = device
-        self.allocator = PageAllocator(num_pages, page_size)
-        self.capacity_tokens = num_pages * page_size
-        self.buffers = [
-            torch.zeros(self.capacity_tokens, layout.row_numel, dtype=dtype, device=device) for _ in range(num_layers)
-        ]
+        self.allocator = PageAllocator(num_pages, page_size, shards)
+        self.placement = self.allocator.placement
+        self.shard_rank = shard_rank
+        self.local_pages = num_pages
+        self.gather_pages = gather_pages
+        self.capacity_tokens = self.allocator.num_pages * page_size  # logical, over every shard
+        self.buffers = [torch.zeros(num_pages * page_size, layout.row_numel, dtype=dtype, device=device)
+                        for _ in range(num_layers)]  # fmt: skip
+
+    @property
+    def sharded(self) -> bool:
+        return self.placement.shards > 1
 
     @property
     def bytes_per_token(self) -> int:
         return self.layout.row_numel * self.num_layers * self.buffers[0].element_size()
 
+    def resident_bytes(self) -> int:
+        """Bytes of KV this rank holds for allocated pages (its own class only when sharded)."""
+        used = self.allocator.used_by_class()[self.shard_rank]
+        return used * self.page_size * self.bytes_per_token
+
     def pages_of_layer(self, layer: int) -> torch.Tensor:
-        """Layer `layer` as a [pages, page_size * row] view: the unit tier copies move."""
-        return self.buffers[layer].view(self.allocator.num_pages, -1)
+        """Layer `layer` as a [local pages, page_size * row] view: the unit tier copies move."""
+        return self.buffers[layer].view(self.local_pages, -1)
+
+    def owned(self, slots: torch.Tensor) -> OwnedSlots:
+        """The slots of `slots` this rank stores, and their local rows (all of them when unsharded)."""
+        if not self.sharded:
+            return OwnedSlots(None, slots)
+        index = (self.placement.owners(slots) == self.shard_rank).nonzero().flatten()
+        return OwnedSlots(index, self.placement.local_rows(slots[index]))
+
+    def write_rows(self, layer: int, where: OwnedSlots, rows: torch.Tensor) -> None:
+        """Store packed rows [len(slots), width] of the slots `where` was made from (this rank's only)
+        in a row's first `width` columns: attention's components lead the row, and state beside them
+        (written by the layer owning it) follows."""
+        mine = rows if where.index is None else rows.index_select(0, where.index)
+        dst = self.buffers[layer] if rows.shape[1] == self.layout.row_numel else self.buffers[layer][:, : rows.shape[1]]
+        dst.index_copy_(0, where.rows, mine.to(self.dtype))
+
+    def read_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """Packed rows of slots this rank holds."""
+        if self.sharded:
+            slots = self.placement.local_rows(slots)
+        return self.buffers[layer].index_select(0, slots)
 
     def write(self, layer: int, slots: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
-        self.buffers[layer].index_copy_(0, slots, self.layout.pack(parts).to(self.dtype))
+        """Write the given components of rows `slots` (this rank's only); a layout with state beside the
+        KV is written by several callers (attention writes K and V, the layer owning the state writes it)."""
+        where = self.owned(slots)
+        if len(parts) == len(self.layout.components):
+            self.write_rows(layer, where, self.layout.pack(parts))
+            return
+        for name, value in parts.items():
+            offset, numel = self.layout.span(name)
+            rows = value.reshape(value.shape[0], numel)
+            mine = rows if where.index is None else rows.index_select(0, where.index)
+            self.buffers[layer][:, offset : offset + numel].index_copy_(0, where.rows, mine.to(self.dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
-        return self.layout.unpack(self.buffers[layer].index_select(0, slots))
+        return self.layout.unpack(self.read_rows(layer, slots))

@@ -9,9 +9,17 @@ Layouts (`--hicache-mem-layout`):
 Copies between tiers go through `backup` (device -> host) and `load_layer` (host -> device, one layer at
 a time, so a forward pass can start on layer 0 while later layers are still loading). On CUDA the buffer
 is pinned so the copies can run asynchronously on a side stream.
+
+With pages sharded over N ranks (hicache/dist/placement.py) the host pool is sharded the same way: a
+host page's owner class is that of the device page it backs up (the host tier allocates it so), and
+each rank holds, copies and serves only its own pages, about 1/N of the bytes. The copy boundary is
+here: callers pass logical page ids, this rank keeps its own (device, host) pairs and translates both
+to local pages, so the ranks move distinct shards concurrently through their own paths.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -22,15 +30,27 @@ LAYOUTS = ("page_first", "layer_first")
 
 
 class HostKVPool:
-    def __init__(self, device_pool: DeviceKVPool, num_pages: int, layout: str = "page_first") -> None:
+    def __init__(
+        self,
+        device_pool: DeviceKVPool,
+        num_pages: int,
+        layout: str = "page_first",
+        num_layers: int | None = None,
+        allocator: PageAllocator | None = None,
+    ) -> None:
+        """`num_layers`: more than the device pool's when another pool's layers are appended (a packed
+        draft, host_group.py); `allocator`: another pool's, whose page ids this one follows."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown host layout {layout!r}")
         self.layout = layout
         self.page_size = device_pool.page_size
-        self.num_layers = device_pool.num_layers
+        self.num_layers = num_layers or device_pool.num_layers
         self.row = device_pool.layout.row_numel
         self.dtype = device_pool.dtype
-        self.allocator = PageAllocator(num_pages, self.page_size)
+        self.allocator = allocator or PageAllocator(num_pages, self.page_size, device_pool.placement.shards)
+        self.placement = self.allocator.placement
+        self.shard_rank = device_pool.shard_rank
+        self.local_pages = num_pages
         pin = device_pool.device.type == "cuda"
         shape = (
             (num_pages, self.num_layers, self.page_size, self.row)
@@ -38,17 +58,22 @@ class HostKVPool:
             else (self.num_layers, num_pages * self.page_size, self.row)
         )
         self.buffer = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
-        self.capacity_tokens = num_pages * self.page_size
+        self.capacity_tokens = self.allocator.num_pages * self.page_size  # logical, over every shard
 
     @property
     def page_bytes(self) -> int:
         return self.num_layers * self.page_size * self.row * self.buffer.element_size()
 
+    @property
+    def parts(self) -> list[PagePart]:
+        """What storage keeps of a page: one object, every layer (host_group.py splits a grouped page)."""
+        return [PagePart("", self, range(self.num_layers))]
+
     def _host_pages_of_layer(self, layer: int) -> torch.Tensor:
         """Layer `layer` of every host page as a [pages, page_size * row] view (strided for page_first)."""
         if self.layout == "page_first":
             return self.buffer[:, layer].flatten(1)
-        return self.buffer[layer].view(self.allocator.num_pages, -1)
+        return self.buffer[layer].view(self.local_pages, -1)
 
     def _copy(self, dst: torch.Tensor, dst_pages: list[int], src: torch.Tensor, src_pages: list[int]) -> None:
         """dst[dst_pages[i]] = src[src_pages[i]] for [pages, page_bytes] views. Runs of consecutive pages
@@ -63,38 +88,105 @@ class HostKVPool:
         for d0, s0, k in runs:
             dst[d0 : d0 + k].copy_(src[s0 : s0 + k], non_blocking=True)
 
-    def backup(self, device: DeviceKVPool, device_pages: list[int], host_pages: list[int]) -> None:
-        """Copy whole pages device -> host, every layer."""
-        for layer in range(self.num_layers):
-            self._copy(self._host_pages_of_layer(layer), host_pages, device.pages_of_layer(layer), device_pages)
+    def owns(self, host_page: int) -> bool:
+        """Whether this rank holds logical host page `host_page`."""
+        return self.placement.owner(host_page) == self.shard_rank
 
-    def load_layer(self, device: DeviceKVPool, layer: int, host_pages: list[int], device_pages: list[int]) -> None:
-        """Copy one layer of whole pages host -> device."""
-        self._copy(device.pages_of_layer(layer), device_pages, self._host_pages_of_layer(layer), host_pages)
+    def _local(self, host_page: int) -> int:
+        if not self.owns(host_page):
+            raise ValueError(f"host page {host_page} belongs to shard rank {self.placement.owner(host_page)}")
+        return self.placement.local_page(host_page)
 
-    def page_payload(self, host_page: int) -> bytes:
-        """One page, every layer, as bytes in page_first order (the storage object's payload)."""
+    def _own_pairs(self, device_pages: list[int], host_pages: list[int]) -> tuple[list[int], list[int]]:
+        """This rank's (device, host) page pairs as local pages. A pair's pages share an owner class."""
+        if self.placement.shards == 1:
+            return device_pages, host_pages
+        mine = [(d, h) for d, h in zip(device_pages, host_pages) if self.owns(h)]
+        assert all(self.placement.owner(d) == self.shard_rank for d, _ in mine), "a page would change owner"
+        local = self.placement.local_page
+        return [local(d) for d, _ in mine], [local(h) for _, h in mine]
+
+    def backup(
+        self, device: DeviceKVPool, device_pages: list[int], host_pages: list[int], first_layer: int = 0
+    ) -> None:
+        """Copy whole pages device -> host, every layer of `device`, to host layers from `first_layer`
+        (this rank's pairs)."""
+        d, h = self._own_pairs(device_pages, host_pages)
+        for layer in range(device.num_layers):
+            self._copy(self._host_pages_of_layer(first_layer + layer), h, device.pages_of_layer(layer), d)
+
+    def load_layer(
+        self, device: DeviceKVPool, layer: int, host_pages: list[int], device_pages: list[int], first_layer: int = 0
+    ) -> None:
+        """Copy one layer of whole pages host -> device (host layer `first_layer + layer`; this rank's
+        pairs)."""
+        d, h = self._own_pairs(device_pages, host_pages)
+        self._copy(device.pages_of_layer(layer), d, self._host_pages_of_layer(first_layer + layer), h)
+
+    def resident_bytes(self) -> int:
+        """Bytes of KV this rank holds for allocated host pages (its own class only when sharded)."""
+        return self.allocator.used_by_class()[self.shard_rank] * self.page_bytes
+
+    def _page(self, host_page: int, layers: range | None) -> torch.Tensor:
+        """Layers `layers` (all by default) of one of this rank's pages: [layers, page_size, row]."""
+        host_page = self._local(host_page)
+        a, b = (0, self.num_layers) if layers is None else (layers.start, layers.stop)
         if self.layout == "page_first":
-            page = self.buffer[host_page]
-        else:
-            s = host_page * self.page_size
-            page = self.buffer[:, s : s + self.page_size]
-        return page.contiguous().view(torch.uint8).numpy().tobytes()
+            return self.buffer[host_page, a:b]
+        s = host_page * self.page_size
+        return self.buffer[a:b, s : s + self.page_size]
 
-    def page_view(self, host_page: int) -> memoryview:
-        """A writable byte view of one page (page_first only), so storage reads land in place."""
+    def page_bytes_of(self, layers: range) -> int:
+        return len(layers) * self.page_size * self.row * self.buffer.element_size()
+
+    def page_payload(self, host_page: int, layers: range | None = None) -> bytes:
+        """One page (its layers `layers`, all by default) as bytes in page_first order (the storage
+        object's payload)."""
+        return self._page(host_page, layers).contiguous().view(torch.uint8).numpy().tobytes()
+
+    def page_view(self, host_page: int, layers: range | None = None) -> memoryview:
+        """A writable byte view of one page's layers (page_first only), so storage reads land in place."""
         assert self.layout == "page_first"
-        return memoryview(self.buffer[host_page].view(torch.uint8).reshape(-1).numpy())
+        return memoryview(self._page(host_page, layers).view(torch.uint8).reshape(-1).numpy())
 
-    def write_page(self, host_page: int, payload: bytes | memoryview) -> None:
+    def write_page(self, host_page: int, payload: bytes | memoryview, layers: range | None = None) -> None:
         """Inverse of `page_payload`."""
+        dst = self._page(host_page, layers)
         src = torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(self.dtype)
-        src = src.view(self.num_layers, self.page_size, self.row)
-        if self.layout == "page_first":
-            self.buffer[host_page].copy_(src)
-        else:
-            s = host_page * self.page_size
-            self.buffer[:, s : s + self.page_size].copy_(src)
+        dst.copy_(src.view(dst.shape))
+
+
+@dataclass(frozen=True)
+class PagePart:
+    """The unit of storage: layers `layers` of one host pool, one object per page. `name` is "" for the
+    target's part (its keys are those of a cache without a draft) and "draft" for the draft's."""
+
+    name: str
+    host: HostKVPool
+    layers: range
+    identity: str | None = None  # the model whose state this is; None: the cache's target model
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.host.page_bytes_of(self.layers)
+
+    @property
+    def row_layout(self) -> str:
+        """What a stored page's bytes are, for the storage namespace."""
+        return f"page_rows:{self.host.row}x{len(self.layers)}"
+
+    @property
+    def dtype_name(self) -> str:
+        return str(self.host.dtype).removeprefix("torch.")
+
+    def payload(self, host_page: int) -> bytes:
+        return self.host.page_payload(host_page, self.layers)
+
+    def view(self, host_page: int) -> memoryview:
+        return self.host.page_view(host_page, self.layers)
+
+    def write(self, host_page: int, payload: bytes | memoryview) -> None:
+        self.host.write_page(host_page, payload, self.layers)
 
 
 def _runs(dst: list[int], src: list[int]) -> list[tuple[int, int, int]]:

@@ -1,7 +1,9 @@
 """What one token's KV is made of, per layer, independent of the attention flavour.
 
 A pool stores one row per token slot per layer; the layout names the components packed into that row.
-MHA/GQA has K and V of shape (kv_heads, head_dim); an MLA model would have a single latent component.
+MHA/GQA has K and V of shape (kv_heads, head_dim); MLA has one latent vector (and its rotary key part);
+state that lives beside the KV per token (an indexer key, a token-shift or convolution state) is one
+more component, written by the layer that owns it.
 Pools, host tiers and storage only ever move whole rows, so they never need to know the flavour.
 """
 
@@ -31,9 +33,28 @@ class KVLayout:
     def mha(cls, kv_heads: int, head_dim: int) -> "KVLayout":
         return cls((KVComponent("k", (kv_heads, head_dim)), KVComponent("v", (kv_heads, head_dim))))
 
+    @classmethod
+    def mla(cls, latent_dim: int, rope_dim: int) -> "KVLayout":
+        """MLA (DeepSeek-style): one compressed latent vector per token and the shared rotary key part;
+        the same bytes serve every attention head, so every attention-TP rank would hold the same row."""
+        return cls((KVComponent("latent", (latent_dim,)), KVComponent("rope", (rope_dim,))))
+
     @property
     def row_numel(self) -> int:
         return sum(c.numel for c in self.components)
+
+    def span(self, name: str) -> tuple[int, int]:
+        """(offset, numel) of component `name` within a row."""
+        offset = 0
+        for c in self.components:
+            if c.name == name:
+                return offset, c.numel
+            offset += c.numel
+        raise KeyError(f"no KV component {name!r} in {[c.name for c in self.components]}")
+
+    def describe(self) -> str:
+        """The row's components and shapes, e.g. "k(2, 32)+v(2, 32)": what `packed` compares."""
+        return "+".join(f"{c.name}{c.shape}" for c in self.components)
 
     def pack(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         """[T, *shape] per component -> [T, row_numel]."""

@@ -1,22 +1,29 @@
 """Attention backends: how a layer's queries reach the KV of their sequences.
 
-A backend writes the step's new K/V into the pool and attends each sequence's queries over its KV
-slots. `prepare` runs once per forward pass and builds what every layer reuses (slot tables padded
-for invariance, masks); `forward` runs per layer. `local` reads one rank's own pool; a
-context-parallel backend (gathering sharded pages) or an MLA backend (a latent KV) plugs in beside
-it through `ATTENTION_BACKENDS`, without edits to the model.
+A backend writes the step's new KV rows (packed as the pool's layout packs them) into the pool and
+attends each sequence's queries over its KV. `prepare` runs once per forward pass and builds what every
+layer reuses (slot tables padded for invariance, masks); `forward` runs per layer and turns the rows
+it attends over into keys and values with the model's `expand` (GQA: unpack K and V; MLA: project the
+latent vector), so one backend serves both KV flavours. `local` reads one rank's own pool; `gathered`
+(hicache/model/cp_attention.py) attends over pages sharded across ranks, gathered layer by layer, and
+decides which of the step's rows this rank computes (`local_rows`, `collect`). The model picks one
+through `ATTENTION_BACKENDS` and is the same code for both.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Callable, Protocol
 
 import torch
 
+from hicache.dist.placement import KVSharding
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model import ops
 from hicache.model.batch import ForwardBatch
+
+# Packed KV rows [L, row] -> keys [L, Hkv, d] and values [L, Hkv, dv] of this rank's heads.
+Expand = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 # Prefill queries are attended in pieces of this many rows (a multiple of ops.Q_ALIGN), each over
 # only the keys it can see: a masked kernel does not skip key blocks above the diagonal, so this
@@ -64,24 +71,44 @@ class LocalMetadata:
 
 
 class AttentionBackend(Protocol):
-    def prepare(self, batch: ForwardBatch) -> object:
+    def prepare(self, batch: ForwardBatch, pool: DeviceKVPool) -> Any:
         """Per-forward data every layer reuses; called once before the first layer."""
 
+    def local_rows(self, meta: Any) -> torch.Tensor | None:
+        """Which of the batch's rows this rank computes (None: all of them)."""
+
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: object, pool: DeviceKVPool
+        self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: Any, pool: DeviceKVPool, expand: Expand
     ) -> torch.Tensor:
-        """Writes k, v [T, Hkv, d] of the step's tokens into `pool` at layer `layer` (local index),
-        then returns the attention output [T, H, d] of q [T, H, d]."""
+        """Writes the packed KV rows `kv` [T', row] of this rank's rows of the step into `pool` at layer
+        `layer` (local index), then returns the attention output [T', H, dv] of their q [T', H, d]."""
+
+    def collect(self, hidden: torch.Tensor, meta: Any) -> torch.Tensor:
+        """This rank's rows' output -> every row of the batch (the identity when it computed them all)."""
+
+    def close(self, meta: Any) -> None:
+        """The forward pass ended, done or failed (background work of `meta` stops)."""
 
 
 class LocalAttention:
     """Attention over this rank's own pool: each sequence's KV is in its slots, in position order."""
 
-    def __init__(self, scale: float, device: torch.device) -> None:
+    def __init__(
+        self, scale: float, device: torch.device, pctx: object = None, sharding: KVSharding | None = None
+    ) -> None:
         self.scale = scale
         self.device = device
 
-    def prepare(self, batch: ForwardBatch) -> LocalMetadata:
+    def local_rows(self, meta: LocalMetadata) -> None:
+        return None
+
+    def collect(self, hidden: torch.Tensor, meta: LocalMetadata) -> torch.Tensor:
+        return hidden
+
+    def close(self, meta: LocalMetadata) -> None:
+        pass
+
+    def prepare(self, batch: ForwardBatch, pool: DeviceKVPool | None = None) -> LocalMetadata:
         decode = [s for s in batch.seqs if s.length == 1]
         if len(decode) < 2:  # a lone decode token is a one-row sequence like any other
             decode = []
@@ -118,25 +145,46 @@ class LocalAttention:
         )
 
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: LocalMetadata, pool: DeviceKVPool
+        self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: LocalMetadata, pool: DeviceKVPool, expand: Expand
     ) -> torch.Tensor:
-        pool.write(layer, meta.out_slots, {"k": k, "v": v})
-        out = torch.empty_like(q)
+        pool.write_rows(layer, pool.owned(meta.out_slots), kv)
+        out: torch.Tensor | None = None
         group = meta.decode
         if group is not None:
-            kv = pool.read(layer, group.slots)
+            k, v = expand(pool.read_rows(layer, group.slots))
             B = group.rows.shape[0]
-            keys = kv["k"].view(B, group.length, *kv["k"].shape[1:]).transpose(1, 2)
-            values = kv["v"].view(B, group.length, *kv["v"].shape[1:]).transpose(1, 2)
-            out[group.rows] = ops.attention(q[group.rows].unsqueeze(2), keys, values, group.mask, self.scale)[:, :, 0]
+            keys = k.view(B, group.length, *k.shape[1:]).transpose(1, 2)
+            values = v.view(B, group.length, *v.shape[1:]).transpose(1, 2)
+            got = ops.attention(q[group.rows].unsqueeze(2), keys, values, group.mask, self.scale)[:, :, 0]
+            out = _into(out, q, got.shape[-1])
+            out[group.rows] = got
         for plan in meta.seqs:
-            kv = pool.read(layer, plan.slots)
+            k, v = expand(pool.read_rows(layer, plan.slots))
             for p in plan.pieces:
-                keys = kv["k"][: p.keys].transpose(0, 1).unsqueeze(0)
-                values = kv["v"][: p.keys].transpose(0, 1).unsqueeze(0)
-                rows = q[p.start : p.stop].transpose(0, 1).unsqueeze(0)
-                out[p.start : p.stop] = ops.attention(rows, keys, values, p.mask, self.scale)[0].transpose(0, 1)
-        return out
+                got = attend_piece(q[p.start : p.stop], k, v, p, self.scale)
+                out = _into(out, q, got.shape[-1])
+                out[p.start : p.stop] = got
+        return _into(out, q, q.shape[-1])
 
 
-ATTENTION_BACKENDS = {"local": LocalAttention}
+def _into(out: torch.Tensor | None, q: torch.Tensor, dv: int) -> torch.Tensor:
+    """The output buffer [T, H, dv] (values may be narrower than queries: MLA's rope part)."""
+    return out if out is not None else q.new_zeros(*q.shape[:2], dv)
+
+
+def attend_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Piece, scale: float) -> torch.Tensor:
+    """Queries q [n, H, d] of one piece over the first piece.keys of one sequence's keys and values
+    [L, Hkv, d|dv] (position order, padded): [n, H, dv]."""
+    keys = k[: piece.keys].transpose(0, 1).unsqueeze(0)
+    values = v[: piece.keys].transpose(0, 1).unsqueeze(0)
+    rows = q.transpose(0, 1).unsqueeze(0)
+    return ops.attention(rows, keys, values, piece.mask, scale)[0].transpose(0, 1)
+
+
+def _gathered(*args: Any, **kwargs: Any) -> Any:
+    from hicache.model.cp_attention import GatheredAttention  # it builds on the helpers above
+
+    return GatheredAttention(*args, **kwargs)
+
+
+ATTENTION_BACKENDS: dict[str, Callable[..., Any]] = {"local": LocalAttention, "gathered": _gathered}

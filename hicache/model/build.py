@@ -11,11 +11,18 @@ from __future__ import annotations
 import torch
 
 from hicache.dist.parallel import ParallelContext
+from hicache.dist.placement import kv_sharding
 from hicache.model import ops
 from hicache.model.calibration import LinearPlanner, NoInvariantPlan
 from hicache.model.config import LoadedModel
 from hicache.model.invariance import InvarianceReport, mechanisms, self_check
 from hicache.model.llama import LlamaModel, PlanFor
+from hicache.model.shift import ARCHITECTURE as TOKEN_SHIFT
+from hicache.model.shift import TokenShiftModel
+
+# LoadedModel.extra["architecture"] -> the decoder class (a Llama unless a loader says otherwise).
+ARCHITECTURES: dict[str, type[LlamaModel]] = {"llama": LlamaModel, TOKEN_SHIFT: TokenShiftModel}
+from hicache.model.mla import MLAConfig, MLAModel
 
 
 def build_decoder(
@@ -25,9 +32,14 @@ def build_decoder(
     measure what invariance costs; it is not checked (its report says so)."""
 
     ops.configure_device(device)
+    if isinstance(loaded.config, MLAConfig):
+        decoder: type[LlamaModel] = MLAModel
+    else:
+        decoder = ARCHITECTURES[str(loaded.extra.get("architecture", "llama"))]
+    sharding = kv_sharding(pctx, decoder.replicated_over_tp)
 
     def build(plan_for: PlanFor) -> LlamaModel:
-        return LlamaModel(loaded.config, loaded.weights, pctx, dtype, device, plan_for)
+        return decoder(loaded.config, loaded.weights, pctx, dtype, device, plan_for, sharding)
 
     if not invariant:
         model = build(lambda w: ops.PLAIN)

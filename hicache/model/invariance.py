@@ -105,7 +105,9 @@ def self_check(model: DecoderModel) -> InvarianceReport:
     chunked and batched, on this machine, device and dtype."""
     started = time.perf_counter()
     pages = 3 * REGION // 16
-    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, pages, 16, model.dtype, model.device)
+    sharding = model.kv_sharding  # with pages sharded the probe runs on the ranks' gathered backend too
+    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, pages, 16, model.dtype, model.device,
+                        sharding.size, sharding.rank)  # fmt: skip
     inputs = probe_inputs(model, PROBE_LEN, seed=0)
     other = probe_inputs(model, 1, seed=1)
     cuts = list(torch.tensor(PROBE_CHUNKS).cumsum(0).tolist())

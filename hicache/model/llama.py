@@ -7,7 +7,10 @@ model.
 
 The forward pass is varlen: requests' new tokens are concatenated, linear layers run once over all of
 them, and the attention backend attends each request over the KV slots it owns in the pool. Every
-GEMM, attention kernel and cross-rank sum goes through the batch-invariant ops (ops.py).
+GEMM, attention kernel and cross-rank sum goes through the batch-invariant ops (ops.py). With KV pages
+sharded over ranks (context parallelism) the backend is the gathered one (cp_attention.py): it says
+which of the step's rows this rank computes and collects every rank's rows after the last layer; the
+model itself is the same code.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from hicache.dist.parallel import ParallelContext
+from hicache.dist.placement import KVSharding
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
 from hicache.model import ops
@@ -50,33 +54,44 @@ class RotaryEmbedding:
         return x * cos + rotate_half(x) * sin
 
 
-class LlamaLayer:
+class DecoderLayer:
+    """What every layer of the family has: the norms and this rank's columns of the SwiGLU MLP."""
+
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, pctx: ParallelContext, cast, linear):
+        f0, f1 = pctx.shard_range(cfg.intermediate_size, "intermediate_size")
+        m = prefix + "mlp."
+        self.input_norm = cast(w[prefix + "input_layernorm.weight"])
+        self.post_norm = cast(w[prefix + "post_attention_layernorm.weight"])
+        # gate and up share the input: one matmul instead of two.
+        self.gate_up = linear(torch.cat([w[m + "gate_proj.weight"][f0:f1], w[m + "up_proj.weight"][f0:f1]]))
+        self.down_proj = linear(w[m + "down_proj.weight"][:, f0:f1])
+
+
+class LlamaLayer(DecoderLayer):
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, pctx: ParallelContext, cast, linear):
+        super().__init__(cfg, w, prefix, pctx, cast, linear)
         kv0, kv1 = pctx.shard_range(cfg.num_kv_heads, "num_kv_heads")
         group = cfg.num_heads // cfg.num_kv_heads
         q0, q1 = kv0 * group, kv1 * group
         d = cfg.head_dim
-        f0, f1 = pctx.shard_range(cfg.intermediate_size, "intermediate_size")
         a = prefix + "self_attn."
-        m = prefix + "mlp."
         self.num_heads = q1 - q0
         self.num_kv_heads = kv1 - kv0
         self.head_dim = d
-        self.input_norm = cast(w[prefix + "input_layernorm.weight"])
-        self.post_norm = cast(w[prefix + "post_attention_layernorm.weight"])
         self.q_proj = linear(w[a + "q_proj.weight"][q0 * d : q1 * d])
         self.k_proj = linear(w[a + "k_proj.weight"][kv0 * d : kv1 * d])
         self.v_proj = linear(w[a + "v_proj.weight"][kv0 * d : kv1 * d])
         self.o_proj = linear(w[a + "o_proj.weight"][:, q0 * d : q1 * d])
-        # gate and up share the input: one matmul instead of two.
-        self.gate_up = linear(torch.cat([w[m + "gate_proj.weight"][f0:f1], w[m + "up_proj.weight"][f0:f1]]))
-        self.down_proj = linear(w[m + "down_proj.weight"][:, f0:f1])
 
 
 class LlamaModel:
     """One rank's slice of the decoder (implements `hicache.model.base.DecoderModel`). `forward` takes
     token ids on the first stage and hidden states on later ones; it returns logits for
     `batch.logit_rows` on the last stage, hidden states otherwise."""
+
+    # Whether every attention-TP rank would hold the same KV bytes (MLA's latent), so the pages can be
+    # sharded over TP (hicache/dist/placement.py).
+    replicated_over_tp = False
 
     def __init__(
         self,
@@ -86,12 +101,13 @@ class LlamaModel:
         dtype: torch.dtype,
         device: torch.device,
         plan_for: PlanFor,
-        attention: str = "local",
+        sharding: KVSharding | None = None,
     ) -> None:
         self.cfg = cfg
         self.pctx = pctx
         self.dtype = dtype
         self.device = device
+        self.kv_sharding = sharding or KVSharding()
         self.layer_range = pctx.layer_range(cfg.num_layers)
         self.kv_head_range = pctx.shard_range(cfg.num_kv_heads, "num_kv_heads")
 
@@ -102,17 +118,47 @@ class LlamaModel:
             weight = cast(t)
             return ops.Linear(weight, plan_for(weight))
 
-        self.layers = [
-            LlamaLayer(cfg, weights, f"model.layers.{i}.", pctx, cast, linear) for i in range(*self.layer_range)
-        ]
+        self.layers = [self._build_layer(cfg, weights, f"model.layers.{i}.", cast, linear)
+                       for i in range(*self.layer_range)]  # fmt: skip
         self.embed = cast(weights["model.embed_tokens.weight"]) if pctx.is_first_stage else None
         if pctx.is_last_stage:
             self.norm = cast(weights["model.norm.weight"])
             self.lm_head = linear(weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
-        self.rope = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.max_position, dtype, device)
-        self.attention: AttentionBackend = ATTENTION_BACKENDS[attention](cfg.head_dim**-0.5, device)
-        self.kv_layout = KVLayout.mha(self.kv_head_range[1] - self.kv_head_range[0], cfg.head_dim)
+        self.rope = RotaryEmbedding(self._rope_dim(), cfg.rope_theta, cfg.max_position, dtype, device)
+        backend = "gathered" if self.kv_sharding.size > 1 else "local"
+        make = ATTENTION_BACKENDS[backend]
+        self.attention: AttentionBackend = make(cfg.head_dim**-0.5, device, pctx, self.kv_sharding)
+        # What attention packs and writes; the pool's row may carry state after it (shift.py).
+        self.attention_layout = self._kv_layout()
+        self.kv_layout = self.attention_layout
         self.invariance: InvarianceReport | None = None  # what the start-up self-check found (build.py)
+
+    # ---- what a model of the family chooses ----------------------------------------------------
+
+    def _build_layer(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, cast, linear) -> DecoderLayer:
+        return LlamaLayer(cfg, w, prefix, self.pctx, cast, linear)
+
+    def _rope_dim(self) -> int:
+        return self.cfg.head_dim
+
+    def _kv_layout(self) -> KVLayout:
+        return KVLayout.mha(self.kv_head_range[1] - self.kv_head_range[0], self.cfg.head_dim)
+
+    def _named_linears(self, layer) -> dict[str, ops.Linear]:
+        return {"q_proj": layer.q_proj, "k_proj": layer.k_proj, "o_proj": layer.o_proj}
+
+    def _attention(self, local: int, layer, x: torch.Tensor, positions: torch.Tensor, meta, pool) -> torch.Tensor:
+        """This rank's heads' attention output [T, heads * dv] for normed inputs x [T, hidden]."""
+        T, d = x.shape[0], layer.head_dim
+        q = self.rope(layer.q_proj(x).view(T, layer.num_heads, d), positions)
+        k = self.rope(layer.k_proj(x).view(T, layer.num_kv_heads, d), positions)
+        v = layer.v_proj(x).view(T, layer.num_kv_heads, d)
+        kv = self.attention_layout.pack({"k": k, "v": v})
+        return self.attention.forward(local, q, kv, meta, pool, self._expand).reshape(T, -1)
+
+    def _expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = self.kv_layout.unpack(rows)
+        return parts["k"], parts["v"]
 
     @property
     def num_local_layers(self) -> int:
@@ -121,40 +167,42 @@ class LlamaModel:
     def linear_plans(self) -> dict[str, str]:
         """How each distinct weight shape's GEMMs are shaped, for logs and /health."""
         layer = self.layers[0]
-        named = {"q_proj": layer.q_proj, "k_proj": layer.k_proj, "o_proj": layer.o_proj,
-                 "gate_up_proj": layer.gate_up, "down_proj": layer.down_proj}
+        named = {**self._named_linears(layer), "gate_up_proj": layer.gate_up, "down_proj": layer.down_proj}
         if self.pctx.is_last_stage:
             named["lm_head"] = self.lm_head
         return {name: lin.plan.describe() for name, lin in named.items()}
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, pool: DeviceKVPool, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        if hidden is None:
-            assert self.embed is not None, "only the first pipeline stage embeds tokens"
-            hidden = self.embed[batch.input_ids]
-        meta = self.attention.prepare(batch)
-        for local, layer in enumerate(self.layers):
-            if batch.before_layer is not None:
-                batch.before_layer(local)
-            hidden = self._layer(local, layer, hidden, batch.positions, meta, pool)
+        meta = self.attention.prepare(batch, pool)
+        try:
+            rows = self.attention.local_rows(meta)  # this rank's rows of the step (None: all)
+            positions = batch.positions if rows is None else batch.positions[rows]
+            if hidden is None:
+                assert self.embed is not None, "only the first pipeline stage embeds tokens"
+                hidden = self.embed[batch.input_ids if rows is None else batch.input_ids[rows]]
+            elif rows is not None:
+                hidden = hidden[rows]
+            for local, layer in enumerate(self.layers):
+                if batch.before_layer is not None:
+                    batch.before_layer(local)
+                hidden = self._layer(local, layer, hidden, positions, meta, pool)
+            hidden = self.attention.collect(hidden, meta)
+        finally:
+            self.attention.close(meta)
         if not self.pctx.is_last_stage:
             return hidden
         rows = ops.rms_norm(hidden[batch.logit_rows], self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(rows).float()
 
     def _layer(
-        self, local: int, layer: LlamaLayer, hidden: torch.Tensor, positions: torch.Tensor, meta, pool: DeviceKVPool
+        self, local: int, layer: DecoderLayer, hidden: torch.Tensor, positions: torch.Tensor, meta, pool: DeviceKVPool
     ) -> torch.Tensor:
-        T = hidden.shape[0]
-        d = layer.head_dim
         eps = self.cfg.rms_norm_eps
         tp = self.pctx
         x = ops.rms_norm(hidden, layer.input_norm, eps)
-        q = self.rope(layer.q_proj(x).view(T, layer.num_heads, d), positions)
-        k = self.rope(layer.k_proj(x).view(T, layer.num_kv_heads, d), positions)
-        v = layer.v_proj(x).view(T, layer.num_kv_heads, d)
-        attn = self.attention.forward(local, q, k, v, meta, pool)
-        hidden = hidden + ops.tp_sum(layer.o_proj(attn.view(T, -1)), tp.tp_size, tp.tp_group)
+        attn = self._attention(local, layer, x, positions, meta, pool)
+        hidden = hidden + ops.tp_sum(layer.o_proj(attn), tp.tp_size, tp.tp_group)
         x = ops.rms_norm(hidden, layer.post_norm, eps)
         gate, up = layer.gate_up(x).chunk(2, dim=-1)
         return hidden + ops.tp_sum(layer.down_proj(F.silu(gate) * up), tp.tp_size, tp.tp_group)

@@ -7,7 +7,7 @@ import os
 from hicache.errors import UserError
 from hicache.model.config import LoadedModel
 
-BUILTIN = ("tiny", "smollm2")
+BUILTIN = ("tiny", "smollm2", "tiny-mla")
 
 
 def load_model(name: str) -> LoadedModel:
@@ -15,6 +15,10 @@ def load_model(name: str) -> LoadedModel:
         from hicache.model.tiny import load_tiny
 
         return load_tiny()
+    if name == "tiny-mla":
+        from hicache.model.tiny_mla import load_tiny_mla
+
+        return load_tiny_mla()
     if name == "smollm2":
         from hicache.model.gguf_loader import load_gguf, smollm2_path
 
@@ -27,4 +31,6 @@ def load_model(name: str) -> LoadedModel:
         from hicache.model.gguf_loader import load_gguf
 
         return load_gguf(name, name)
-    raise UserError(f"unknown model {name!r}: use tiny, smollm2, a .gguf file or a Hugging Face model directory")
+    raise UserError(
+        f"unknown model {name!r}: use tiny, tiny-mla, smollm2, a .gguf file or a Hugging Face model directory"
+    )

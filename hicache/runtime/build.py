@@ -8,8 +8,10 @@ from hicache.cache.hierarchical import HierarchicalCache
 from hicache.cache.prefix_cache import PrefixCache
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker
+from hicache.disagg.roles import radix_enabled, role_scheduler
 from hicache.dist.consensus import Consensus
 from hicache.dist.parallel import ParallelContext
+from hicache.dist.placement import storage_shard
 from hicache.engine.model_runner import ModelRunner
 from hicache.engine.scheduler import Scheduler
 from hicache.errors import UserError
@@ -17,6 +19,7 @@ from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.build import build_decoder
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.invariance import InvarianceReport
+from hicache.spec.build import build_decoder_for, build_draft
 
 
 def context_length(cfg: EngineConfig, model: ModelConfig) -> int:
@@ -25,12 +28,29 @@ def context_length(cfg: EngineConfig, model: ModelConfig) -> int:
 
 def check_topology(cfg: EngineConfig, model: ModelConfig) -> None:
     """The model must split evenly over the ranks asked for (checked before any rank starts)."""
-    tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
+    tp, pp, cp = cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.parallel.cp_size
+    if cp > 1 and pp > 1:
+        raise UserError("--cp-size with --pp-size > 1 is not supported yet")
+    if cp > 1 and cfg.num_pages < 2:
+        raise UserError("--cp-size needs a device pool of at least two pages per rank (a padding page and one)")
+    gather = cfg.parallel.cp_gather_tokens
+    if gather and cp > 1:
+        # The largest request the pool accepts must fit alone (its pages cycle over the N classes).
+        largest = min(-(-context_length(cfg, model) // cfg.page_size), cfg.num_pages)
+        if gather_pages(cfg) < -(-largest // cp):
+            raise UserError(f"--cp-gather-tokens {gather} is less than the longest request needs per rank "
+                            f"({-(-largest // cp) * cfg.page_size} tokens)")  # fmt: skip
     for what, count in (("KV heads", model.num_kv_heads), ("MLP columns", model.intermediate_size)):
         if count % tp:
             raise UserError(f"--tp-size {tp} does not divide the model's {count} {what}")
     if model.num_layers < pp:
         raise UserError(f"--pp-size {pp} is more than the model's {model.num_layers} layers")
+
+
+def gather_pages(cfg: EngineConfig) -> int | None:
+    """--cp-gather-tokens in pages (None: unbounded)."""
+    tokens = cfg.parallel.cp_gather_tokens
+    return -(-tokens // cfg.page_size) if tokens else None
 
 
 def check_invariance(cfg: EngineConfig, report: InvarianceReport) -> None:
@@ -48,19 +68,28 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
     device, dtype = cfg.resolved_device(), cfg.resolved_dtype()
     model = build_decoder(loaded, pctx, dtype, device, invariant=cfg.batch_invariant_ops)
     check_invariance(cfg, model.invariance)
-    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device)
+    sharding = model.kv_sharding  # each rank's pool holds its own pages of the logical pool
+    gathered = gather_pages(cfg) if sharding.size > 1 else None
+    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device,
+                        sharding.size, sharding.rank, gathered)  # fmt: skip
+    draft = build_draft(cfg, loaded, pool) if cfg.speculative.enabled else None
     checker = ConsensusChecker(pctx)
     cache: PrefixCache
     if cfg.hicache.enable_hierarchical_cache:
         consensus = Consensus(pctx, pp_sync=not cfg.debug.debug_disable_pp_sync)
         checker.instrument(consensus)
-        cache = HierarchicalCache(pool, cfg.hicache, consensus, loaded.identity, pctx.suffix, cfg.debug)
+        shard = storage_shard(pctx, sharding, model.replicated_over_tp)
+        cache = HierarchicalCache(
+            pool, cfg.hicache, consensus, loaded.identity, shard.suffix, cfg.debug,
+            draft.pools if draft else None, storage_writer=shard.writes,
+        )
     else:
-        cache = PrefixCache(pool, enabled=not cfg.disable_radix_cache)
+        cache = PrefixCache(pool, enabled=radix_enabled(cfg), draft=draft is not None)
     for part in cache.checked_parts():
         checker.instrument(part)
-    scheduler = Scheduler(
-        cfg, ModelRunner(model, pool), cache, loaded.tokenizer, context_length(cfg, loaded.config), checker
-    )
+    runner, context = ModelRunner(model, pool), context_length(cfg, loaded.config)
+    compute = build_decoder_for(cfg, runner, draft, cache, context) if draft is not None else None
+    # The P/D role (hicache/disagg/roles.py) picks the scheduler; without one it is the plain Scheduler.
+    scheduler = role_scheduler(cfg, runner, pctx, loaded.identity, cache, loaded.tokenizer, context, checker, compute)
     checker.instrument(scheduler)
     return scheduler

@@ -26,7 +26,16 @@ from hicache.cache.api import TIERS
 from hicache.cache.stats import CacheStats
 from hicache.config import EngineConfig
 from hicache.dist.parallel import ParallelContext
-from hicache.engine.request import FinishReason, Request, RequestEvent, SamplingParams, TokenLogprob
+from hicache.disagg.stats import DisaggStats
+from hicache.engine.request import (
+    Bootstrap,
+    DisaggUsage,
+    FinishReason,
+    Request,
+    RequestEvent,
+    SamplingParams,
+    TokenLogprob,
+)
 from hicache.engine.scheduler import check_request_fits
 from hicache.errors import UserError
 from hicache.model.loader import load_model
@@ -35,6 +44,7 @@ from hicache.runtime.build import build_scheduler, check_topology, context_lengt
 from hicache.runtime.deadlines import DeadlineWatch
 from hicache.runtime.local import LocalRuntime
 from hicache.runtime.rank_front import RankRuntime
+from hicache.spec.stats import SpecStats
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +62,13 @@ class GenerationResult:
     ttft_s: float = 0.0
     latency_s: float = 0.0
     error: str | None = None
+    spec_tokens: tuple[int, int] | None = None  # (proposed, accepted) draft tokens, with speculative decoding
+    disagg: DisaggUsage | None = None  # a P/D decode server's account of the prompt's KV
 
     def to_json(self) -> dict:
+        spec = {}
+        if self.spec_tokens is not None:
+            spec = {"spec_proposed_tokens": self.spec_tokens[0], "spec_accepted_tokens": self.spec_tokens[1]}
         return {
             "text": self.text,
             "token_ids": self.token_ids,
@@ -64,6 +79,7 @@ class GenerationResult:
             "finish_reason": self.finish_reason,
             "ttft_s": round(self.ttft_s, 6),
             "latency_s": round(self.latency_s, 6),
+            **spec,
         }
 
 
@@ -102,12 +118,15 @@ class RequestHandle:
         tokens: list[int] = []
         logprobs: list[TokenLogprob] = []
         tiers = dict.fromkeys(TIERS, 0)
-        last = None
+        last = disagg = None
+        spec = None
         for event in self:
+            spec = event.spec_tokens or spec
             tokens.extend(event.new_token_ids)
             logprobs.extend(event.logprobs)
             if event.cached_tokens_by_tier is not None:
                 tiers = event.cached_tokens_by_tier
+            disagg = event.disagg or disagg
             last = event
         assert last is not None
         end = time.perf_counter()
@@ -123,6 +142,8 @@ class RequestHandle:
             ttft_s=(self.first_token_at or end) - self.submitted,
             latency_s=end - self.submitted,
             error=last.error,
+            spec_tokens=spec,
+            disagg=disagg,
         )
 
 
@@ -180,12 +201,20 @@ class Engine:
         params: SamplingParams | None = None,
         cache_salt: str = "",
         on_event: Callable[[RequestEvent], None] | None = None,
+        bootstrap: Bootstrap | None = None,
     ) -> RequestHandle:
+        """`bootstrap`: where this request's prefill-decode pair meets (required on a P/D server, set by
+        `hicache router`; ignored by a server that does everything itself)."""
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
         max_new = params.max_new_tokens or min(self.config.default_max_new_tokens, max(1, self.context_length - len(ids)))
         check_request_fits(self.config, self.context_length, len(ids), max_new)
-        req = Request(ids, params, max_new, namespace=cache_salt)
+        mode = self.config.disagg.disaggregation_mode
+        if self.config.disagg.enabled and bootstrap is None:
+            raise UserError(
+                f"this is a {mode} server of a prefill-decode deployment: send requests through `hicache router`"
+            )
+        req = Request(ids, params, max_new, namespace=cache_salt, bootstrap=bootstrap if mode != "null" else None)
         handle = RequestHandle(self, req, on_event)
         with self._lock:
             self._check_alive()
@@ -237,9 +266,29 @@ class Engine:
     def num_waiting(self) -> int:
         return self._runtime.num_waiting
 
+    def kv_bytes_by_rank(self) -> dict[str, dict[str, int]]:
+        """Per rank (by its tp/pp/cp name): the KV bytes it holds on the device and host tiers, and its
+        CP gather scratch."""
+        answer = self._control("kv_bytes")
+        if self.config.parallel.world_size == 1:  # one scheduler here: its answer, not a combination
+            return {ParallelContext().suffix: answer}  # type: ignore[dict-item]
+        return answer  # type: ignore[return-value]
+
     def cache_stats(self) -> CacheStats:
         """Counters of the cache tiers (transfers, prefetch lifecycle, storage hits and corruption)."""
         return self._control("cache_stats")  # type: ignore[return-value]
+
+    def spec_stats(self) -> SpecStats | None:
+        """Counters of speculative decoding (proposed, accepted, recomputed draft tokens); None without it."""
+        return self._control("spec_stats")  # type: ignore[return-value]
+
+    def disagg_info(self) -> dict:
+        """This server's P/D role, transfer endpoint and rank-0 handshake (hicache/disagg/roles.py)."""
+        return self._control("disagg_info")  # type: ignore[return-value]
+
+    def disagg_stats(self) -> DisaggStats | None:
+        """P/D transfer counters (None on a server without a role)."""
+        return self._control("disagg_stats")  # type: ignore[return-value]
 
 
     def on_fatal(self, callback: Callable[[str], None]) -> None:

@@ -74,7 +74,9 @@ class LocalRanks:
         if torchrun_rank() is not None:
             world = int(os.environ["WORLD_SIZE"])
             if world != par.world_size:
-                raise UserError(f"torchrun started {world} processes but --tp-size x --pp-size is {par.world_size}")
+                raise UserError(
+                    f"torchrun started {world} processes but --tp-size x --pp-size x --cp-size is {par.world_size}"
+                )
             self.inbox: Any = queue.Queue()
             self.outbox: Any = queue.Queue()
             spec = _torchrun_spec(log_level)

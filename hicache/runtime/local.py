@@ -79,6 +79,7 @@ class LocalRuntime:
             self._stopped = True
             self._wake.notify()
         self._thread.join()
+        self.scheduler.close()
         self.scheduler.cache.shutdown()
         self.scheduler.checker.close()
 
@@ -112,9 +113,9 @@ class LocalRuntime:
                 events = scheduler.abort_all(FinishReason.ERROR, f"internal error: {exc}")
             for event in events:
                 self._dispatch(event)
-            if scheduler.waiting and not scheduler.running:
-                # Requests wait on something asynchronous (a storage prefetch): poll gently, so the
-                # transfer threads get the CPU, and wake at once for anything new.
+            if scheduler.has_work and not scheduler.running:
+                # Requests wait on something asynchronous (a storage prefetch, a P/D transfer): poll
+                # gently, so the transfer threads get the CPU, and wake at once for anything new.
                 with self._wake:
                     self._wake.wait(timeout=IDLE_POLL_S)
         for event in scheduler.abort_all(FinishReason.ERROR, "the engine was shut down"):

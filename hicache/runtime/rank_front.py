@@ -67,8 +67,9 @@ class RankRuntime:
         self._pump = threading.Thread(target=self._pump_loop, name="hicache-rank-pump", daemon=True)
         self._pump.start()
         logger.info(
-            "%d ranks ready (tp %d x pp %d)", cfg.parallel.world_size, cfg.parallel.tp_size, cfg.parallel.pp_size
-        )
+            "%d ranks ready (tp %d x pp %d x cp %d)", cfg.parallel.world_size, cfg.parallel.tp_size,
+            cfg.parallel.pp_size, cfg.parallel.cp_size,
+        )  # fmt: skip
 
     def _await_ready(self) -> None:
         deadline = time.monotonic() + STARTUP_TIMEOUT_S

@@ -41,7 +41,7 @@ from hicache.runtime.commands import COMMANDS, combine
 logger = logging.getLogger(__name__)
 
 HEARTBEAT_S = 1.0
-WAITING_POLL_S = 0.002  # requests wait on a storage prefetch and nothing runs: poll gently
+WAITING_POLL_S = 0.002  # requests wait on a prefetch or a transfer and nothing runs: poll gently
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ def init_distributed(spec: RankSpec, cfg: EngineConfig) -> ParallelContext:
     dist.init_process_group(
         compute, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size, timeout=timeout
     )
-    pctx = ParallelContext.create(spec.rank, Mesh(pp=par.pp_size, tp=par.tp_size), compute, timeout)
+    pctx = ParallelContext.create(spec.rank, Mesh(pp=par.pp_size, cp=par.cp_size, tp=par.tp_size), compute, timeout)
     logger.info("rank %d joined as %s", spec.rank, pctx.suffix)
     return pctx
 
@@ -126,7 +126,7 @@ class RankWorker:
         s = self.scheduler
         if s.running:
             timeout = 0.0
-        elif s.waiting:
+        elif s.has_work:  # waiting on something asynchronous (a storage prefetch, a P/D transfer)
             timeout = WAITING_POLL_S
         else:
             timeout = HEARTBEAT_S
@@ -213,6 +213,7 @@ def rank_main(spec: RankSpec, cfg: EngineConfig, inbox: Any, outbox: Any) -> Non
         if spec.rank == 0:
             outbox.put(("ready",))
         RankWorker(pctx, scheduler, inbox, outbox, spec.parent_pid).run()
+        scheduler.close()
         scheduler.cache.shutdown()
         scheduler.checker.close()
         dist.barrier(group=pctx.world_group)
@@ -232,6 +233,7 @@ def rank_main(spec: RankSpec, cfg: EngineConfig, inbox: Any, outbox: Any) -> Non
         if outbox is not None:
             outbox.put(("fatal", RankFailure(spec.rank, pctx.suffix, type(exc).__name__, str(exc), consequence)))
         if scheduler is not None:
+            scheduler.close()
             scheduler.checker.close()
         raise SystemExit(1) from None
     finally:

@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, Response
 from hicache.runtime.engine import Engine
 from hicache.server.auth import BearerAuthMiddleware
 from hicache.server.bridge import EngineClient
+from hicache.server.disagg_report import DisaggCollector
 from hicache.server.errors import APIError, install_error_handlers
 from hicache.server.metrics import ServerMetrics
 from hicache.server.routes import GenerationRoutes
@@ -29,6 +30,8 @@ logger = logging.getLogger(__name__)
 
 def create_app(engine: Engine, served_model_name: str, api_key: str | None = None) -> FastAPI:
     metrics = ServerMetrics(engine)
+    if engine.config.disagg.enabled:
+        metrics.registry.register(DisaggCollector(engine))
     client = EngineClient(engine, metrics)
     created = int(time.time())
 
@@ -82,6 +85,12 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
                 code="requests_running",
             )
         return JSONResponse({"message": "cache flushed"})
+
+    @app.get("/disagg/info")
+    async def disagg_info() -> Response:
+        """This server's P/D role and handshake: what `hicache router` checks before pairing it."""
+        info = await asyncio.to_thread(engine.disagg_info)
+        return JSONResponse({**info, "served_model_name": served_model_name})
 
     @app.get("/metrics")
     async def prometheus() -> Response:

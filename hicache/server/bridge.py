@@ -13,6 +13,7 @@ Closing it cancels whatever has not finished, which is how a disconnected client
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 import time
@@ -20,7 +21,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from hicache.cache.api import TIERS
-from hicache.engine.request import FinishReason, RequestEvent, SamplingParams, TokenLogprob
+from hicache.engine.request import Bootstrap, DisaggUsage, FinishReason, RequestEvent, SamplingParams, TokenLogprob
 from hicache.runtime.engine import Engine, RequestHandle
 from hicache.server.errors import APIError
 from hicache.server.metrics import ServerMetrics
@@ -40,6 +41,8 @@ class Choice:
     finish_reason: FinishReason | None = None
     matched_stop: str | int | None = None
     error: str | None = None
+    spec_tokens: tuple[int, int] | None = None  # (proposed, accepted) draft tokens, with speculative decoding
+    disagg: DisaggUsage | None = None  # a P/D decode server's account of the prompt's KV
 
     @property
     def prompt_tokens(self) -> int:
@@ -57,12 +60,15 @@ class Generation:
         self._queue: asyncio.Queue[tuple[int, RequestEvent]] = asyncio.Queue()
         self.choices: list[Choice] = []
 
-    def _submit(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, cache_salt: str) -> None:
+    def _submit(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, cache_salt: str, bootstrap: Bootstrap | None
+    ) -> None:
         engine = self._client.engine
         try:
             for index, prompt in enumerate(prompts):
                 callback = functools.partial(self._from_engine_thread, index)
-                handle = engine.submit(prompt, params, cache_salt, on_event=callback)
+                room = None if bootstrap is None else dataclasses.replace(bootstrap, room=bootstrap.room + index)
+                handle = engine.submit(prompt, params, cache_salt, on_event=callback, bootstrap=room)
                 self.choices.append(Choice(index, handle))
                 self._client.metrics.prompt_tokens.inc(handle.prompt_tokens)
         except BaseException:
@@ -83,9 +89,12 @@ class Generation:
     def _on_event(self, index: int, event: RequestEvent) -> None:
         choice = self.choices[index]
         metrics = self._client.metrics
+        if event.disagg is not None:
+            choice.disagg = event.disagg
         if event.cached_tokens_by_tier is not None:
             choice.cached_tokens_by_tier = dict(event.cached_tokens_by_tier)
-            for tier, n in event.cached_tokens_by_tier.items():
+            # On a P/D decode server these are prefill's hits, counted in prefill's metrics already.
+            for tier, n in event.cached_tokens_by_tier.items() if event.disagg is None else ():
                 metrics.cached_tokens.labels(tier=tier).inc(n)
         if event.new_token_ids:
             if not choice.token_ids:
@@ -97,6 +106,7 @@ class Generation:
             choice.finish_reason = event.finish_reason
             choice.matched_stop = event.matched_stop
             choice.error = event.error
+            choice.spec_tokens = event.spec_tokens
             metrics.requests.labels(status=event.finish_reason.value).inc()
             if self.finished:
                 self._client._forget(self)
@@ -133,12 +143,18 @@ class EngineClient:
         self.draining = False
         self._live: set[Generation] = set()
 
-    def start(self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, cache_salt: str) -> Generation:
+    def start(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams,
+        cache_salt: str,
+        bootstrap: Bootstrap | None = None,
+    ) -> Generation:
         """Submit now (a bad prompt raises its UserError here, before any response is sent)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         gen = Generation(self, asyncio.get_running_loop())
-        gen._submit(prompts, params, cache_salt)
+        gen._submit(prompts, params, cache_salt, bootstrap)
         self._live.add(gen)
         return gen
 

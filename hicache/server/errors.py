@@ -15,12 +15,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from hicache.errors import UserError
+from hicache.errors import UserError, error_body
+
+__all__ = ["APIError", "error_body", "error_response", "install_error_handlers"]
 
 logger = logging.getLogger(__name__)
-
-_TYPES = {401: "authentication_error", 404: "not_found_error", 409: "conflict_error", 503: "service_unavailable"}
-
 
 class APIError(Exception):
     """An error the server answers with directly (auth, unknown model, refused flush, shutting down)."""
@@ -31,11 +30,6 @@ class APIError(Exception):
         self.message = message
         self.code = code
         self.param = param
-
-
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> dict:
-    kind = _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:

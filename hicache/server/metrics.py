@@ -18,6 +18,7 @@ from hicache.cache.api import TIERS
 from hicache.cache.stats import CacheStats
 from hicache.engine.request import FinishReason
 from hicache.runtime.engine import Engine
+from hicache.spec.stats import SpecStats
 
 REQUEST_STATUSES = tuple(r.value for r in FinishReason) + ("rejected",)
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -37,7 +38,15 @@ class _EngineCollector(Collector):
             capacity.add_metric([tier], n_capacity)
         yield used
         yield capacity
+        resident = GaugeMetricFamily(
+            "hicache_kv_resident_bytes", "KV bytes each rank holds (its own pages when sharded)", labels=["rank", "tier"]
+        )
+        for rank, tiers in self._engine.kv_bytes_by_rank().items():
+            for tier, n in tiers.items():
+                resident.add_metric([rank, tier], n)
+        yield resident
         yield from _tier_counters(self._engine.cache_stats())  # type: ignore[arg-type]
+        yield from _spec_counters(self._engine.spec_stats())
         yield GaugeMetricFamily("hicache_requests_running", "requests in the running batch", self._engine.num_running)
         yield GaugeMetricFamily("hicache_requests_waiting", "requests waiting for admission", self._engine.num_waiting)
         yield GaugeMetricFamily(
@@ -76,6 +85,21 @@ def _tier_counters(stats: CacheStats) -> Iterator[Metric]:
     for event, n in sorted(counts.items()):
         events.add_metric([event], n)
     yield from (lost, stages, events)
+
+
+SPEC_COUNTERS = (  # (metric, SpecStats field, help), exported only with speculative decoding
+    ("hicache_spec_proposed_tokens", "proposed_tokens", "draft tokens proposed and verified by the target"),
+    ("hicache_spec_accepted_tokens", "accepted_tokens", "proposed draft tokens the target accepted"),
+    ("hicache_spec_draft_recomputed_tokens", "draft_recomputed_tokens",
+     "draft rows computed over a cached prefix whose draft state was not restored with the target's"),
+)  # fmt: skip
+
+
+def _spec_counters(stats: SpecStats | None) -> Iterator[Metric]:
+    if stats is None:
+        return
+    for name, field, doc in SPEC_COUNTERS:
+        yield CounterMetricFamily(name, doc, getattr(stats, field))
 
 
 class ServerMetrics:

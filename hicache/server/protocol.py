@@ -13,7 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator
 
-from hicache.engine.request import SamplingParams
+from hicache.engine.request import Bootstrap, SamplingParams
 from hicache.errors import UserError
 
 # Below this a temperature is greedy: dividing logits by it would overflow float32 to inf, and a
@@ -25,6 +25,8 @@ MAX_STOP_LENGTH = 256
 MAX_BATCH_PROMPTS = 64
 # torch.Generator.manual_seed takes 64-bit seeds, signed or unsigned.
 SEED_RANGE = (-(2**63), 2**64 - 1)
+# Prompt i of a batch meets its P/D peer in room bootstrap_room + i.
+MAX_BOOTSTRAP_ROOM = 2**63 - 1 - MAX_BATCH_PROMPTS
 
 TokenIds = list[StrictInt]
 Prompt = StrictStr | TokenIds | list[StrictStr] | list[TokenIds]
@@ -64,6 +66,10 @@ class GenerationRequest(_Strict):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     logit_bias: Any = None
+    # Set by `hicache router` on both halves of a prefill-decode request (SGLang's names).
+    bootstrap_host: StrictStr | None = None
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    bootstrap_room: int | None = Field(default=None, ge=0, le=MAX_BOOTSTRAP_ROOM)
 
     _unsupported = field_validator("presence_penalty", "frequency_penalty", "logit_bias")(_neutral_only)
 
@@ -83,6 +89,15 @@ class GenerationRequest(_Strict):
         if any(len(s) > MAX_STOP_LENGTH for s in stops):
             raise ValueError(f"a stop string may have at most {MAX_STOP_LENGTH} characters")
         return stop
+
+    def bootstrap(self) -> Bootstrap | None:
+        """Where the request's P/D pair meets (prompt i of a batch in room + i), or None."""
+        given = (self.bootstrap_host, self.bootstrap_port, self.bootstrap_room)
+        if all(v is None for v in given):
+            return None
+        if any(v is None for v in given):
+            raise UserError("bootstrap_host, bootstrap_port and bootstrap_room must be given together")
+        return Bootstrap(*given)  # type: ignore[arg-type]
 
     @property
     def include_usage(self) -> bool:

@@ -17,6 +17,7 @@ from hicache.cache.api import TIERS
 from hicache.engine.request import TokenLogprob
 from hicache.model.tokenizer import Tokenizer
 from hicache.server.bridge import Choice
+from hicache.server.disagg_report import disagg_details
 
 # JSON has no -inf; OpenAI-compatible servers report an impossible token's log-probability like this.
 MIN_LOGPROB = -9999.0
@@ -30,12 +31,21 @@ def usage(choices: Sequence[Choice]) -> dict:
     prompt = sum(c.prompt_tokens for c in choices)
     completion = sum(len(c.token_ids) for c in choices)
     by_tier = {tier: sum(c.cached_tokens_by_tier.get(tier, 0) for c in choices) for tier in TIERS}
-    return {
+    details: dict = {"cached_tokens": sum(by_tier.values()), "cached_tokens_by_tier": by_tier}
+    details.update(disagg_details(choices))
+    out = {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
-        "prompt_tokens_details": {"cached_tokens": sum(by_tier.values()), "cached_tokens_by_tier": by_tier},
+        "prompt_tokens_details": details,
     }
+    spec = [c.spec_tokens for c in choices if c.spec_tokens is not None]
+    if spec:  # speculative decoding: the draft's proposals and how many the target accepted
+        out["completion_tokens_details"] = {
+            "spec_proposed_tokens": sum(p for p, _ in spec),
+            "spec_accepted_tokens": sum(a for _, a in spec),
+        }
+    return out
 
 
 class ResponseFormat(Protocol):

@@ -76,6 +76,9 @@ class Namespace:
     rank: the shard this rank stores, e.g. "tp0of2" ("" when a page is stored whole); ranks holding
         different slices of a page must never read each other's objects.
     schema_version: bumped whenever the meaning of a payload changes without the fields above changing.
+    part: which of a page's objects this is: "" for the model's own KV, "draft" for a speculative
+        draft's state stored beside it. A non-empty part ends every key with `_{part}`, so a part's
+        keys can never equal the target's (whose keys have exactly one `_`), whatever the digests.
     """
 
     model: str
@@ -84,22 +87,28 @@ class Namespace:
     layout: str
     rank: str = ""
     schema_version: int = 1
+    part: str = ""
 
     def __post_init__(self) -> None:
         if self.page_size <= 0:
             raise ValueError(f"page_size must be positive, got {self.page_size}")
         if not self.model or not self.kv_dtype or not self.layout:
             raise ValueError("model, kv_dtype and layout must be non-empty")
+        if self.part and not self.part.isalnum():
+            raise ValueError(f"part must be alphanumeric, got {self.part!r}")
 
     @cached_property
     def digest(self) -> str:
         """16 hex chars of SHA-256 over the canonical JSON of the fields (sorted keys, no whitespace)."""
-        canonical = json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
+        fields = asdict(self)
+        if not self.part:
+            del fields["part"]  # the target's digest is what it was before parts existed: stores stay readable
+        canonical = json.dumps(fields, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(canonical.encode()).hexdigest()[:NAMESPACE_DIGEST_HEX]
 
     def object_key(self, page_hash: bytes) -> str:
-        """The storage key of one page: f"{page_hash.hex()}_{digest}". Keys lead with the page hash so a
-        file store's fan-out by the first characters spreads evenly."""
+        """The storage key of one page: f"{page_hash.hex()}_{digest}", then f"_{part}" for a part. Keys
+        lead with the page hash so a file store's fan-out by the first characters spreads evenly."""
         if len(page_hash) != HASH_BYTES:
             raise ValueError(f"page hash must be {HASH_BYTES} bytes, got {len(page_hash)}")
-        return f"{page_hash.hex()}_{self.digest}"
+        return f"{page_hash.hex()}_{self.digest}" + (f"_{self.part}" if self.part else "")

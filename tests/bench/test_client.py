@@ -76,3 +76,12 @@ def test_payloads() -> None:
     assert body["max_tokens"] == 7 and body["stream"] and body["stream_options"] == {"include_usage": True}
     path, body = build_payload("completions", "m", messages, "user: q\nassistant:", 7, {})
     assert path == "/v1/completions" and body["prompt"] == "user: q\nassistant:" and "ignore_eos" not in body
+
+
+def test_the_drafts_counts_are_read_from_the_usage() -> None:
+    usage = {"prompt_tokens": 9, "completion_tokens": 3,
+             "completion_tokens_details": {"spec_proposed_tokens": 6, "spec_accepted_tokens": 2}}  # fmt: skip
+    body = sse({"choices": [{"text": "abc"}]}, {"choices": [], "usage": usage}, "[DONE]")
+    transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body))
+    result = run(transport, lambda c: stream_request(c, "/v1/completions", {}))
+    assert (result.spec_proposed_tokens, result.spec_accepted_tokens) == (6, 2)

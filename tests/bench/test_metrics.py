@@ -149,3 +149,16 @@ def test_tiers_unknown_when_the_server_does_not_report_them() -> None:
 def test_summary_of_nothing_is_all_none() -> None:
     s = summarize("arm", [], 1.0, {})
     assert s["completed"] == 0 and s["ttft_mean_s"] is None and s["hit_rate"] is None and s["per_round"] == []
+
+
+def test_the_summary_reports_the_draft_acceptance_where_the_server_speculates() -> None:
+    spec = [
+        record(1, 0.2, 100, 30, 50, spec_proposed_tokens=20, spec_accepted_tokens=5),
+        record(1, 0.2, 100, 30, 50, spec_proposed_tokens=10, spec_accepted_tokens=4),
+        record(1, 0.2, 100, 30, 50, spec_proposed_tokens=40, spec_accepted_tokens=1, error="HTTP 500: boom"),
+    ]
+    s = summarize("arm", spec, 1.0, {})
+    assert (s["spec_proposed_tokens"], s["spec_accepted_tokens"]) == (30, 9)
+    assert s["spec_acceptance_rate"] == pytest.approx(0.3)
+    plain = summarize("arm", [record(1, 0.2, 100, 30, 50)], 1.0, {})
+    assert plain["spec_acceptance_rate"] is None and plain["spec_proposed_tokens"] is None

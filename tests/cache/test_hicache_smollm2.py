@@ -3,8 +3,9 @@ pool, served from device, host and (after a restart) storage, equals the cache-o
 
 import pytest
 
-from hicache import Engine, SamplingParams
+from hicache import Engine
 from hicache.config import HiCacheConfig
+from tests.conversations import chat_turns
 
 SYSTEM = "You answer questions about European geography in one short sentence. " * 36
 USERS = ["Alice", "Bob", "Carol"]
@@ -13,17 +14,7 @@ QUESTIONS = ["What is the capital of France?", "And of Spain?", "Which river flo
 
 def chat(engine: Engine) -> list[tuple[list[int], dict]]:
     """Three users' conversations, interleaved turn by turn, each turn carrying its whole history."""
-    histories = {u: [{"role": "system", "content": f"The user is {u}. " + SYSTEM}] for u in USERS}
-    out = []
-    for q in QUESTIONS:
-        prompts = []
-        for u in USERS:
-            histories[u].append({"role": "user", "content": q})
-            prompts.append(engine.tokenizer.chat_template.render(histories[u]))
-        for u, r in zip(USERS, engine.generate(prompts, SamplingParams(max_new_tokens=24))):
-            histories[u].append({"role": "assistant", "content": r.text})
-            out.append((r.token_ids, r.cached_tokens_by_tier))
-    return out
+    return [(r.token_ids, r.cached_tokens_by_tier) for r in chat_turns(engine, SYSTEM, USERS, QUESTIONS, 24)]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ import pytest
 
 from hicache.cache.controller import TransferOp
 from hicache.cache.device_tier import DeviceTier
-from hicache.cache.storage_tier import StorageTier, open_store
+from hicache.cache.storage_tier import StorageTier
+from hicache.cache.stores import open_store
 from hicache.config import DebugConfig, HiCacheConfig
 from tests.cache.kv import PAGE, assert_host_kv, compute, one_rank, settle, tiers
 from tests.storage.redis_server import redis_server  # noqa: F401 - a fixture

@@ -108,3 +108,21 @@ def test_namespace_digest_and_key() -> None:
         ns.object_key(b"\x00" * 31)
     with pytest.raises(ValueError):
         Namespace("abc", "bfloat16", 0, "page_rows")
+
+
+def test_a_part_has_keys_of_its_own_and_the_targets_keys_do_not_change() -> None:
+    ns = Namespace("abc123", "bfloat16", 16, "page_rows", "tp0of2")
+    draft = Namespace("abc123", "bfloat16", 16, "page_rows", "tp0of2", part="draft")
+    h = page_hashes(range(16), 16)[0]
+    # Without a part the digest is that of the fields before parts existed: old stores stay readable.
+    canonical = (
+        '{"kv_dtype":"bfloat16","layout":"page_rows","model":"abc123",'
+        '"page_size":16,"rank":"tp0of2","schema_version":1}'
+    )
+    assert ns.digest == hashlib.sha256(canonical.encode()).hexdigest()[:16]
+    # A part's keys end in `_{part}`: they can never equal a target key (exactly one '_'), even for
+    # equal digests; and its digest differs too, so a swapped object fails the header check.
+    assert draft.object_key(h) == f"{h.hex()}_{draft.digest}_draft" and draft.digest != ns.digest
+    assert ns.object_key(h).count("_") == 1
+    with pytest.raises(ValueError):
+        Namespace("abc123", "bfloat16", 16, "page_rows", part="no_underscores")

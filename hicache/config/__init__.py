@@ -49,6 +49,8 @@ class FromArgs:
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_BACKENDS = ("file", "redis")
+DRAFT_LAYOUTS = ("auto", "packed", "sidecar")
+SPECULATIVE_ALGORITHMS = ("draft",)
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class HiCacheConfig(FromArgs):
     hicache_storage_prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 prefetched tokens
     hicache_storage_max_bytes: int = 0  # file backend: least recently used objects go past this; 0 = no cap
     hicache_transfer_timeout: float = 60.0  # seconds any wait on a copy or storage call may take
+    hicache_draft_layout: str = "auto"  # how a speculative draft's state sits beside the target's (hicache/spec/)
 
     def __post_init__(self) -> None:
         if self.hicache_ratio <= 0:
@@ -79,6 +82,7 @@ class HiCacheConfig(FromArgs):
         _choice("--hicache-mem-layout", self.hicache_mem_layout, LAYOUTS)
         _choice("--hicache-write-policy", self.hicache_write_policy, WRITE_POLICIES)
         _choice("--hicache-storage-prefetch-policy", self.hicache_storage_prefetch_policy, PREFETCH_POLICIES)
+        _choice("--hicache-draft-layout", self.hicache_draft_layout, DRAFT_LAYOUTS)
         if self.hicache_storage_backend is not None:
             _choice("--hicache-storage-backend", self.hicache_storage_backend, STORAGE_BACKENDS)
             if not self.enable_hierarchical_cache:
@@ -102,7 +106,8 @@ def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
 
 @dataclass(frozen=True)
 class ParallelConfig(FromArgs):
-    """Ranks: tensor parallel (`--tp-size`) x pipeline parallel (`--pp-size`), one process per rank,
+    """Ranks: tensor parallel (`--tp-size`) x pipeline parallel (`--pp-size`) x context parallel
+    (`--cp-size`: a stage's prefill split over ranks that shard the KV pages), one process per rank,
     optionally over several nodes (`--nnodes`, `--node-rank`, `--dist-init-addr`, as SGLang names them)."""
 
     tp_size: int = 1
@@ -111,16 +116,20 @@ class ParallelConfig(FromArgs):
     node_rank: int = 0
     dist_init_addr: str | None = None  # host:port of node 0's rendezvous; loopback with a free port by default
     dist_timeout: float = 120.0  # seconds a collective may wait for a missing peer before it fails
+    cp_size: int = 1
+    cp_gather_tokens: int = 0  # per rank: one layer's gather of sharded pages at most (0: the whole pool)
 
     def __post_init__(self) -> None:
-        for name in ("tp_size", "pp_size", "nnodes"):
+        for name in ("tp_size", "pp_size", "nnodes", "cp_size"):
             if getattr(self, name) < 1:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.cp_gather_tokens < 0:
+            raise UserError(f"--cp-gather-tokens must be >= 0, got {self.cp_gather_tokens}")
         if not 0 <= self.node_rank < self.nnodes:
             raise UserError(f"--node-rank must be in 0..{self.nnodes - 1}, got {self.node_rank}")
         if self.world_size % self.nnodes:
             raise UserError(
-                f"tp_size x pp_size = {self.world_size} ranks cannot be split evenly over {self.nnodes} nodes"
+                f"tp_size x pp_size x cp_size = {self.world_size} ranks cannot be split evenly over {self.nnodes} nodes"
             )
         if self.nnodes > 1 and not self.dist_init_addr:
             raise UserError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address)")
@@ -133,7 +142,7 @@ class ParallelConfig(FromArgs):
 
     @property
     def world_size(self) -> int:
-        return self.tp_size * self.pp_size
+        return self.tp_size * self.pp_size * self.cp_size
 
     @property
     def ranks_per_node(self) -> int:
@@ -148,6 +157,7 @@ class DebugConfig(FromArgs):
     debug_storage_fail_rate: float = 0.0  # fraction of storage page reads that fail ...
     debug_storage_fail_rank: int = 0  # ... on this rank only
     debug_disable_pp_sync: bool = False  # later PP stages poll their own ACK queues (a known bug; negative tests)
+    debug_skip_draft_restore: bool = False  # a hit restores the target's KV only (negative control)
 
     def __post_init__(self) -> None:
         if self.debug_transfer_delay_ms < 0:
@@ -156,6 +166,84 @@ class DebugConfig(FromArgs):
             raise UserError(f"--debug-storage-fail-rate must be in [0, 1], got {self.debug_storage_fail_rate}")
         if self.debug_storage_fail_rank < 0:
             raise UserError(f"--debug-storage-fail-rank must be >= 0, got {self.debug_storage_fail_rank}")
+
+
+DISAGG_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("zmq",)
+
+
+@dataclass(frozen=True)
+class DisaggConfig(FromArgs):
+    """Prefill-decode disaggregation (`--disaggregation-*`, SGLang's names; hicache/disagg/): the role
+    this server plays, where its KV transfer endpoint listens, and whether a decode server keeps its
+    own radix tree to reuse prefixes of earlier turns."""
+
+    disaggregation_mode: str = "null"
+    disaggregation_transfer_backend: str = "zmq"
+    disaggregation_bootstrap_host: str = "127.0.0.1"  # where prefill's transfer endpoint binds and is reached
+    disaggregation_bootstrap_port: int = 8998  # rank r of a prefill server listens on this port + r
+    disaggregation_decode_enable_radix_cache: bool = False
+    disaggregation_transfer_timeout: float = 60.0  # seconds a request waits for its peer's metadata or KV
+    disaggregation_transfer_chunk_pages: int = 0  # pages per KV message; 0: about 4 MiB of KV
+    debug_disagg_chunk_delay_ms: float = 0.0  # fault injection: prefill pauses this long before each KV chunk
+
+    def __post_init__(self) -> None:
+        _choice("--disaggregation-mode", self.disaggregation_mode, DISAGG_MODES)
+        _choice("--disaggregation-transfer-backend", self.disaggregation_transfer_backend, TRANSFER_BACKENDS)
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            port = self.disaggregation_bootstrap_port
+            raise UserError(f"--disaggregation-bootstrap-port must be in 1..65535, got {port}")
+        if self.disaggregation_transfer_timeout <= 0:
+            timeout = self.disaggregation_transfer_timeout
+            raise UserError(f"--disaggregation-transfer-timeout must be positive, got {timeout}")
+        if self.disaggregation_transfer_chunk_pages < 0:
+            pages = self.disaggregation_transfer_chunk_pages
+            raise UserError(f"--disaggregation-transfer-chunk-pages must be >= 0, got {pages}")
+        if self.debug_disagg_chunk_delay_ms < 0:
+            raise UserError(f"--debug-disagg-chunk-delay-ms must be >= 0, got {self.debug_disagg_chunk_delay_ms}")
+        if self.disaggregation_decode_enable_radix_cache and self.disaggregation_mode != "decode":
+            raise UserError("--disaggregation-decode-enable-radix-cache needs --disaggregation-mode decode")
+
+    @property
+    def enabled(self) -> bool:
+        return self.disaggregation_mode != "null"
+
+
+def _check_disagg(cfg: "EngineConfig") -> None:
+    """What the role implies for the cache flags: a decode server keeps a tree only when asked to."""
+    d = cfg.disagg
+    if d.disaggregation_mode != "decode":
+        return
+    if d.disaggregation_decode_enable_radix_cache and cfg.disable_radix_cache:
+        raise UserError("--disaggregation-decode-enable-radix-cache contradicts --disable-radix-cache")
+    if cfg.hicache.enable_hierarchical_cache and not d.disaggregation_decode_enable_radix_cache:
+        raise UserError(
+            "--enable-hierarchical-cache on a decode server needs --disaggregation-decode-enable-radix-cache "
+            "(without it decode keeps no tree to put in host memory)"
+        )
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig(FromArgs):
+    """Speculative decoding (`--speculative-*`, hicache/spec/): a draft model proposes tokens that the
+    target verifies in one forward pass; greedy output is the target's alone, token for token."""
+
+    speculative_algorithm: str | None = None  # "draft": a separate draft model
+    speculative_draft_model: str | None = None  # tiny-draft-packed, tiny-draft-sidecar, smollm2-draft, or a path
+    speculative_num_draft_tokens: int = 4  # tokens the draft proposes per step
+
+    def __post_init__(self) -> None:
+        if self.speculative_algorithm is None:
+            return
+        _choice("--speculative-algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
+        if not self.speculative_draft_model:
+            raise UserError("--speculative-algorithm draft needs --speculative-draft-model NAME|PATH")
+        if not 1 <= self.speculative_num_draft_tokens <= 16:
+            raise UserError(f"--speculative-num-draft-tokens must be in 1..16, got {self.speculative_num_draft_tokens}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.speculative_algorithm is not None
 
 
 @dataclass(frozen=True)
@@ -177,6 +265,8 @@ class EngineConfig(FromArgs):
     hicache: HiCacheConfig = HiCacheConfig()
     parallel: ParallelConfig = ParallelConfig()
     debug: DebugConfig = DebugConfig()
+    speculative: SpeculativeConfig = SpeculativeConfig()
+    disagg: DisaggConfig = DisaggConfig()
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or self.page_size & (self.page_size - 1):
@@ -202,6 +292,11 @@ class EngineConfig(FromArgs):
         if self.debug.debug_storage_fail_rate > 0 and self.debug.debug_storage_fail_rank >= world:
             rank = self.debug.debug_storage_fail_rank
             raise UserError(f"--debug-storage-fail-rank {rank} is not a rank (0..{world - 1})")
+        if self.speculative.enabled and world > 1:
+            raise UserError("--speculative-algorithm needs --tp-size 1 --pp-size 1 --cp-size 1 (one rank runs the draft)")
+        if self.speculative.enabled and self.disagg.enabled:
+            raise UserError("--speculative-algorithm with --disaggregation-mode is not supported yet")
+        _check_disagg(self)
 
     @property
     def num_pages(self) -> int:
@@ -234,64 +329,3 @@ def cpu_has_native_bf16() -> bool:
     except OSError:
         return False
     return capability.startswith("AVX512") and ("avx512_bf16" in flags or "amx_bf16" in flags)
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    d = EngineConfig()
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", "--model-path", dest="model", default=d.model,
-                   help="tiny, smollm2, or a local Hugging Face Llama directory")
-    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (a power of two)")
-    g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="device KV pool capacity in tokens")
-    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
-                   help="most prompt tokens prefilled in one step")
-    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-    g.add_argument("--context-length", type=int, default=None, help="defaults to the model's")
-    g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
-    g.add_argument("--dtype", default=d.dtype, help="auto, float32 or bfloat16")
-    g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse at all")
-    g.add_argument("--request-timeout", type=float, default=d.request_timeout,
-                   help="fail a request not finished this many seconds after submission (0: never)")
-    h = HiCacheConfig()
-    t = parser.add_argument_group("hierarchical cache")
-    t.add_argument("--enable-hierarchical-cache", action="store_true", help="add the host-memory tier")
-    t.add_argument("--hicache-ratio", type=float, default=h.hicache_ratio, help="host capacity / device capacity")
-    t.add_argument("--hicache-size", type=float, default=h.hicache_size, help="host capacity in GB (overrides the ratio)")
-    t.add_argument("--hicache-mem-layout", default=h.hicache_mem_layout, help="page_first or layer_first")
-    t.add_argument("--hicache-write-policy", default=h.hicache_write_policy,
-                   help="write_through, write_through_selective or write_back")
-    t.add_argument("--hicache-load-back-threshold", type=int, default=h.hicache_load_back_threshold,
-                   help="host hits shorter than this many tokens are recomputed")
-    t.add_argument("--hicache-storage-backend", default=None, help="file or redis: add the storage tier")
-    t.add_argument("--hicache-storage-dir", default=None, help="file backend directory (default: user cache dir)")
-    t.add_argument("--hicache-storage-url", default=h.hicache_storage_url, help="redis backend URL")
-    t.add_argument("--hicache-storage-prefetch-threshold", type=int, default=h.hicache_storage_prefetch_threshold,
-                   help="prefetch from storage only when at least this many tokens are there")
-    t.add_argument("--hicache-storage-prefetch-policy", default=h.hicache_storage_prefetch_policy,
-                   help="best_effort, wait_complete or timeout")
-    t.add_argument("--hicache-storage-prefetch-timeout-base", type=float, default=h.hicache_storage_prefetch_timeout_base)
-    t.add_argument("--hicache-storage-prefetch-timeout-per-ki-token", type=float,
-                   default=h.hicache_storage_prefetch_timeout_per_ki_token)
-    t.add_argument("--hicache-transfer-timeout", type=float, default=h.hicache_transfer_timeout,
-                   help="seconds a step may wait on a host/device copy or a storage call before failing")
-    t.add_argument("--hicache-storage-max-bytes", type=int, default=h.hicache_storage_max_bytes,
-                   help="file backend size cap in bytes: least recently used objects are removed (0: no cap)")
-    p = ParallelConfig()
-    r = parser.add_argument_group("parallelism")
-    r.add_argument("--tp-size", type=int, default=p.tp_size,
-                   help="tensor parallel ranks (split KV heads and MLP columns)")
-    r.add_argument("--pp-size", type=int, default=p.pp_size, help="pipeline parallel stages (split layers)")
-    r.add_argument("--nnodes", type=int, default=p.nnodes, help="nodes the ranks are spread over")
-    r.add_argument("--node-rank", type=int, default=p.node_rank, help="this node's index (0 serves the API)")
-    r.add_argument("--dist-init-addr", default=None, help="HOST:PORT of node 0's rendezvous (multi-node)")
-    r.add_argument("--dist-timeout", type=float, default=p.dist_timeout,
-                   help="seconds a collective waits for a missing peer before the server fails")
-    q = DebugConfig()
-    b = parser.add_argument_group("fault injection (debugging rank agreement)")
-    b.add_argument("--debug-transfer-delay-ms", type=float, default=q.debug_transfer_delay_ms,
-                   help="delay each transfer's completion by a random amount up to N ms (seeded per rank)")
-    b.add_argument("--debug-storage-fail-rate", type=float, default=q.debug_storage_fail_rate,
-                   help="fraction of storage page reads that fail on --debug-storage-fail-rank")
-    b.add_argument("--debug-storage-fail-rank", type=int, default=q.debug_storage_fail_rank)
-    b.add_argument("--debug-disable-pp-sync", action="store_true",
-                   help="let later pipeline stages poll their own transfer queues (reproduces a divergence bug)")

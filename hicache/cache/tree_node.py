@@ -1,0 +1,105 @@
+"""The radix tree's records (DESIGN.md, "radix tree"): a node, and what a match and an insert return.
+
+A node is a page-aligned run of tokens with its KV on the device (`device_pages`), on the host
+(`host_pages`), or both. `rotation` is the owner class of its prefix's first page when pages are
+sharded over N ranks (hicache/dist/placement.py): page P of the path from the root lives on class
+(rotation + P) mod N, so every node of a root's subtree carries the same rotation (a split copies it
+to both halves, an insert that would mix two is refused). At N = 1 it is always 0.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+
+class TreeNode:
+    __slots__ = (
+        "key", "device_pages", "host_pages", "hashes", "children", "parent",
+        "lock_ref", "last_access", "hit_count", "backup_pending", "id", "rotation",
+    )  # fmt: skip
+
+    _ids = itertools.count()
+
+    def __init__(
+        self,
+        key: tuple[int, ...],
+        device_pages: list[int] | None,
+        parent: "TreeNode | None",
+        host_pages: list[int] | None = None,
+        rotation: int = 0,
+    ) -> None:
+        self.key = key
+        self.device_pages = device_pages
+        self.host_pages = host_pages
+        self.hashes: list[bytes] | None = None  # storage page hashes, computed when first needed
+        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.parent = parent
+        self.lock_ref = 0
+        self.last_access = 0
+        self.hit_count = 0
+        self.backup_pending = False  # host_pages assigned, device -> host copy not yet acknowledged
+        self.id = next(TreeNode._ids)
+        self.rotation = rotation
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+    @property
+    def on_device(self) -> bool:
+        return self.device_pages is not None
+
+    @property
+    def backed_up(self) -> bool:
+        return self.host_pages is not None and not self.backup_pending
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.device_pages if self.device_pages is not None else self.host_pages or [])
+
+    def __repr__(self) -> str:
+        return (
+            f"TreeNode(id={self.id}, tokens={len(self.key)}, lock_ref={self.lock_ref}, "
+            f"device={self.device_pages is not None}, host={self.host_pages is not None})"
+        )
+
+
+@dataclass(frozen=True)
+class MatchResult:
+    device_pages: list[int]  # the device-resident prefix
+    last_device_node: TreeNode
+    host_nodes: list[TreeNode]  # host-only nodes continuing the match, in path order
+    page_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens usable without any copy."""
+        return len(self.device_pages) * self.page_size
+
+    @property
+    def host_pages(self) -> list[int]:
+        return [p for n in self.host_nodes for p in n.host_pages or []]
+
+    @property
+    def host_tokens(self) -> int:
+        return len(self.host_pages) * self.page_size
+
+    @property
+    def last_node(self) -> TreeNode:
+        return self.host_nodes[-1] if self.host_nodes else self.last_device_node
+
+    @property
+    def rotation(self) -> int | None:
+        """The matched path's rotation base; None when nothing matched (a new prefix)."""
+        return None if self.last_node.is_root else self.last_node.rotation
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    pages: list[int]  # the tree's device pages for the whole key; the caller frees its own that differ
+    last_node: TreeNode
+    new_nodes: list[TreeNode] = field(default_factory=list)  # created by this insert, top-down
+    # The cached path has another rotation base than the caller's pages: nothing was inserted (the
+    # caller keeps its own pages), since grafting would break the owner cycle along the path.
+    refused: bool = False

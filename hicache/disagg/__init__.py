@@ -1,0 +1,17 @@
+"""Prefill-decode disaggregation (DESIGN.md, "P/D disaggregation"; section 5 of the seed report).
+
+A prefill server computes a request's prompt (skipping what its own prefix cache holds) and its first
+token; a decode server generates the rest. Between them the KV of the prompt moves page by page over a
+transport behind a sender / receiver interface (`transfer.py`; ZeroMQ over TCP in `zmq_prefill.py`
+and `zmq_decode.py`). With `--disaggregation-decode-enable-radix-cache` the decode server keeps its
+own tree (device and, with `--enable-hierarchical-cache`, host memory): it reserves the request's
+pages, reports the page-aligned prefix it already holds as `decode_prefix_len`
+(`decode_admission.py`), restores the host part while prefill sends only the KV after it, and starts
+decoding when both have landed (`decode_scheduler.py`; prefill's side is `prefill_scheduler.py`).
+`hicache router` (`router.py`) pairs a prefill and a decode server per request.
+
+The modules, one concept each: `roles.py` (which scheduler a role runs), `handshake.py` (what a pair
+must share), `transfer.py` (the interface), `kv_rows.py` (staging and landing page rows),
+`wire.py` (the messages), `agreement.py` (ranks agree on transfer outcomes), `stats.py` (counters),
+`upstreams.py` (the router's view of its servers).
+"""

@@ -1,0 +1,168 @@
+"""P/D disaggregation: the decode role's scheduler.
+
+A request arrives with its bootstrap information and waits, first come first served, for decode-side
+admission (decode_admission.reserve: match, lock, re-check the budget, reserve, restore the host part).
+Once reserved it tells prefill its decode_prefix_len and receives the rest of the prompt's KV straight
+into its reserved pages while its host part restores. When every rank has both (agreement.py) it
+becomes READY, its prompt is shared through the tree, and it joins the running batch as a decoding
+request whose first token is prefill's. If either part fails, or the client goes away, it is released
+from RESERVED with the reason: its pages, locks and promise go back, and prefill is told.
+
+Only the first event of a request is special: it carries prefill's cached-token counts (what the client
+is billed as cached; decode's own prefix is reported apart, as `DisaggUsage`), so `cached_tokens` can
+never count a prompt token twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hicache.disagg import decode_admission
+from hicache.disagg.agreement import agree_min
+from hicache.disagg.decode_admission import Reservation
+from hicache.disagg.role_scheduler import RoleScheduler
+from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVReceiver
+from hicache.disagg.wire import prompt_digest
+from hicache.engine.request import DisaggUsage, FinishReason, Request, RequestEvent
+
+logger = logging.getLogger(__name__)
+
+FAILED, PENDING, DONE = 0, 1, 2  # a transfer's state as the ranks agree on it (MIN: any failure wins)
+
+
+@dataclass(eq=False)
+class Incoming:
+    """A request on its way in: waiting for admission, then receiving and restoring."""
+
+    req: Request
+    receiver: KVReceiver
+    reservation: Reservation | None = None
+
+
+class DecodeScheduler(RoleScheduler):
+    role = "decode"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.incoming: list[Incoming] = []  # waiting for decode-side admission, in arrival order
+        self.transferring: list[Incoming] = []  # RESERVED: the suffix arriving, the host part restoring
+
+    # ---- intake --------------------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        if req.bootstrap is None:
+            raise RuntimeError(f"request {req.rid} reached a decode server without bootstrap information")
+        req.kv_handle = self.cache.open(req.rid, req.prompt_ids, req.namespace)
+        self.incoming.append(Incoming(req, self.transfer.receiver(req.bootstrap)))
+
+    def abort(self, rid: int) -> None:
+        super().abort(rid)
+        for inc in self.incoming + self.transferring:
+            if inc.req.rid == rid:
+                inc.req.aborted = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.incoming or self.transferring) or super().has_work
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestEvent]:
+        return self._admit_incoming() + self._land() + super().step()
+
+    def _admit_incoming(self) -> list[RequestEvent]:
+        events = [
+            self._end(inc, FinishReason.ABORT, "the request was cancelled") for inc in self.incoming if inc.req.aborted
+        ]
+        self.incoming = [inc for inc in self.incoming if not inc.req.aborted]
+        busy = bool(self.running or self.transferring)
+        for inc in list(self.incoming):
+            req = inc.req
+            if len(self.running) + len(self.transferring) >= self.cfg.max_running_requests:
+                break
+            if not self.cache.ready_to_admit(req.kv, busy=busy):
+                continue  # its storage prefetch is still running; later arrivals may go first
+            total = self._pages_for(req.prompt_len + req.max_new_tokens)
+            reservation = decode_admission.reserve(self.cache, req.kv, total)  # type: ignore[arg-type]
+            if reservation is None:
+                break  # first come, first served: no overtaking on memory
+            self.incoming.remove(inc)
+            inc.reservation = reservation
+            d = reservation.decode_prefix_len
+            slots = self.runner.pool.allocator.slots(req.kv.pages, req.prompt_len)[d:].to(self.runner.pool.device)
+            room = inc.receiver.room
+            inc.receiver.init(
+                slots, DecodeMetadata(room, d, req.prompt_len, prompt_digest(req.prompt_ids), self.handshake)
+            )
+            self.transferring.append(inc)
+        return events
+
+    def _local_status(self, inc: Incoming) -> tuple[int, str | None]:
+        status = inc.receiver.poll()
+        if status is KVPoll.FAILED:
+            return FAILED, inc.receiver.failure()
+        assert inc.reservation is not None
+        restored = inc.reservation.restored()
+        if restored is False:
+            error = inc.reservation.restore.error if inc.reservation.restore is not None else None
+            return FAILED, (
+                f"decode could not restore the {inc.reservation.by_tier.host + inc.reservation.by_tier.storage}-token "
+                f"host part of the prefix it promised prefill: {error}"
+            )
+        return (DONE if status is KVPoll.SUCCESS and restored else PENDING), None
+
+    def _land(self) -> list[RequestEvent]:
+        """Requests whose suffix and restore are done on every rank start decoding; failed ones end."""
+        if not self.transferring:
+            return []
+        local = [self._local_status(inc) for inc in self.transferring]
+        prefixes = [inc.reservation.decode_prefix_len for inc in self.transferring]  # type: ignore[union-attr]
+        agreed = agree_min(self.pctx, [status for status, _ in local], equal=prefixes)
+        events, still = [], []
+        for inc, (_, reason), status in zip(self.transferring, local, agreed):
+            if inc.req.aborted:
+                events.append(self._end(inc, FinishReason.ABORT, "the request was cancelled"))
+            elif status == FAILED:
+                reason = reason or "the transfer failed on another decode rank"
+                logger.warning("decode request %d (room %d) failed: %s", inc.req.rid, inc.receiver.room, reason)
+                events.append(self._end(inc, FinishReason.ERROR, reason))
+            elif status == DONE:
+                events.append(self._start_decoding(inc))
+            else:
+                still.append(inc)
+        self.transferring = still
+        return events
+
+    def _start_decoding(self, inc: Incoming) -> RequestEvent:
+        req, reservation, result = inc.req, inc.reservation, inc.receiver.result()
+        assert reservation is not None and result is not None
+        decode_admission.complete(self.cache, req.kv)  # type: ignore[arg-type]
+        transferred = req.prompt_len - reservation.decode_prefix_len
+        s = self.stats
+        s.received_tokens += transferred
+        s.transfers_ok += 1
+        for tier, n in reservation.by_tier.as_dict().items():
+            s.decode_prefix_tokens[tier] += n
+        if req.params.seed is not None and req.generator is None:
+            req.generator = torch.Generator().manual_seed(req.params.seed)
+        self.running.append(req)
+        event = self._append_token(req, result.first_token, result.logprob)  # may finish it at once
+        usage = DisaggUsage(reservation.decode_prefix_len, reservation.by_tier.as_dict(), transferred)
+        return dataclasses.replace(event, cached_tokens_by_tier=dict(result.cached_tokens_by_tier), disagg=usage)
+
+    def _end(self, inc: Incoming, reason: FinishReason, message: str) -> RequestEvent:
+        """Release a request that never started decoding, telling prefill why."""
+        inc.receiver.abort(message)  # returns only once nothing more can land in its pages
+        self.stats.transfers_failed += 1
+        decode_admission.fail(self.cache, inc.req.kv, inc.reservation)  # type: ignore[arg-type]
+        return RequestEvent(inc.req.rid, (), finish_reason=reason, error=message)
+
+    def abort_all(self, reason: FinishReason, message: str) -> list[RequestEvent]:
+        events = [self._end(inc, reason, message) for inc in self.incoming + self.transferring]
+        self.incoming, self.transferring = [], []
+        return events + super().abort_all(reason, message)

@@ -1,0 +1,126 @@
+"""P/D disaggregation: the handshake, what a prefill rank and a decode rank must share before KV computed
+on one may be extended on the other.
+
+Every GEMM and attention call is batch-invariant (hicache/model/ops.py), so a prompt's KV computed by a
+prefill server and then extended by a decode server gives the same tokens as one server — but only if
+both run the same weights, dtype, page size, KV layout and shard (tensor and pipeline position), and
+the same kernel mechanisms, each verified by its start-up self-check. `mismatch` names the first field
+that differs. `hicache router` compares the servers' rank-0 handshakes at start-up (so different TP
+sizes are refused there), and every transfer carries the decode rank's handshake, which its prefill
+peer compares with its own before it sends anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from hicache.dist.parallel import ParallelContext
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.model.base import DecoderModel
+
+HANDSHAKE_VERSION = 1
+
+# Field -> how a mismatch is named, in the order they are compared (the most basic first).
+_FIELDS = {
+    "version": "handshake version",
+    "model": "model (weights digest)",
+    "dtype": "KV dtype",
+    "page_size": "page size",
+    "tp_size": "tensor parallel size (P/D with different TP sizes is refused)",
+    "pp_size": "pipeline parallel size",
+    "tp_rank": "tensor parallel rank",
+    "pp_rank": "pipeline stage",
+    "layers": "layer range",
+    "kv_layout": "KV layout",
+    "mechanisms": "batch-invariant kernel mechanisms",
+}
+
+
+@dataclass(frozen=True)
+class Handshake:
+    """One rank's identity as a KV producer or consumer (JSON-able, compared field by field)."""
+
+    model: str
+    dtype: str
+    page_size: int
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    layers: tuple[int, int]  # [start, end) of the model's layers this rank holds
+    kv_layout: tuple[tuple[str, tuple[int, ...]], ...]  # (component, shape) of one token's row per layer
+    verified: bool  # the start-up batch-invariance self-check passed
+    mechanisms: tuple[tuple[str, str], ...]
+    version: int = HANDSHAKE_VERSION
+
+    @classmethod
+    def of(cls, identity: str, model: DecoderModel, pool: DeviceKVPool, pctx: ParallelContext) -> Handshake:
+        report = model.invariance
+        return cls(
+            model=identity,
+            dtype=str(pool.dtype).removeprefix("torch."),
+            page_size=pool.page_size,
+            tp_size=pctx.tp_size,
+            tp_rank=pctx.tp_rank,
+            pp_size=pctx.pp_size,
+            pp_rank=pctx.pp_rank,
+            layers=tuple(model.layer_range),  # type: ignore[arg-type]
+            kv_layout=tuple((c.name, tuple(c.shape)) for c in pool.layout.components),
+            verified=bool(report is not None and report.verified),
+            mechanisms=tuple(sorted((report.mechanisms if report is not None else {}).items())),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Handshake:
+        """Raises ValueError for a malformed handshake (a peer of another version or not hicache)."""
+        try:
+            return cls(
+                model=str(data["model"]),
+                dtype=str(data["dtype"]),
+                page_size=int(data["page_size"]),
+                tp_size=int(data["tp_size"]),
+                tp_rank=int(data["tp_rank"]),
+                pp_size=int(data["pp_size"]),
+                pp_rank=int(data["pp_rank"]),
+                layers=(int(data["layers"][0]), int(data["layers"][1])),
+                kv_layout=tuple((str(n), tuple(int(x) for x in shape)) for n, shape in data["kv_layout"]),
+                verified=bool(data["verified"]),
+                mechanisms=tuple((str(k), str(v)) for k, v in data["mechanisms"]),
+                version=int(data["version"]),
+            )
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ValueError(f"malformed handshake: {type(exc).__name__}: {exc}") from None
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token's KV on this rank (every layer it holds)."""
+        elem = {"float32": 4, "bfloat16": 2, "float16": 2}.get(self.dtype, 4)
+        numel = sum(_prod(shape) for _, shape in self.kv_layout)
+        return numel * elem * (self.layers[1] - self.layers[0])
+
+    def mismatch(self, other: Handshake, mine: str = "prefill", theirs: str = "decode") -> str | None:
+        """Why KV of `self`'s cannot be extended by `other` (or the reverse); None when it can."""
+        for name, what in _FIELDS.items():
+            a, b = getattr(self, name), getattr(other, name)
+            if a != b:
+                return f"{what} differs: {mine} {_show(a)}, {theirs} {_show(b)}"
+        for side, hs in ((mine, self), (theirs, other)):
+            if not hs.verified:
+                return f"the batch-invariance self-check did not pass on {side}, so its KV could change answers"
+        return None
+
+
+def _prod(shape: tuple[int, ...]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def _show(value: object) -> str:
+    text = str(value)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -1,0 +1,147 @@
+"""P/D disaggregation: the prefill role's scheduler.
+
+A request first waits, holding nothing, until its decode server's metadata has arrived on every rank
+(SGLang's bootstrap queue): decode admits the request first, so prefill never computes for a decode
+that has no room for the result. The metadata is validated here (the handshake matches this rank's,
+both servers tokenized the same prompt, 0 <= decode_prefix_len <= prompt length and page-aligned);
+a request that fails it fails with the reason, and decode is told. Then the request is admitted like
+any other (this server's own prefix cache decides how much of the prompt it skips), its prompt and
+first token computed, and as it finishes the KV of the tokens after decode_prefix_len is staged out of
+its pages and handed to the sender with the first token. The request is released at once; the bytes
+travel on the transport's thread. A request whose decode gives up meanwhile (its client left, its
+transfer timed out) is aborted: nobody would receive what it computes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from hicache.disagg.agreement import agree_min
+from hicache.disagg.handshake import Handshake
+from hicache.disagg.kv_rows import stage
+from hicache.disagg.role_scheduler import RoleScheduler
+from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVSender, PrefillResult
+from hicache.disagg.wire import prompt_digest
+from hicache.engine.request import FinishReason, Request, RequestEvent, TokenLogprob
+
+logger = logging.getLogger(__name__)
+
+
+def metadata_problem(meta: DecodeMetadata, req: Request, mine: Handshake) -> str | None:
+    """Why prefill refuses decode's metadata for `req` (None: it is valid)."""
+    refused = mine.mismatch(meta.handshake)
+    if refused is not None:
+        return f"handshake refused: {refused}"
+    if meta.prompt_len != req.prompt_len or meta.prompt_digest != prompt_digest(req.prompt_ids):
+        return f"decode has another prompt ({meta.prompt_len} tokens) than prefill ({req.prompt_len} tokens)"
+    d = meta.decode_prefix_len
+    if not 0 <= d <= req.prompt_len or d % mine.page_size:
+        return f"invalid decode_prefix_len {d}: it must be a multiple of {mine.page_size} in [0, {req.prompt_len}]"
+    return None
+
+
+class PrefillScheduler(RoleScheduler):
+    role = "prefill"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.bootstrapping: list[tuple[Request, KVSender]] = []  # waiting for decode's metadata
+        self._senders: dict[int, KVSender] = {}  # rid -> sender, from bootstrap to release
+        self._first_logprob: dict[int, TokenLogprob | None] = {}
+
+    # ---- intake --------------------------------------------------------------------------------
+
+    def add(self, req: Request) -> None:
+        if req.bootstrap is None:
+            raise RuntimeError(f"request {req.rid} reached a prefill server without bootstrap information")
+        req.max_new_tokens = 1  # prefill computes the prompt and the first token; decode does the rest
+        req.kv_handle = self.cache.open(req.rid, req.prompt_ids, req.namespace)
+        self.bootstrapping.append((req, self.transfer.sender(req.bootstrap, req.prompt_len)))
+
+    def abort(self, rid: int) -> None:
+        super().abort(rid)
+        for req, _ in self.bootstrapping:
+            if req.rid == rid:
+                req.aborted = True
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.bootstrapping) or super().has_work
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestEvent]:
+        return self._bootstrap() + super().step()
+
+    def _local_status(self, req: Request, sender: KVSender) -> tuple[int, str | None]:
+        status = sender.poll()
+        if status is KVPoll.FAILED:
+            return KVPoll.FAILED, sender.failure()
+        meta = sender.metadata()
+        if meta is None:
+            return KVPoll.BOOTSTRAPPING, None
+        problem = metadata_problem(meta, req, self.handshake)
+        return (KVPoll.FAILED, problem) if problem else (KVPoll.WAITING_FOR_INPUT, None)
+
+    def _bootstrap(self) -> list[RequestEvent]:
+        """Move the requests whose metadata every rank has into the waiting queue; fail the refused;
+        abort those being computed for a decode that has given up on them."""
+        admitted = list(self._senders.items())  # in admission order, the same on every rank
+        if not self.bootstrapping and not admitted:
+            return []
+        local = [self._local_status(req, sender) for req, sender in self.bootstrapping]
+        wanted = [int(sender.poll() is not KVPoll.FAILED) for _, sender in admitted]
+        agreed = agree_min(self.pctx, [status for status, _ in local] + wanted)
+        for (rid, _), still_wanted in zip(admitted, agreed[len(local) :]):
+            if not still_wanted:
+                self.abort(rid)  # nobody will receive it: the step below drops it
+        events, still = [], []
+        for (req, sender), (_, reason), status in zip(self.bootstrapping, local, agreed):
+            if req.aborted:
+                events.append(self._end(req, sender, FinishReason.ABORT, "the request was cancelled on prefill"))
+            elif status == KVPoll.FAILED:
+                reason = reason or "the transfer failed on another prefill rank"
+                logger.warning("prefill request %d (room %d) failed: %s", req.rid, sender.room, reason)
+                events.append(self._end(req, sender, FinishReason.ERROR, reason))
+            elif status == KVPoll.WAITING_FOR_INPUT:
+                self._senders[req.rid] = sender
+                self.waiting.append(req)
+            else:
+                still.append((req, sender))
+        self.bootstrapping = still
+        return events
+
+    def _end(self, req: Request, sender: KVSender, reason: FinishReason, message: str) -> RequestEvent:
+        sender.abort(message)
+        self.stats.transfers_failed += 1
+        self.cache.release(req.kv, req.tokens(req.kv.kv_len))
+        return RequestEvent(req.rid, (), finish_reason=reason, error=message)
+
+    # ---- the end of a request: send what decode needs --------------------------------------------
+
+    def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestEvent:
+        self._first_logprob[req.rid] = logprob
+        return super()._append_token(req, token, logprob)
+
+    def _release(self, req: Request) -> None:
+        """Every way a request ends passes here, its pages still held: finished with its first token,
+        it sends; otherwise (aborted, failed) decode is told."""
+        sender = self._senders.pop(req.rid, None)
+        logprob = self._first_logprob.pop(req.rid, None)
+        if sender is not None:
+            meta = sender.metadata()
+            if req.output_ids and not req.aborted and meta is not None:
+                kv = stage(self.runner.pool, req.kv.pages, meta.decode_prefix_len, req.prompt_len)
+                sender.send(kv, PrefillResult(req.output_ids[0], logprob, dict(req.kv.cached_tokens_by_tier)))
+                self.stats.sent_tokens += kv.end - kv.start
+                self.stats.transfers_ok += 1
+            else:
+                sender.abort("the prefill request was aborted before its KV was computed")
+                self.stats.transfers_failed += 1
+        super()._release(req)
+
+    def abort_all(self, reason: FinishReason, message: str) -> list[RequestEvent]:
+        events = [self._end(req, sender, reason, message) for req, sender in self.bootstrapping]
+        self.bootstrapping = []
+        return events + super().abort_all(reason, message)

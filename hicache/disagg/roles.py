@@ -1,0 +1,96 @@
+"""P/D disaggregation: roles (`--disaggregation-mode null|prefill|decode`), what each one runs.
+
+`null` is one server doing everything (the plain `Scheduler`). `prefill` and `decode` run their role's
+scheduler over a transfer backend of this rank, and are refused where the batch-invariance self-check
+failed: moving KV computed in one batch shape to be extended in another is exactly what invariance
+protects. A decode server keeps a radix tree only with `--disaggregation-decode-enable-radix-cache`.
+The role's description (`info`) is what `/disagg/info` shows and `hicache router` checks at start-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from hicache.config import EngineConfig
+from hicache.disagg.decode_scheduler import DecodeScheduler
+from hicache.disagg.handshake import Handshake
+from hicache.disagg.kv_rows import chunk_tokens
+from hicache.disagg.prefill_scheduler import PrefillScheduler
+from hicache.disagg.role_scheduler import RoleScheduler
+from hicache.disagg.stats import DisaggStats
+from hicache.disagg.zmq_decode import ZmqDecodeBackend
+from hicache.disagg.zmq_prefill import ZmqPrefillBackend
+from hicache.dist.parallel import ParallelContext
+from hicache.engine.model_runner import ModelRunner
+from hicache.engine.scheduler import Scheduler
+from hicache.errors import UserError
+
+PREFILL, DECODE = "prefill", "decode"
+
+
+def radix_enabled(cfg: EngineConfig) -> bool:
+    """Whether this server's cache keeps a tree (a decode server only when asked to)."""
+    if cfg.disable_radix_cache:
+        return False
+    return cfg.disagg.disaggregation_mode != DECODE or cfg.disagg.disaggregation_decode_enable_radix_cache
+
+
+def role_scheduler(
+    cfg: EngineConfig, runner: ModelRunner, pctx: ParallelContext, identity: str, *args: Any, **kwargs: Any
+) -> Scheduler:
+    """This rank's scheduler for its role; `args`/`kwargs` are the plain Scheduler's."""
+    d = cfg.disagg
+    if not d.enabled:
+        return Scheduler(cfg, runner, *args, **kwargs)
+    if runner.pool.sharded:  # the transfer moves whole logical pages between equal ranks (kv_rows.py)
+        raise UserError(
+            f"--disaggregation-mode {d.disaggregation_mode} with page-sharded KV (--cp-size > 1, or an MLA model "
+            "at --tp-size > 1) is not supported yet"
+        )
+    handshake = Handshake.of(identity, runner.model, runner.pool, pctx)
+    if not handshake.verified:
+        raise UserError(
+            f"--disaggregation-mode {d.disaggregation_mode} needs the batch-invariance self-check to pass: KV "
+            "moved between servers and extended in another batch shape could change answers on this machine"
+        )
+    transfer: Any
+    if d.disaggregation_mode == PREFILL:
+        pages = d.disaggregation_transfer_chunk_pages
+        chunk = pages * cfg.page_size if pages else chunk_tokens(cfg.page_size, handshake.row_bytes)
+        port = d.disaggregation_bootstrap_port + pctx.rank
+        delay = d.debug_disagg_chunk_delay_ms / 1000
+        transfer = ZmqPrefillBackend(
+            d.disaggregation_bootstrap_host, port, d.disaggregation_transfer_timeout, chunk, delay
+        )
+        cls: type[Scheduler] = PrefillScheduler
+    else:
+        transfer = ZmqDecodeBackend(runner.pool, pctx.rank, d.disaggregation_transfer_timeout)
+        cls = DecodeScheduler
+    try:
+        return cls(cfg, runner, *args, transfer=transfer, pctx=pctx, handshake=handshake, **kwargs)
+    except BaseException:
+        transfer.shutdown()
+        raise
+
+
+def info(scheduler: Scheduler) -> dict[str, Any]:
+    """This rank's role, transfer endpoint and handshake (the `disagg_info` command)."""
+    d = scheduler.cfg.disagg
+    handshake = scheduler.handshake if isinstance(scheduler, RoleScheduler) else None
+    return {
+        "role": d.disaggregation_mode,
+        "bootstrap_host": d.disaggregation_bootstrap_host if d.disaggregation_mode == PREFILL else None,
+        "bootstrap_port": d.disaggregation_bootstrap_port if d.disaggregation_mode == PREFILL else None,
+        "decode_radix_cache": d.disaggregation_decode_enable_radix_cache,
+        "handshake": handshake.to_json() if handshake is not None else None,
+    }
+
+
+def stats(scheduler: Scheduler) -> DisaggStats | None:
+    """This rank's transfer counters (the `disagg_stats` command); None outside a P/D role."""
+    if isinstance(scheduler, PrefillScheduler):
+        return replace(scheduler.stats.snapshot(), sent_bytes=scheduler.transfer.moved_bytes)
+    if isinstance(scheduler, DecodeScheduler):
+        return replace(scheduler.stats.snapshot(), received_bytes=scheduler.transfer.moved_bytes)
+    return None

@@ -1,0 +1,233 @@
+"""P/D disaggregation: `hicache router`'s app, an OpenAI-compatible front that sends each generation
+request to a prefill and a decode server at once (upstreams.py picks the pair) and answers with the
+decode server's response, streamed through as it comes.
+
+Both copies carry the same bootstrap host, port (the prefill server's transfer endpoint) and a fresh
+random room; prefill's copy is never streamed and its answer only matters when it fails. Either half
+failing ends the other: a prefill failure cancels the decode request (it would otherwise wait for KV
+that is not coming) and the client gets prefill's error; the decode server's own failures (a transfer
+that broke, a prefill that went away) come back as its response. A client that goes away cancels
+both. Bad input gets an OpenAI-style 4xx (the servers validate the body; the router only needs JSON
+with an object in it) and the router keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from hicache.disagg.upstreams import Pairing, Upstream
+from hicache.errors import error_body
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+ROOM_BITS = 62  # rooms stay below the servers' limit with room for a batch's 64 prompts
+FORWARDED_HEADERS = ("authorization",)
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
+    return JSONResponse(error_body(status, message, code), status_code=status)
+
+
+def _sse_error(status: int, message: str, code: str) -> bytes:
+    return f"data: {json.dumps(error_body(status, message, code))}\n\ndata: [DONE]\n\n".encode()
+
+
+async def _failure(task: asyncio.Task[httpx.Response], server: Upstream) -> JSONResponse | None:
+    """The error to answer with when prefill's half did not succeed (None when it did)."""
+    try:
+        response = task.result()
+    except httpx.HTTPError as exc:
+        return _error(502, f"the prefill server {server.url} failed: {type(exc).__name__}: {exc}", "upstream_error")
+    if response.status_code == 200:
+        return None
+    try:
+        return JSONResponse(response.json(), status_code=response.status_code)
+    except ValueError:
+        return _error(502, f"the prefill server {server.url} answered HTTP {response.status_code}", "upstream_error")
+
+
+async def _discard(task: asyncio.Task[httpx.Response]) -> None:
+    """Cancel a request still being sent, or close the response it already has (its server then
+    sees the client gone and cancels the request)."""
+    if not task.done():
+        task.cancel()
+    elif not task.cancelled() and task.exception() is None:
+        await task.result().aclose()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+    if task not in done:
+        raise _ClientGone
+    return task.result()
+
+
+class Router:
+    def __init__(self, pairing: Pairing, client: httpx.AsyncClient) -> None:
+        self.pairing = pairing
+        self.client = client
+
+    async def route(self, request: Request, path: str) -> Response:
+        try:
+            body = json.loads(await request.body())
+        except (ValueError, RecursionError) as exc:
+            return _error(400, f"the body is not valid JSON: {exc}", "invalid_json")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "invalid_value")
+        prefill, decode = self.pairing.pick(body)
+        boot = {
+            "bootstrap_host": prefill.bootstrap_host,
+            "bootstrap_port": prefill.bootstrap_port,
+            "bootstrap_room": secrets.randbits(ROOM_BITS),
+        }
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        prefill_body = {**body, **boot, "stream": False}
+        prefill_body.pop("stream_options", None)
+        prefill_task = asyncio.ensure_future(self.client.post(prefill.url + path, json=prefill_body, headers=headers))
+        decode_request = self.client.build_request("POST", decode.url + path, json={**body, **boot}, headers=headers)
+        streaming = body.get("stream") is True
+        try:
+            return await _unless_disconnected(
+                request, self._answer(prefill, prefill_task, decode, decode_request, streaming)
+            )
+        except _ClientGone:
+            prefill_task.cancel()
+            return Response(status_code=499)
+
+    async def _answer(
+        self,
+        prefill: Upstream,
+        prefill_task: asyncio.Task[httpx.Response],
+        decode: Upstream,
+        decode_request: httpx.Request,
+        streaming: bool,
+    ) -> Response:
+        decode_task = asyncio.ensure_future(self.client.send(decode_request, stream=True))
+        try:
+            done, _ = await asyncio.wait({prefill_task, decode_task}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill_task in done and (failed := await _failure(prefill_task, prefill)) is not None:
+                await _discard(decode_task)  # it would wait for KV that is not coming
+                return failed
+            response = await decode_task
+        except httpx.HTTPError as exc:
+            prefill_task.cancel()
+            return _error(502, f"the decode server {decode.url} failed: {type(exc).__name__}: {exc}", "upstream_error")
+        except BaseException:  # cancelled: the client went away
+            await _discard(decode_task)
+            raise
+        if response.status_code != 200 or not streaming:
+            try:
+                content = await response.aread()
+            finally:
+                await response.aclose()
+            if response.status_code != 200:
+                prefill_task.cancel()  # decode refused it: prefill would wait for metadata that never comes
+            return Response(content, status_code=response.status_code, media_type="application/json")
+        return StreamingResponse(
+            self._relay(response, prefill, prefill_task), media_type="text/event-stream", headers=SSE_HEADERS
+        )
+
+    async def _relay(
+        self, response: httpx.Response, prefill: Upstream, prefill_task: asyncio.Task[httpx.Response]
+    ) -> AsyncIterator[bytes]:
+        """Decode's stream, byte for byte, unless prefill's half fails first."""
+        chunks = response.aiter_raw().__aiter__()
+        try:
+            while True:
+                nxt = asyncio.ensure_future(chunks.__anext__())
+                watch: set[asyncio.Future[Any]] = {nxt} if prefill_task.done() else {nxt, prefill_task}
+                done, _ = await asyncio.wait(watch, return_when=asyncio.FIRST_COMPLETED)
+                if nxt not in done:
+                    failed = await _failure(prefill_task, prefill)
+                    if failed is not None:
+                        nxt.cancel()
+                        error = json.loads(bytes(failed.body)).get("error", {})
+                        yield _sse_error(failed.status_code, str(error.get("message")), str(error.get("code")))
+                        return
+                try:
+                    yield await nxt
+                except StopAsyncIteration:
+                    return
+        finally:
+            await response.aclose()
+            if not prefill_task.done():
+                prefill_task.cancel()
+
+
+def create_router_app(pairing: Pairing, client: httpx.AsyncClient) -> FastAPI:
+    router = Router(pairing, client)
+    app = FastAPI(title="hicache router", docs_url=None, redoc_url=None, openapi_url=None)
+
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _error(exc.status_code, str(exc.detail))
+
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("router: unhandled error serving %s %s", request.method, request.url.path)
+        return _error(500, f"internal router error: {type(exc).__name__}")
+
+    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(Exception, unexpected)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await router.route(request, "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await router.route(request, "/v1/chat/completions")
+
+    @app.get("/v1/models")
+    async def models() -> Response:
+        try:
+            response = await client.get(f"{pairing.decodes[0].url}/v1/models")
+        except httpx.HTTPError as exc:
+            return _error(502, f"the decode server failed: {exc}", "upstream_error")
+        return Response(response.content, status_code=response.status_code, media_type="application/json")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONResponse(
+            {"status": "ok", "prefill": [s.url for s in pairing.prefills], "decode": [s.url for s in pairing.decodes]}
+        )
+
+    @app.post("/flush_cache")
+    async def flush_cache(request: Request) -> Response:
+        """Flush every server's cache; the first refusal (409 while requests run) is the answer."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS}
+        for server in pairing.servers:
+            try:
+                response = await client.post(f"{server.url}/flush_cache", headers=headers)
+            except httpx.HTTPError as exc:
+                return _error(502, f"{server.url} failed: {exc}", "upstream_error")
+            if response.status_code != 200:
+                return Response(response.content, status_code=response.status_code, media_type="application/json")
+        return JSONResponse({"message": "cache flushed on every server"})
+
+    return app

@@ -1,0 +1,101 @@
+"""P/D disaggregation: the messages of the ZeroMQ transport, as multipart frames `[kind, JSON header,
+*payload]` (a prefill ROUTER prefixes the peer's identity).
+
+    decode -> prefill   META  {room, decode_prefix_len, prompt_len, prompt_digest, handshake}
+                        ACK   {room}                       the whole transfer landed
+                        ABORT {room, reason}               decode gave up on the request
+    prefill -> decode   KV    {room, start, end}, one frame per local layer: rows [start, end)
+                        DONE  {room, end, first_token, logprob, cached_tokens_by_tier}
+                        ERROR {room, reason}               prefill refused or failed the request
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from hicache.disagg.handshake import Handshake
+from hicache.disagg.transfer import DecodeMetadata, PrefillResult
+from hicache.engine.request import TokenLogprob
+
+META, ACK, ABORT, KV, DONE, ERROR = (b"meta", b"ack", b"abort", b"kv", b"done", b"error")
+KINDS = (META, ACK, ABORT, KV, DONE, ERROR)
+
+
+class WireError(ValueError):
+    """A message that is not one of ours (wrong kind, bad JSON, missing field)."""
+
+
+def prompt_digest(prompt: Sequence[int]) -> str:
+    data = b"".join(int(t).to_bytes(4, "little", signed=False) for t in prompt)
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def encode(kind: bytes, header: dict[str, Any]) -> list[bytes]:
+    return [kind, json.dumps(header, separators=(",", ":")).encode()]
+
+
+def decode(frames: Sequence[bytes | memoryview]) -> tuple[bytes, dict[str, Any], list[memoryview]]:
+    """(kind, header, payload frames) of one message; WireError when it is not well formed."""
+    if len(frames) < 2:
+        raise WireError(f"a message of {len(frames)} frames")
+    kind = bytes(frames[0])
+    if kind not in KINDS:
+        raise WireError(f"unknown message kind {kind[:16]!r}")
+    try:
+        header = json.loads(bytes(frames[1]))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise WireError(f"bad header: {exc}") from None
+    if not isinstance(header, dict) or not isinstance(header.get("room"), int):
+        raise WireError("a header without a room")
+    return kind, header, [memoryview(f) for f in frames[2:]]
+
+
+def metadata_header(meta: DecodeMetadata) -> dict[str, Any]:
+    return {
+        "room": meta.room,
+        "decode_prefix_len": meta.decode_prefix_len,
+        "prompt_len": meta.prompt_len,
+        "prompt_digest": meta.prompt_digest,
+        "handshake": meta.handshake.to_json(),
+    }
+
+
+def parse_metadata(header: dict[str, Any]) -> DecodeMetadata:
+    try:
+        return DecodeMetadata(
+            room=int(header["room"]),
+            decode_prefix_len=int(header["decode_prefix_len"]),
+            prompt_len=int(header["prompt_len"]),
+            prompt_digest=str(header["prompt_digest"]),
+            handshake=Handshake.from_json(header["handshake"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(f"bad metadata: {exc}") from None
+
+
+def result_header(room: int, end: int, result: PrefillResult) -> dict[str, Any]:
+    lp = result.logprob
+    return {
+        "room": room,
+        "end": end,
+        "first_token": result.first_token,
+        # JSON floats round-trip exactly (repr), and -Infinity is allowed, so logprobs arrive bit for bit.
+        "logprob": None if lp is None else [lp.token_id, lp.logprob, [list(t) for t in lp.top]],
+        "cached_tokens_by_tier": result.cached_tokens_by_tier,
+    }
+
+
+def parse_result(header: dict[str, Any]) -> PrefillResult:
+    try:
+        raw = header["logprob"]
+        logprob = None
+        if raw is not None:
+            token_id, value, top = raw
+            logprob = TokenLogprob(int(token_id), float(value), tuple((int(t), float(v)) for t, v in top))
+        tiers = {str(k): int(v) for k, v in dict(header["cached_tokens_by_tier"]).items()}
+        return PrefillResult(int(header["first_token"]), logprob, tiers)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(f"bad result: {exc}") from None

@@ -1,0 +1,81 @@
+"""Draft models for speculative decoding (DESIGN.md, "model family": drafts), resolved from
+`--speculative-draft-model NAME|PATH`. The built-in drafts are a target's own first layers with its
+final norm and output head (an early exit), so they need no weights of their own and nothing is
+downloaded:
+
+- `tiny-draft-packed`: tiny's first 3 layers. Its KV rows have tiny's shape, dtype and token
+  indexing, so its layers can be appended to tiny's host pool (the packed layout).
+- `tiny-draft-sidecar`: tiny's first 3 layers plus a per-token token-shift state beside the KV
+  (shift.py): another row shape, so it needs pools of its own (the sidecar layout).
+- `smollm2-draft[-N]`: SmolLM2's first N layers (default 20 of its 30: an untrained early exit
+  rarely agrees with the whole model with fewer, docs/BENCHMARKS.md section 5).
+- anything else: a model loaded as `--model` loads it; it must share the target's vocabulary.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import replace
+
+import torch
+
+from hicache.errors import UserError
+from hicache.model.config import LoadedModel
+from hicache.model.loader import load_model
+from hicache.model.shift import ARCHITECTURE, shift_weight_names
+
+TINY_PACKED_LAYERS = 3
+TINY_SIDECAR_LAYERS = 3
+SHIFT_DIM = 8
+SHIFT_SEED = 4321
+SMOLLM2_DRAFT_LAYERS = 20
+_SMOLLM2_DRAFT = re.compile(r"smollm2-draft(?:-(\d+))?")
+
+
+def first_layers(base: LoadedModel, n: int, name: str, salt: str = "") -> LoadedModel:
+    """`base` cut after its first `n` layers, keeping its final norm and head (the weights are shared,
+    not copied: the decoder reads only the layers its config has)."""
+    if not 1 <= n < base.config.num_layers:
+        total = base.config.num_layers
+        raise UserError(f"draft {name!r}: {n} layers of a model with {total} (a draft needs 1..{total - 1})")
+    identity = hashlib.sha256(f"{base.identity}:first{n}:{salt}".encode()).hexdigest()
+    config = replace(base.config, num_layers=n)
+    return LoadedModel(name, config, base.weights, base.tokenizer, identity, dict(base.extra))
+
+
+def with_token_shift(draft: LoadedModel, dim: int, seed: int) -> LoadedModel:
+    """`draft` with a token-shift state of `dim` per token and layer, seeded projections: small enough
+    that the draft still agrees with its target often, large enough that a missing state shows."""
+    gen = torch.Generator().manual_seed(seed)
+    h = draft.config.hidden_size
+    weights = dict(draft.weights)
+    for i in range(draft.config.num_layers):
+        w_in, w_out = shift_weight_names(i)
+        weights[w_in] = torch.randn(dim, h, generator=gen) * h**-0.5
+        weights[w_out] = torch.randn(h, dim, generator=gen) * 0.1 * dim**-0.5
+    identity = hashlib.sha256(f"{draft.identity}:shift{dim}:{seed}".encode()).hexdigest()
+    return replace(draft, weights=weights, identity=identity, extra={**draft.extra, "architecture": ARCHITECTURE})
+
+
+def _base(name: str, target: LoadedModel) -> LoadedModel:
+    """The model a built-in draft is cut from: the target itself when it is that model (no second copy)."""
+    return target if target.name == name else load_model(name)
+
+
+def load_draft(name: str, target: LoadedModel) -> LoadedModel:
+    if name == "tiny-draft-packed":
+        draft = first_layers(_base("tiny", target), TINY_PACKED_LAYERS, name)
+    elif name == "tiny-draft-sidecar":
+        draft = first_layers(_base("tiny", target), TINY_SIDECAR_LAYERS, name, salt="sidecar")
+        draft = with_token_shift(draft, SHIFT_DIM, SHIFT_SEED)
+    elif (m := _SMOLLM2_DRAFT.fullmatch(name)) is not None:
+        draft = first_layers(_base("smollm2", target), int(m.group(1) or SMOLLM2_DRAFT_LAYERS), name)
+    else:
+        draft = load_model(name)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise UserError(
+            f"draft model {name!r} has a vocabulary of {draft.config.vocab_size} tokens and the target "
+            f"{target.name!r} one of {target.config.vocab_size}: a draft must share the target's tokenizer"
+        )
+    return draft

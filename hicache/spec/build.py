@@ -1,0 +1,59 @@
+"""Build (DESIGN.md, "speculative decoding"): the draft model, its device pool and where its state
+lives, from `--speculative-*` and `--hicache-draft-layout`; then the decoder over the target's runner.
+
+The draft's device pool has the target's page count and page size: it is indexed by the target's
+logical pages, so allocation, the tree and every reservation stay the target's alone (the draft's
+memory is extra, and smaller).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from hicache.cache.api import KVCache
+from hicache.config import EngineConfig
+from hicache.dist.parallel import ParallelContext
+from hicache.engine.model_runner import ModelRunner
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.mem.host_group import DraftPools
+from hicache.model.build import build_decoder
+from hicache.model.config import LoadedModel
+from hicache.model.draft import load_draft
+from hicache.spec.decoder import SpeculativeDecoder
+from hicache.spec.draft_state import KVGeometry, choose_layout
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Draft:
+    runner: ModelRunner
+    pools: DraftPools  # what the cache keeps of it
+
+
+def build_draft(cfg: EngineConfig, target: LoadedModel, target_pool: DeviceKVPool) -> Draft:
+    spec = cfg.speculative
+    assert spec.speculative_draft_model is not None
+    loaded = load_draft(spec.speculative_draft_model, target)
+    device, dtype = target_pool.device, target_pool.dtype
+    model = build_decoder(loaded, ParallelContext(), dtype, device, invariant=cfg.batch_invariant_ops)
+    if model.invariance is not None and not model.invariance.verified and cfg.batch_invariant_ops:
+        # Outputs stay the target's either way (it verifies every token); only acceptance could vary.
+        logger.warning("draft %s: batch-invariance self-check failed (%s)", loaded.name, model.invariance.detail)
+    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device)
+    layout = choose_layout(cfg.hicache.hicache_draft_layout, KVGeometry.of(pool), KVGeometry.of(target_pool))
+    logger.info(
+        "speculative decoding: draft %s (%d layers, %s), %d draft tokens per step",
+        loaded.name, model.num_local_layers, pool.layout.describe(), spec.speculative_num_draft_tokens,
+    )  # fmt: skip
+    pools = DraftPools(pool, layout, loaded.identity, skip_restore=cfg.debug.debug_skip_draft_restore)
+    return Draft(ModelRunner(model, pool), pools)
+
+
+def build_decoder_for(
+    cfg: EngineConfig, target: ModelRunner, draft: Draft, cache: KVCache, context_length: int
+) -> SpeculativeDecoder:
+    k = cfg.speculative.speculative_num_draft_tokens
+    # A draft catching up on a prompt takes at most a prefill chunk's worth of rows per step.
+    return SpeculativeDecoder(target, draft.runner, cache, k, context_length, cfg.chunked_prefill_size)

@@ -1,0 +1,165 @@
+"""One speculative step for the scheduler (DESIGN.md, "speculative decoding": draft runner, verify,
+rollback through the KV handle). It is the scheduler's `StepCompute` when speculation is on.
+
+A step, for the scheduler's work (prefill chunks, and one decode row per running request):
+
+1. Draft catch-up: the draft computes a decode request's rows it lags behind: the prompt the target
+   prefilled in earlier steps (the draft catches up on it after the first token, which keeps the draft
+   out of the TTFT), a cached prefix whose draft state was not restored (recomputed, and counted), a
+   last accepted token. At most `catch_up_limit` rows per request and step; a request still behind
+   gets no proposals. Its last row gives the draft's first proposal. The scheduler shares a prompt
+   through the tree only once every pool holds it (`KVHandle.valid_len`), so a page in the tree always
+   holds both models' state. The draft computes a prompt in its own step where a later one may not
+   come (the first token is also the last), or where pages of its cached prefix lack the draft's
+   state (not restored): those are in the tree already, and must be whole before another request
+   reads them.
+2. Proposals: K-1 more one-row draft steps (greedy), batched over the decode requests.
+3. One target pass: the prefill chunks and, per decode request, a (K+1)-row verify item (its last
+   token and the K proposals), logits on every row.
+4. Verification (verify.py): the request keeps the target's choices up to the first disagreement.
+   The step's output tells the scheduler to advance the handle over the K+1 rows and truncate it to
+   what was kept: `KVHandle.truncate` rolls back both models' rejected rows.
+
+Speculation is greedy-only: a sampling request takes K = 0 (its verify item is a plain decode row,
+sampled as without speculation), as does a request with one token left. The draft's load events are
+the target's (a layer's event covers both models' copies, hicache/mem/host_group.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import torch
+
+from hicache.cache.api import KVCache
+from hicache.engine.model_runner import ModelRunner, StepOutput, WorkItem
+from hicache.engine.request import Request
+from hicache.engine.sampler import sample
+from hicache.mem.host_group import draft_event_layer
+from hicache.spec.stats import SpecStats
+
+logger = logging.getLogger(__name__)
+
+LayerHook = Callable[[int], None]
+
+
+class SpeculativeDecoder:
+    speculative = True
+
+    def __init__(
+        self,
+        target: ModelRunner,
+        draft: ModelRunner,
+        cache: KVCache,
+        num_draft_tokens: int,
+        context_length: int,
+        catch_up_limit: int,
+    ) -> None:
+        self.target = target
+        self.draft = draft
+        self.cache = cache
+        self.num_draft_tokens = num_draft_tokens
+        self.context_length = context_length
+        self.catch_up_limit = catch_up_limit
+        self._target_layers = target.model.num_local_layers
+        self._stats = SpecStats()
+
+    def stats(self) -> SpecStats:
+        return SpecStats(**vars(self._stats))
+
+    def _left(self, req: Request) -> int:
+        """Tokens `req` may still emit."""
+        produced = len(req.output_ids)
+        return min(req.max_new_tokens - produced, self.context_length - req.prompt_len - produced)
+
+    def _budget(self, item: WorkItem) -> int:
+        """Proposals for a decode item this step: K, fewer near its end (a step emits at most K+1
+        tokens), none when it samples or when the draft is still catching up."""
+        req = item.req
+        behind = item.end - (req.kv.draft_len or 0)
+        if req.params.temperature != 0.0 or behind > self.catch_up_limit:
+            return 0
+        return max(0, min(self.num_draft_tokens, self._left(req) - 1))
+
+    def step(self, work: list[WorkItem], before_layer: LayerHook | None) -> list[StepOutput]:
+        decoding = [item for item in work if not item.req.in_prefill]
+        budgets = [self._budget(item) for item in decoding]
+        for item, k in zip(decoding, budgets):
+            self.cache.extend(item.req.kv, item.end + k)  # the verify rows' pages, out of its reservation
+        proposals = self._propose(work, decoding, budgets, self._draft_hook(before_layer))
+        verify = {
+            id(item): WorkItem(item.req, item.start, item.end + k, tuple(p), logit_rows=k + 1)
+            for item, k, p in zip(decoding, budgets, proposals)
+        }
+        target_work = [verify.get(id(item), item) for item in work]
+        logits = self.target.forward(target_work, before_layer)
+        assert logits is not None  # one rank: the last pipeline stage
+        return self._outputs(work, target_work, logits)
+
+    def _draft_hook(self, before_layer: LayerHook | None) -> LayerHook | None:
+        if before_layer is None:
+            return None
+        target_layers = self._target_layers
+        return lambda layer: before_layer(draft_event_layer(layer, target_layers))
+
+    def _propose(
+        self, work: list[WorkItem], decoding: list[WorkItem], budgets: list[int], hook: LayerHook | None
+    ) -> list[list[int]]:
+        """The draft's catch-up, then its proposals for the decode items."""
+        wants_proposal = {id(item) for item, k in zip(decoding, budgets) if k > 0}
+        catch_up = []
+        for item in work:
+            kv = item.req.kv
+            assert kv.draft_len is not None, "speculative decoding needs a cache that tracks the draft"
+            restored = kv.draft_len >= kv.cached.total
+            if item.req.in_prefill and self._left(item.req) > 1 and restored:
+                continue  # later, from its first decode step on
+            end = min(item.end, kv.draft_len + self.catch_up_limit)
+            # Rows over the cached prefix: its draft state was not restored with the target's.
+            self._stats.draft_recomputed_tokens += max(0, min(end, kv.cached.total) - kv.draft_len)
+            catch_up.append(WorkItem(item.req, kv.draft_len, end, logit_rows=int(id(item) in wants_proposal)))
+        if not catch_up:
+            return [[] for _ in budgets]
+        logits = self.draft.forward(catch_up, hook)
+        assert logits is not None
+        for item in catch_up:
+            item.req.kv.advance_draft(item.end)
+        first = iter(int(torch.argmax(row)) for row in logits)
+        proposals = [[next(first)] if k > 0 else [] for k in budgets]
+        for j in range(1, max(budgets, default=0)):
+            active = [i for i, k in enumerate(budgets) if k > j]
+            steps = [
+                WorkItem(decoding[i].req, decoding[i].end + j - 1, decoding[i].end + j, tuple(proposals[i]))
+                for i in active
+            ]
+            logits = self.draft.forward(steps, hook)
+            assert logits is not None
+            for i, step, row in zip(active, steps, logits):
+                proposals[i].append(int(torch.argmax(row)))
+                step.req.kv.advance_draft(step.end)
+        return proposals
+
+    def _outputs(self, work: list[WorkItem], target_work: list[WorkItem], logits: torch.Tensor) -> list[StepOutput]:
+        outputs, row = [], 0
+        for item, done in zip(work, target_work):
+            rows = logits[row : row + done.num_logit_rows]
+            row += done.num_logit_rows
+            if done is item:  # a prefill chunk: the plain step's output
+                outputs.append(StepOutput(item.end, item.end, [sample(rows[0], item.req)] if len(rows) else []))
+                continue
+            req, proposed = item.req, done.draft
+            choices = []
+            for i in range(len(proposed) + 1):
+                choices.append(sample(rows[i], req))
+                if i < len(proposed) and choices[-1][0] != proposed[i]:
+                    break  # the target's choice here is its next token; the rest are rejected
+            accepted = len(choices) - 1
+            if proposed:
+                req.spec_proposed += len(proposed)
+                req.spec_accepted += accepted
+                self._stats.proposed_tokens += len(proposed)
+                self._stats.accepted_tokens += accepted
+                self._stats.verify_steps += 1
+            outputs.append(StepOutput(done.end, item.end + accepted, choices))
+        return outputs

@@ -1,0 +1,87 @@
+"""P/D deployments of real processes for the disagg tests: `hicache serve` prefill and decode servers
+and a `hicache router` in front of them, on loopback ports the tests choose (so a server can be
+restarted where the router expects it), each stopped by pid by the test that started it."""
+
+from __future__ import annotations
+
+import contextlib
+import pathlib
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+
+import httpx
+
+from tests.disagg.pd import free_ports
+from tests.server.server_harness import REPO, ServerProcess, metric, scrape
+
+
+def spawn(log_dir: pathlib.Path, port: int, command: str, *args: str) -> ServerProcess:
+    log = log_dir / f"{command}-{port}.log"
+    cmd = [sys.executable, "-m", "hicache", "--log-level", "info", command, "--host", "127.0.0.1", "--port", str(port)]
+    with open(log, "ab") as out:
+        proc = subprocess.Popen([*cmd, *args], cwd=REPO, stdout=out, stderr=subprocess.STDOUT)
+    return ServerProcess(proc, f"http://127.0.0.1:{port}", log)
+
+
+def serve(log_dir: pathlib.Path, port: int, *args: str) -> ServerProcess:
+    return spawn(log_dir, port, "serve", "--model", "tiny", *args)
+
+
+def prefill_args(bootstrap_port: int, *extra: str) -> tuple[str, ...]:
+    return ("--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bootstrap_port), *extra)
+
+
+DECODE_REUSE = ("--disaggregation-mode", "decode", "--disaggregation-decode-enable-radix-cache",
+                "--enable-hierarchical-cache")  # fmt: skip
+DECODE_PLAIN = ("--disaggregation-mode", "decode")
+
+
+def router(log_dir: pathlib.Path, port: int, prefills: Sequence[str], decodes: Sequence[str]) -> ServerProcess:
+    flags = [f for url in prefills for f in ("--prefill", url)] + [f for url in decodes for f in ("--decode", url)]
+    return spawn(log_dir, port, "router", *flags, "--startup-timeout", "60")
+
+
+@contextlib.contextmanager
+def started(*servers: ServerProcess) -> Iterator[None]:
+    """Wait until every server is healthy; stop them all at the end (signal all, then wait)."""
+    try:
+        for server in servers:
+            server.wait_healthy()
+        yield
+    finally:
+        for server in servers:
+            server.terminate()
+        for server in servers:
+            server.wait_stopped()
+
+
+def ports(n: int) -> list[int]:
+    return [free_ports(1) for _ in range(n)]
+
+
+def decode_counters(url: str) -> dict[str, float]:
+    samples = scrape(url)
+    return {
+        "received": metric(samples, "hicache_disagg_received_tokens_total"),
+        "bytes": metric(samples, "hicache_disagg_received_bytes_total"),
+        **{
+            tier: metric(samples, "hicache_disagg_decode_prefix_tokens_total", tier=tier)
+            for tier in ("device", "host", "storage")
+        },
+    }
+
+
+def complete(url: str, prompt: str | list[int], max_tokens: int = 12, **extra: object) -> httpx.Response:
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, **extra}
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+
+
+def router_refusal(prefill: str, decode: str) -> str:
+    """Start `hicache router` over one pair that it must refuse: its one-line error (exit code 2)."""
+    cmd = [sys.executable, "-m", "hicache", "router", "--prefill", prefill, "--decode", decode,
+           "--port", "0", "--startup-timeout", "10"]  # fmt: skip
+    done = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.count("\n") == 1, f"one line: {done.stderr}"
+    return done.stderr

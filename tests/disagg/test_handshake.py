@@ -1,0 +1,86 @@
+"""What a prefill-decode pair must share (hicache/disagg/handshake.py), and what prefill refuses in
+decode's metadata (hicache/disagg/prefill_scheduler.py): every mismatch is named, never served."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+from hicache.disagg.handshake import Handshake
+from hicache.disagg.prefill_scheduler import metadata_problem
+from hicache.disagg.transfer import DecodeMetadata
+from hicache.disagg.wire import WireError, decode, encode, metadata_header, parse_metadata, prompt_digest
+from hicache.engine.request import Request, SamplingParams
+
+BASE = Handshake(
+    model="m" * 64,
+    dtype="bfloat16",
+    page_size=16,
+    tp_size=1,
+    tp_rank=0,
+    pp_size=1,
+    pp_rank=0,
+    layers=(0, 4),
+    kv_layout=(("k", (2, 32)), ("v", (2, 32))),
+    verified=True,
+    mechanisms=(("attention", "keys padded to 512"), ("linear q_proj", "onednn, granule 1")),
+)
+
+
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        ({"model": "x" * 64}, "model"),
+        ({"dtype": "float32"}, "KV dtype"),
+        ({"page_size": 32}, "page size"),
+        ({"tp_size": 2}, "tensor parallel size (P/D with different TP sizes is refused)"),
+        ({"pp_size": 2}, "pipeline parallel size"),
+        ({"layers": (0, 2)}, "layer range"),
+        ({"kv_layout": (("k", (1, 32)), ("v", (1, 32)))}, "KV layout"),
+        ({"mechanisms": (("attention", "other"),)}, "mechanisms"),
+        ({"verified": False}, "self-check did not pass on decode"),
+    ],
+)
+def test_every_difference_is_named(change, named):
+    other = dataclasses.replace(BASE, **change)
+    problem = BASE.mismatch(other)
+    assert problem is not None and named in problem
+    assert BASE.mismatch(BASE) is None
+
+
+def test_handshakes_survive_the_wire():
+    assert Handshake.from_json(json.loads(json.dumps(BASE.to_json()))) == BASE
+    with pytest.raises(ValueError, match="malformed"):
+        Handshake.from_json({"model": "m"})
+
+
+def test_metadata_survives_the_wire_and_bad_messages_are_refused():
+    meta = DecodeMetadata(7, 32, 40, prompt_digest(range(40)), BASE)
+    kind, header, payload = decode(encode(b"meta", metadata_header(meta)))
+    assert kind == b"meta" and payload == [] and parse_metadata(header) == meta
+    for frames in ([b"meta"], [b"nope", b"{}"], [b"meta", b"not json"], [b"meta", b'{"no": "room"}']):
+        with pytest.raises(WireError):
+            decode(frames)
+
+
+@pytest.mark.parametrize(
+    ("d", "length", "other_prompt", "handshake", "named"),
+    [
+        (32, 40, False, BASE, None),
+        (0, 40, False, BASE, None),
+        (32, 32, False, BASE, None),  # a whole prompt decode already holds: only the first token is sent
+        (24, 40, False, BASE, "invalid decode_prefix_len 24"),  # not page-aligned
+        (48, 40, False, BASE, "invalid decode_prefix_len 48"),  # beyond the prompt
+        (-16, 40, False, BASE, "invalid decode_prefix_len -16"),
+        (16, 40, True, BASE, "another prompt"),
+        (16, 40, False, dataclasses.replace(BASE, dtype="float32"), "handshake refused: KV dtype differs"),
+    ],
+)
+def test_prefill_validates_decode_prefix_len(d, length, other_prompt, handshake, named):
+    req = Request(list(range(length)), SamplingParams(), 1)
+    decodes = list(range(1, length + 1)) if other_prompt else req.prompt_ids
+    meta = DecodeMetadata(1, d, length, prompt_digest(decodes), handshake)
+    problem = metadata_problem(meta, req, BASE)
+    assert (problem is None) if named is None else (named in (problem or ""))

@@ -1,0 +1,64 @@
+"""Prefill-decode at tensor parallel size 2 on both sides: rank r of prefill sends its KV heads to rank
+r of decode, the ranks agree on every transfer's outcome, and what the router returns equals a
+cache-off server at the same TP size (TP changes bf16 summation order, so that is the reference). A
+pair of different TP sizes is refused when the router starts, naming the field."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.disagg.deployment import (
+    DECODE_REUSE,
+    complete,
+    decode_counters,
+    ports,
+    prefill_args,
+    router,
+    router_refusal,
+    serve,
+    started,
+)
+from tests.disagg.pd import free_ports
+from tests.server.server_harness import assert_no_leaks
+
+TP2 = ("--tp-size", "2")
+
+
+@pytest.fixture(scope="module")
+def deployment(tmp_path_factory: pytest.TempPathFactory):
+    logs = tmp_path_factory.mktemp("pd-tp")
+    p_port, d_port, ref_port, p1_port, r_port = ports(5)
+    boot, boot1 = free_ports(2), free_ports(1)
+    servers = {
+        "prefill": serve(logs, p_port, *TP2, *prefill_args(boot)),
+        "decode": serve(logs, d_port, *TP2, *DECODE_REUSE),
+        "ref": serve(logs, ref_port, *TP2, "--disable-radix-cache"),
+        "prefill_tp1": serve(logs, p1_port, *prefill_args(boot1)),
+    }
+    with started(*servers.values()):
+        front = router(logs, r_port, [servers["prefill"].url], [servers["decode"].url])
+        with started(front):
+            yield {"router": front.url, **{name: s.url for name, s in servers.items()}}
+
+
+def test_tp2_prefill_and_tp2_decode_equal_a_tp2_cache_off_server(deployment):
+    front, ref, decode = deployment["router"], deployment["ref"], deployment["decode"]
+    history = list(range(40, 140)) * 2
+    for turn in range(3):
+        before = decode_counters(decode)
+        got = complete(front, history)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["text"] == complete(ref, history).json()["choices"][0]["text"], f"turn {turn}"
+        details = got.json()["usage"]["prompt_tokens_details"]
+        after = decode_counters(decode)
+        assert after["received"] - before["received"] == len(history) - details["decode_prefix_tokens"]
+        if turn:
+            assert details["decode_prefix_tokens"] > 0, "decode's ranks reuse their shards of the tree"
+        history += list(range(50 + turn, 100 + turn))
+    for name in ("prefill", "decode"):
+        assert_no_leaks(deployment[name])
+
+
+def test_a_pair_of_different_tp_sizes_is_refused_at_start_up(deployment):
+    refusal = router_refusal(deployment["prefill_tp1"], deployment["decode"])
+    assert "tensor parallel size (P/D with different TP sizes is refused) differs" in refusal

@@ -1,0 +1,43 @@
+"""The router's view of its servers (hicache/disagg/upstreams.py): a pair that may not exchange KV is
+refused at start-up with one line naming it, and a request's pair follows its prefix."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hicache.disagg.upstreams import Pairing, Upstream, affinity_key, check_pairs
+from hicache.errors import UserError
+from tests.disagg.test_handshake import BASE
+
+
+def upstream(url: str, role: str, **handshake: object) -> Upstream:
+    return Upstream(url, role, "tiny", dataclasses.replace(BASE, **handshake), "127.0.0.1", 9000)
+
+
+def test_a_pair_that_may_not_exchange_kv_is_refused_by_name():
+    prefills = [upstream("http://p1", "prefill"), upstream("http://p2", "prefill", tp_size=2)]
+    decodes = [upstream("http://d1", "decode")]
+    with pytest.raises(UserError, match=r"cannot pair prefill http://p2 with decode http://d1: tensor parallel size"):
+        check_pairs(prefills, decodes)
+    check_pairs(prefills[:1], decodes)
+    renamed = dataclasses.replace(decodes[0], served_model_name="other")
+    with pytest.raises(UserError, match="served model name differs"):
+        check_pairs(prefills[:1], [renamed])
+
+
+def test_a_requests_pair_follows_its_first_message_or_prompt_head():
+    pairing = Pairing(
+        [upstream(f"http://p{i}", "prefill") for i in range(2)], [upstream(f"http://d{i}", "decode") for i in range(3)]
+    )
+    system = {"role": "system", "content": "shared"}
+    turn1 = {"messages": [system, {"role": "user", "content": "a"}]}
+    turn2 = {"messages": [system, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    assert pairing.pick(turn1) == pairing.pick(turn2), "a conversation keeps its pair"
+    assert affinity_key({"prompt": "x" * 5000}) == affinity_key({"prompt": "x" * 6000})
+    assert affinity_key({"prompt": [["a"], ["b"]]}) != b""
+    picks = {pairing.pick({"prompt": f"conversation {i}"}) for i in range(60)}
+    assert {p.url for p, _ in picks} == {"http://p0", "http://p1"} and len({d.url for _, d in picks}) == 3
+    with pytest.raises(UserError):
+        Pairing([], pairing.decodes)

@@ -1,0 +1,34 @@
+"""`tiny-mla` (one latent KV row per token and layer) at CP2 with page-sharded KV and every cache tier:
+the multi-turn workload gives the single-rank cache-off run token for token, and the rank consensus
+checker finds every decision equal."""
+
+import pytest
+
+from hicache import Engine
+from hicache.config import ParallelConfig
+from hicache.debug.consensus_checker import ENV_ENABLE, ENV_LOG_DIR
+from tests.dist import workload as w
+from tests.dist.test_parallel_tiers import consensus_check, run_equal_to
+
+
+def mla_engine(storage_dir, cp=1, tp=1) -> Engine:
+    return Engine(
+        model="tiny-mla",
+        max_total_tokens=w.DEVICE_TOKENS // 2,  # per rank: the logical pool stays below the working set
+        hicache=w.tiers(storage_dir),
+        parallel=ParallelConfig(cp_size=cp, tp_size=tp),
+    )
+
+
+@pytest.mark.timeout(240)
+def test_tiny_mla_cp2_equals_single_rank_cache_off(tmp_path, monkeypatch):
+    with Engine(model="tiny-mla", disable_radix_cache=True) as engine:
+        reference = w.run(engine)
+    monkeypatch.setenv(ENV_ENABLE, "1")
+    monkeypatch.setenv(ENV_LOG_DIR, str(tmp_path / "logs"))
+    engine = mla_engine(tmp_path / "store", cp=2)
+    monkeypatch.delenv(ENV_ENABLE)
+    with engine:
+        run_equal_to(engine, reference)
+    checked = consensus_check(tmp_path / "logs")
+    assert checked.returncode == 0 and "2 ranks agree" in checked.stdout, checked.stdout + checked.stderr

@@ -1,0 +1,26 @@
+"""`--cp-size`: parsed into the parallel config (world size tp x pp x cp), refused with one line where
+it is not supported."""
+
+import argparse
+
+import pytest
+
+from hicache.config import EngineConfig, ParallelConfig
+from hicache.config.flags import add_engine_args
+from hicache.errors import UserError
+from hicache.model.tiny import TINY_CONFIG
+from hicache.runtime.build import check_topology
+
+
+def test_cp_size_flag_sets_the_world_size():
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    cfg = EngineConfig.from_args(parser.parse_args(["--cp-size", "2", "--tp-size", "2"]))
+    assert (cfg.parallel.cp_size, cfg.parallel.world_size) == (2, 4)
+
+
+def test_cp_with_pipeline_stages_is_refused_with_one_line():
+    with pytest.raises(UserError, match="--cp-size with --pp-size"):
+        check_topology(EngineConfig(parallel=ParallelConfig(cp_size=2, pp_size=2)), TINY_CONFIG)
+    with pytest.raises(UserError, match="--cp-size must be >= 1"):
+        ParallelConfig(cp_size=0)

@@ -1,0 +1,167 @@
+"""Speculative decoding never changes an answer, on every tier: greedy outputs with a draft equal the
+target's alone with the cache off, token for token, with device, host and storage hits (after a restart
+on the same store), for the packed and the sidecar draft; the acceptance after hits equals the cache-off
+acceptance exactly; without the draft's restore (the negative control) the draft recomputes, and a store
+without the draft's pages cuts hits to what both models have, the metrics saying so either way."""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache import Engine, SamplingParams
+from hicache.cache.stats import PrefetchLoss
+from hicache.config import DebugConfig, HiCacheConfig, SpeculativeConfig
+from hicache.errors import UserError
+from tests.conversations import make_conversations, run_turns
+from tests.dist.workload import tier_totals as hits
+from tests.dist.workload import tokens
+
+CONVS = make_conversations(num_groups=2, per_group=2, system_len=200, question_len=30)
+TURNS = 3
+NEW = 16
+DEVICE_TOKENS = 512  # the working set is ~3x this: later turns come back from host memory
+DRAFTS = ("tiny-draft-packed", "tiny-draft-sidecar")
+K = 4
+
+
+def acceptance(turns) -> tuple[int, int]:
+    """(proposed, accepted) draft tokens over every request, as generate reports them."""
+    pairs = [r.spec_tokens for results in turns for r in results]
+    assert all(p is not None for p in pairs)
+    return sum(p for p, _ in pairs), sum(a for _, a in pairs)
+
+
+def spec(draft: str) -> SpeculativeConfig:
+    return SpeculativeConfig("draft", draft, K)
+
+
+def tiers(tmp_path, **kw) -> HiCacheConfig:
+    store = str(tmp_path / "store")
+    return HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_storage_backend="file",
+                         hicache_storage_dir=store, hicache_storage_prefetch_threshold=16, **kw)  # fmt: skip
+
+
+def assert_clean(engine: Engine) -> None:
+    assert engine.flush_cache()
+    assert engine.leak_report() == []
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with Engine(model="tiny", disable_radix_cache=True) as engine:
+        return tokens(run_turns(engine, CONVS, TURNS, NEW))
+
+
+@pytest.fixture(scope="module")
+def cache_off_acceptance(reference):
+    """Per draft: (proposed, accepted) with the cache off; its outputs are the target's alone."""
+    out = {}
+    for draft in DRAFTS:
+        with Engine(model="tiny", disable_radix_cache=True, speculative=spec(draft)) as engine:
+            turns = run_turns(engine, CONVS, TURNS, NEW)
+            assert tokens(turns) == reference, f"{draft}, cache off: speculation changed the output"
+            out[draft] = acceptance(turns)
+            assert out[draft][1] > 0, f"{draft}: no proposal was ever accepted"
+    return out
+
+
+@pytest.mark.parametrize("draft,layout", [("tiny-draft-packed", "page_first"), ("tiny-draft-sidecar", "layer_first")])
+def test_device_host_and_storage_hits_keep_outputs_and_acceptance(
+    reference, cache_off_acceptance, tmp_path, draft, layout
+):
+    cfg = tiers(tmp_path, hicache_mem_layout=layout)
+    expected_layout = "packed" if draft == "tiny-draft-packed" else "sidecar"
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(draft)) as engine:
+        assert engine._runtime.scheduler.cache.host.host.draft_layout == expected_layout  # auto chose it
+        turns = run_turns(engine, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference
+        assert hits(turns)["device"] > 0 and hits(turns)["host"] > 0
+        assert acceptance(turns) == cache_off_acceptance[draft]
+        assert engine.spec_stats().draft_recomputed_tokens == 0
+        assert_clean(engine)
+    # A new engine on the same store: the histories come back from storage, both models' pages.
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(draft)) as engine:
+        turns = run_turns(engine, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference
+        assert hits(turns)["storage"] > 0
+        assert acceptance(turns) == cache_off_acceptance[draft]
+        stats = engine.cache_stats().storage
+        assert stats.prefetch.lost[PrefetchLoss.DRAFT_MISSING] == 0 and stats.store.corrupt == 0
+        assert engine.spec_stats().draft_recomputed_tokens == 0  # every hit restored the draft too
+        assert_clean(engine)
+
+
+def test_without_the_drafts_restore_the_draft_recomputes_and_outputs_stay(reference, cache_off_acceptance, tmp_path):
+    draft = "tiny-draft-sidecar"
+    debug = DebugConfig(debug_skip_draft_restore=True)
+    cfg = tiers(tmp_path)
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(draft), debug=debug) as e:
+        turns = run_turns(e, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference
+        restored = hits(turns)["host"] + hits(turns)["storage"]
+        assert restored > 0
+        # The cache never claims draft state it did not restore: the draft recomputes exactly that
+        # prefix (the metric says which of the two happened), so its proposals are those of cache off.
+        assert e.spec_stats().draft_recomputed_tokens == restored
+        assert acceptance(turns) == cache_off_acceptance[draft]
+        assert_clean(e)
+
+
+def test_a_store_without_the_drafts_pages_cuts_the_hit(reference, cache_off_acceptance, tmp_path):
+    cfg = tiers(tmp_path)
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg) as engine:  # written without a draft
+        assert tokens(run_turns(engine, CONVS, TURNS, NEW)) == reference
+    draft = "tiny-draft-packed"
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(draft)) as engine:
+        turns = run_turns(engine, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference
+        assert acceptance(turns) == cache_off_acceptance[draft]
+        # Every stored page lacks its draft part: no storage hit is used, and each cut page is counted.
+        assert hits(turns)["storage"] == 0
+        stats = engine.cache_stats().storage
+        assert stats.prefetch.lost[PrefetchLoss.DRAFT_MISSING] > 0
+        assert engine.spec_stats().draft_recomputed_tokens == 0
+        assert_clean(engine)
+    # Written by the speculative run, the draft's pages are there now; the target's were never rewritten.
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(draft)) as engine:
+        turns = run_turns(engine, CONVS, 1, NEW)
+        assert hits(turns)["storage"] > 0
+
+
+def test_sampling_requests_and_stops_inside_an_accepted_run():
+    """A sampling request is not speculated and samples as without a draft. A stop token the target
+    emits mid-run ends the request there: later accepted tokens are dropped, and only KV up to the
+    sequence's end is shared (the leak check after a flush)."""
+    history = list(CONVS[0]["system"])
+    sampled = SamplingParams(max_new_tokens=24, temperature=0.8, seed=7)
+    with Engine(model="tiny", disable_radix_cache=True) as engine:
+        full = engine.generate([history], SamplingParams(max_new_tokens=NEW, ignore_eos=True))[0].token_ids
+        stopping = SamplingParams(max_new_tokens=NEW, stop_token_ids=(full[NEW // 2],))
+        want = engine.generate([history], stopping)[0].token_ids
+        plain = engine.generate([history], sampled)[0].token_ids
+    assert want[-1] == full[NEW // 2] and len(want) < NEW
+    with Engine(model="tiny", speculative=spec("tiny-draft-packed")) as engine:
+        assert [r.token_ids for r in engine.generate([history, history], stopping)] == [want, want]
+        result = engine.generate([history], sampled)[0]
+        assert result.token_ids == plain and result.spec_tokens == (0, 0)
+        assert_clean(engine)
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"speculative": spec("tiny-draft-sidecar"), "hicache": HiCacheConfig(hicache_draft_layout="packed")},
+         "--hicache-draft-layout packed: the draft's row shape"),
+        ({"speculative": spec("tiny-draft-nope")}, "unknown model"),
+    ],
+)  # fmt: skip
+def test_bad_drafts_are_refused_at_start_up(kw, message):
+    with pytest.raises(UserError, match=message):
+        Engine(**{"model": "tiny", **kw})
+
+
+def test_speculation_refuses_more_than_one_rank():
+    from hicache.config import EngineConfig, ParallelConfig
+
+    with pytest.raises(UserError, match="--tp-size 1 --pp-size 1"):
+        EngineConfig(speculative=spec("tiny-draft-packed"), parallel=ParallelConfig(tp_size=2))
