@@ -7,7 +7,8 @@ Phase 1 runs every conversation on a `--disable-radix-cache` server: the referen
 make the conversations' histories. Phase 2 replays the same prompts on the server under test from
 `--clients` threads while faults are injected: client disconnects (a read timeout), streams abandoned
 part way, stored objects corrupted and truncated, a Redis restart (redis backend), a server restart
-half way (a new process on the same store) and transfer delays (a server flag). At the end: every
+half way (a new process on the same store), transfer delays and failed host -> device loads (server
+flags). At the end: every
 completed answer must equal the reference's, every failed request must carry an error message, and
 after /flush_cache no page and no lock may be held; the server's RSS and open file descriptors are
 recorded at its start and at the end. Exit status 1 if any of that does not hold. tests/test_soak.py
@@ -51,6 +52,7 @@ class SoakConfig:
     max_tokens: int = 24
     device_tokens: int = 1024  # well below the conversations' working set: device eviction, host hits
     transfer_delay_ms: int = 5
+    load_fail_rate: float = 0.1  # host -> device loads that fail (the requests needing them recompute)
     action_weights: tuple[float, ...] = (0.55, 0.25, 0.1, 0.1)
     corrupt_every_s: float = 0.5
     seed: int = 0
@@ -141,7 +143,7 @@ class Client:
         try:
             r = self.openai.completions.create(**body)
         except Exception as exc:  # noqa: BLE001 - an API error: must carry a message
-            self._failed(str(exc))
+            self._failed(str(exc), getattr(exc, "status_code", "error"))
             return None
         self.outcomes["completed"] += 1
         details = (r.usage.prompt_tokens_details.model_extra or {}).get("cached_tokens_by_tier", {})
@@ -153,7 +155,7 @@ class Client:
         body = {**body, "stream": True, "stream_options": {"include_usage": True}}
         with httpx.stream("POST", f"{self.url}/v1/completions", json=body, timeout=120) as r:
             if r.status_code != 200:
-                self._failed(r.read().decode())
+                self._failed(r.read().decode(), r.status_code)
                 return None
             for n, line in enumerate(r.iter_lines()):
                 if abandon_after is not None and n >= abandon_after:
@@ -163,7 +165,7 @@ class Client:
                     continue
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
-                    self._failed(chunk["error"].get("message", ""))
+                    self._failed(chunk["error"].get("message", ""), chunk["error"].get("code") or "stream")
                     return None
                 if chunk.get("usage"):
                     self.tiers.update(chunk["usage"]["prompt_tokens_details"]["cached_tokens_by_tier"])
@@ -179,8 +181,8 @@ class Client:
         httpx.post(f"{self.url}/v1/completions", json=body, timeout=httpx.Timeout(5.0, read=0.02))
         self.outcomes["completed_before_disconnect"] += 1  # it was faster than the client gave up
 
-    def _failed(self, message: str) -> None:
-        self.outcomes["failed"] += 1
+    def _failed(self, message: str, status: object) -> None:
+        self.outcomes[f"failed_{status}"] += 1
         if not message.strip():
             self.silent_errors += 1
 
@@ -272,12 +274,13 @@ def process_usage(pid: int) -> tuple[float, int]:
 
 def server_flags(cfg: SoakConfig, storage: list[str]) -> list[str]:
     return [
-        # Host memory no larger than the device pool: prefixes fall out of host memory and come back
-        # from storage within the run, so damaged objects are read (and must be caught).
+        # Host memory twice the device pool, far below the working set: prefixes fall out of host
+        # memory and come back from storage within the run, so damaged objects are read (and must be
+        # caught); with less, 16 clients' prefetches after a restart mostly find the host tier full.
         "--model", cfg.model, "--enable-hierarchical-cache", "--max-total-tokens", str(cfg.device_tokens),
-        "--hicache-ratio", "1.0", "--hicache-load-back-threshold", "16",
+        "--hicache-ratio", "2.0", "--hicache-load-back-threshold", "16",
         "--hicache-storage-prefetch-threshold", "64", "--debug-transfer-delay-ms", str(cfg.transfer_delay_ms),
-        *storage,
+        "--debug-load-fail-rate", str(cfg.load_fail_rate), *storage,
     ]  # fmt: skip
 
 
@@ -288,7 +291,7 @@ def run_soak(cfg: SoakConfig, workdir: Path) -> SoakReport:
     report = SoakReport(requests=cfg.clients * cfg.turns)
     with ServerProcess(["--model", cfg.model, "--disable-radix-cache"]) as ref:
         convs = reference_conversations(ref.url, cfg)
-    redis = RedisServer(workdir / "redis") if cfg.backend == "redis" else None
+    redis = RedisServer(workdir / "redis", persist=True) if cfg.backend == "redis" else None
     store_dir = workdir / "store" if cfg.backend == "file" else None
     if redis is not None:
         (workdir / "redis").mkdir(exist_ok=True)
@@ -350,7 +353,8 @@ def _settle_and_check(url: str, report: SoakReport) -> None:
 
 def _server_faults(url: str) -> dict[str, int]:
     """What the server counted of the faults: corrupt objects read, failed loads recomputed, and so on."""
-    wanted = ("storage_corrupt", "storage_errors", "load_failed_pages", "transfer_failures")
+    wanted = ("storage_corrupt", "storage_errors", "load_failed_pages", "load_timed_out_pages", "load_failed_requests",
+              "transfer_failures")  # fmt: skip
     counts = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         value = int(float(line.rsplit(" ", 1)[-1])) if line and not line.startswith("#") else 0
@@ -370,9 +374,14 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--device-tokens", type=int, default=SoakConfig.device_tokens,
+                        help="device KV pool (--max-total-tokens); must hold the longest conversation")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    cfg = SoakConfig(backend=args.backend, clients=args.clients, turns=args.turns, model=args.model, seed=args.seed)
+    cfg = SoakConfig(
+        backend=args.backend, clients=args.clients, turns=args.turns, model=args.model, seed=args.seed,
+        device_tokens=args.device_tokens,
+    )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="hicache-soak-") as tmp:
         report = run_soak(cfg, Path(tmp))
     print(json.dumps({**asdict(report), "ok": report.ok}, indent=1))

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
 
 if TYPE_CHECKING:
+    from hicache.cache.failed_loads import FailedLoads
     from hicache.cache.radix import TreeNode
     from hicache.cache.stats import CacheStats
 
@@ -101,6 +102,9 @@ class KVHandle:
     # Owner class of its first page when pages are sharded over ranks (page P on (rotation + P) mod N):
     # its cached path's base, or where a new prefix starts (hicache/cache/device_tier.py). 0 unsharded.
     rotation: int = 0
+    # False after a load of its host part failed (hicache/cache/failed_loads.py): admission then
+    # recomputes that part instead of loading it again.
+    load_host: bool = True
 
     # ---- scheduler side ------------------------------------------------------------------------
 
@@ -196,8 +200,16 @@ class KVCache(Protocol):
         unlock and gain their host copy; failed ones lose it)."""
 
     def before_layer(self) -> Callable[[int], None] | None:
-        """A hook for the forward pass: wait for layer i of the loads in flight (None: nothing loads).
-        Raises RuntimeError from the hook if a load failed."""
+        """A hook for the forward pass: wait (bounded) for layer i of the loads in flight (None: nothing
+        loads). A load that fails or times out does not fail the step (failed_loads.py)."""
+
+    def failed_loads(self) -> FailedLoads:
+        """After a step: the loads issued since the last call that did not land on every rank (agreed).
+        The requests holding their pages go back to waiting; then `drop_failed_loads`."""
+
+    def drop_failed_loads(self, failed: FailedLoads, requests: int) -> None:
+        """Take back the device pages of `failed` (their nodes stay host-only), once the `requests` that
+        held them were released. Changes the tree: yes."""
 
     def flush(self) -> None:
         """Drop every cached prefix on every in-memory tier (storage keeps its objects). Changes the

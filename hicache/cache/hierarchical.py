@@ -11,6 +11,7 @@ import logging
 from typing import Callable
 
 from hicache.cache.api import KVHandle
+from hicache.cache.failed_loads import FailedLoads
 from hicache.cache.host_tier import HostTier, WritePolicy, host_pool_pages
 from hicache.cache.prefix_cache import NO_PAGES, PrefixCache
 from hicache.cache.radix import MatchResult, TreeNode
@@ -48,7 +49,7 @@ class HierarchicalCache(PrefixCache):
         policy = WritePolicy(cfg.hicache_write_policy)
         self.host = HostTier(
             pool, host_pool, self.tree, consensus, policy, cfg.hicache_load_back_threshold, delay,
-            cfg.hicache_transfer_timeout,
+            cfg.hicache_transfer_timeout, debug.debug_load_fail_rate,
         )  # fmt: skip
         self.storage: StorageTier | None = None
         if cfg.hicache_storage_backend:
@@ -106,6 +107,20 @@ class HierarchicalCache(PrefixCache):
 
     def before_layer(self) -> Callable[[int], None] | None:
         return self.host.before_layer()
+
+    @consensus_checked(params=(), results={"pages": lambda ns: sorted(ns["result"].pages)})
+    def failed_loads(self) -> FailedLoads:
+        return self.host.settle_loads()
+
+    def drop_failed_loads(self, failed: FailedLoads, requests: int) -> None:
+        taken = set(self.tree.detach_device(node for load in failed.loads for node in load.nodes))
+        for load in failed.loads:
+            load.device_pages = [p for p in load.device_pages if p in taken]
+            if load.op.done.is_set():
+                self.device.free(load.device_pages)
+            else:  # still copying into them: freed once every rank acknowledged its end
+                self.host.ledger.hold(load)
+        self.host.stats.load_failed_requests += requests
 
     def check(self) -> None:
         # One agreement per check, on every rank, even when every queue is empty.

@@ -25,11 +25,15 @@ import time
 from collections import Counter
 from typing import Callable, Sequence
 
-from hicache.cache.controller import DEFAULT_TRANSFER_TIMEOUT_S, AckQueue, CopyStream, SupervisedWorker, TransferOp
+from hicache.cache.controller import (
+    DEFAULT_TRANSFER_TIMEOUT_S, AckQueue, CopyStream, SupervisedWorker, TransferOp, TransferTimeout,
+)  # fmt: skip
+from hicache.cache.failed_loads import FailedLoads, IssuedLoad, LoadLedger
 from hicache.cache.radix import MatchResult, RadixTree, TreeNode
 from hicache.cache.stats import HostStats
 from hicache.config import HiCacheConfig
 from hicache.debug.consensus_checker import consensus_checked
+from hicache.debug.faults import InjectedFault, LoadFaults
 from hicache.dist.consensus import Consensus
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_group import DraftPools, make_host_pool
@@ -94,6 +98,7 @@ class HostTier:
         load_back_threshold: int,
         debug_delay_s: float = 0.0,
         transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
+        load_fail_rate: float = 0.0,
     ) -> None:
         """`tree` must free removed nodes' host pages into `host` (its on_host_free)."""
         self.pool = pool
@@ -111,6 +116,8 @@ class HostTier:
         # rank, so a reader that does not wait for a layer's event reads pages not restored yet.
         self._layer_delay_s = debug_delay_s
         self._layer_rng = random.Random(rank * 16 + 3)
+        self._load_faults = LoadFaults(load_fail_rate, seed=rank * 16 + 5) if load_fail_rate > 0 else None
+        self.ledger = LoadLedger(consensus)  # loads to judge after the step that needed them
         self.backups = AckQueue()
         self.loads = AckQueue()
         self.stats = HostStats()
@@ -245,13 +252,13 @@ class HostTier:
     def consume_acks(self, backups: int, loads: int) -> list[TreeNode]:
         """Apply the agreed-on numbers of backup and load ACKs; the nodes now backed up."""
         backup_ops, load_ops = self.backups.pop(backups), self.loads.pop(loads)
-        self.consensus.confirm("transfer_acks", [op.ident * 2 + op.failed for op in backup_ops + load_ops])
+        # Backups' failures are compared; loads' are agreed when settled (failed_loads.py), which may
+        # come after their ACKs.
+        self.consensus.confirm("transfer_acks", [op.ident * 2 + op.failed for op in backup_ops] + [op.ident for op in load_ops])
         finished: list[TreeNode] = []
         for op in backup_ops:
             finished.extend(self._finish_backup(op))
-        for op in load_ops:
-            if op.failed:
-                logger.error("a host -> device load failed; the requests in its step failed with it")
+        self.pool.allocator.free(self.ledger.release(load_ops))  # quarantined pages whose copies stopped
         return finished
 
     def drain(self) -> list[list[TreeNode]]:
@@ -261,6 +268,7 @@ class HostTier:
         while len(self.backups) or len(self.loads):
             finished.extend(self._finish_backup(op) for op in self.backups.drain())
             self.loads.drain()
+        self.pool.allocator.free(self.ledger.release())
         return finished
 
     # ---- host -> device loads ------------------------------------------------------------------
@@ -292,35 +300,62 @@ class HostTier:
         per_layer = self._layer_delay_s / len(layer_done)
         delays = [self._layer_rng.uniform(0, per_layer) for _ in layer_done] if per_layer else []
 
+        fail_at = self._load_faults.layer_to_fail(len(layer_done)) if self._load_faults else None
+
         def run(_: TransferOp) -> None:
             for layer, event in enumerate(layer_done):
                 if delays:
                     time.sleep(delays[layer])
+                if layer == fail_at:
+                    raise InjectedFault(f"host -> device load failed at layer {layer} (--debug-load-fail-rate)")
                 self.copies.run(fence, lambda: self.host.load_layer(self.pool, layer, host_pages, device_pages))
                 event.set()
 
         op = TransferOp("load", run, payload=layer_done)
         op.ident = hash((tuple(n.key for n in match.host_nodes), device_pages[0], len(device_pages)))
         self.loads.push(op)
+        self.ledger.issued(IssuedLoad(op, layer_done, tuple(match.host_nodes), device_pages))
         self.load_worker.submit(op)
         self.stats.load_pages += len(host_pages)
         self.stats.load_bytes += len(host_pages) * self.host.page_bytes
         return device_pages
 
     def before_layer(self) -> Callable[[int], None] | None:
-        """Wait for layer i of every load in flight now (None: nothing in flight)."""
-        pending = self.loads.running()
+        """Wait (bounded) for layer i of every load in flight now (None: nothing in flight). On the first
+        pipeline stage a load that failed or timed out is only noted: the step goes on and the load is
+        settled after it (failed_loads.py); a later stage cannot report it in time, so its step fails."""
+        pending = [load for load in self.ledger.unsettled if not load.op.done.is_set()]
         if not pending:
             return None
+        degrade = self.consensus.pctx.is_first_stage
 
         def wait(layer: int) -> None:
-            for op in pending:
-                events: list[threading.Event] = op.payload  # type: ignore[assignment]
-                op.wait(events[layer])
-                if op.failed:
-                    raise RuntimeError(f"host -> device load failed: {op.error}")
+            for load in pending:
+                if load.timed_out:
+                    continue
+                try:
+                    load.op.wait(load.layer_done[layer])
+                except TransferTimeout:
+                    if not degrade:
+                        raise
+                    load.timed_out = True
+                    logger.warning("a host -> device load timed out at layer %d; its requests will recompute", layer)
+                if load.op.failed and not degrade:
+                    raise RuntimeError(f"host -> device load failed: {load.op.error}")
 
         return wait
+
+    def settle_loads(self) -> FailedLoads:
+        """The loads issued since the last settle that did not land on every rank (agreed)."""
+        failed = self.ledger.settle()
+        for load in failed.loads:
+            if load.timed_out or not load.op.done.is_set():
+                self.stats.load_timed_out_pages += len(load.device_pages)
+            else:
+                self.stats.load_failed_pages += len(load.device_pages)
+            logger.warning("a host -> device load of %d pages did not land (%s)", len(load.device_pages),
+                           load.op.error or "timed out")  # fmt: skip
+        return failed
 
     # ---- maintenance ---------------------------------------------------------------------------
 
@@ -329,7 +364,10 @@ class HostTier:
 
     def leak_report(self) -> list[str]:
         a = self.host.allocator
-        return [f"{a.num_pages - a.free_pages} host pages not freed"] if a.free_pages != a.num_pages else []
+        problems = [f"{a.num_pages - a.free_pages} host pages not freed"] if a.free_pages != a.num_pages else []
+        if self.ledger.quarantined_pages:
+            problems.append(f"{self.ledger.quarantined_pages} device pages held for loads still copying")
+        return problems
 
     def usage(self) -> tuple[int, int]:
         """(used, capacity) in tokens."""

@@ -20,6 +20,7 @@ from typing import Callable, Sequence
 
 from hicache.cache.api import Admission, KVHandle, KVState, PrefixMatch
 from hicache.cache.device_tier import DeviceTier
+from hicache.cache.failed_loads import FailedLoads
 from hicache.cache.gather_budget import GatherBudget
 from hicache.cache.radix import MatchResult, PagesFn, TreeNode
 from hicache.cache.stats import CacheStats
@@ -107,6 +108,12 @@ class PrefixCache:
     def before_layer(self) -> Callable[[int], None] | None:
         return None
 
+    def failed_loads(self) -> FailedLoads:
+        return FailedLoads()  # nothing loads without a host tier
+
+    def drop_failed_loads(self, failed: FailedLoads, requests: int) -> None:
+        pass
+
     # ---- a handle's life -----------------------------------------------------------------------
 
     def open(self, rid: int, prompt: Sequence[int], namespace: str) -> KVHandle:
@@ -153,7 +160,7 @@ class PrefixCache:
             return None
         handle.enter(KVState.RESERVED)
         handle.pages = list(match.device_pages)
-        loaded = self._load_back(match, need)
+        loaded = self._load_back(match, need) if handle.load_host else []
         handle.pages.extend(loaded)
         deepest = match.host_nodes[-1] if loaded else match.last_device_node
         self.tree.lock(deepest)
@@ -181,14 +188,20 @@ class PrefixCache:
         for c in self.device.classes(handle.rotation, len(handle.pages), n):
             self.reserved_by_class[c] += sign
 
-    def _ready(self, handle: KVHandle, reserve: int, cached: PrefixMatch, lock: TreeNode | None) -> Admission:
+    def promise(self, handle: KVHandle, reserve: int, cached: PrefixMatch, lock: TreeNode | None) -> None:
+        """Promise the handle `reserve` more pages (counted against admission, by owner class) and
+        record its cached prefix and lock: what admission does after `reserve` (a P/D decode request
+        stays RESERVED meanwhile, hicache/disagg/decode_admission.py)."""
         handle.reserved_pages = reserve
         handle.cached = cached
         handle.lock = lock
+        self._promise(handle, reserve, +1)
+
+    def _ready(self, handle: KVHandle, reserve: int, cached: PrefixMatch, lock: TreeNode | None) -> Admission:
+        self.promise(handle, reserve, cached, lock)
         if handle.draft_len is not None:  # the effective hit is the MIN over every pool it needs
             handle.draft_len = handle.kv_len - self._draft_unrestored(handle)
         handle.enter(KVState.READY)
-        self._promise(handle, reserve, +1)
         return Admission(True, cached, reserve)
 
     def extend(self, handle: KVHandle, end: int) -> None:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 from hicache.cache.tree_node import InsertResult, MatchResult, TreeNode
 from hicache.debug.consensus_checker import consensus_checked
@@ -257,6 +257,27 @@ class RadixTree:
                 self._evictable(node, +1)
                 self._protected(node, -1)
             node = node.parent  # type: ignore[assignment]
+
+    def detach_device(self, nodes: Iterable[TreeNode]) -> list[int]:
+        """Take the device pages of `nodes` and of their device-resident descendants, deepest first, so
+        they stay host-only (pages a failed load never filled); a node that is locked, has no host copy
+        or keeps a device child keeps its pages, and so do its ancestors. The pages taken, for the
+        caller to free."""
+        found: dict[int, TreeNode] = {}
+        stack = [n for n in nodes if n.on_device]
+        while stack:
+            node = stack.pop()
+            if node.id not in found:
+                found[node.id] = node
+                stack.extend(c for c in node.children.values() if c.on_device)
+        taken: list[int] = []
+        for node in sorted(found.values(), key=lambda n: len(self.path_to_root(n)), reverse=True):
+            if node.lock_ref > 0 or node.host_pages is None or any(c.on_device for c in node.children.values()):
+                continue
+            self._account_device(node, -1)
+            taken.extend(node.device_pages or [])
+            node.device_pages = None
+        return taken
 
     # ---- eviction ------------------------------------------------------------------------------
 

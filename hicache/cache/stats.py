@@ -42,6 +42,9 @@ class HostStats:
     host_copies_dropped_pages: int = 0  # host copies of device-resident prefixes freed to make room
     load_pages: int = 0
     load_bytes: int = 0
+    load_failed_pages: int = 0  # loads that failed (on any rank): their requests recomputed
+    load_timed_out_pages: int = 0  # loads not landed within --hicache-transfer-timeout: likewise
+    load_failed_requests: int = 0  # requests sent back to recompute the prefix a failed load was to bring
 
 
 @dataclass

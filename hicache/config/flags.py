@@ -74,6 +74,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--debug-storage-fail-rank", type=int, default=q.debug_storage_fail_rank)
     b.add_argument("--debug-disable-pp-sync", action="store_true",
                    help="let later pipeline stages poll their own transfer queues (reproduces a divergence bug)")
+    b.add_argument("--debug-load-fail-rate", type=float, default=q.debug_load_fail_rate,
+                   help="fraction of host -> device loads that fail (each rank draws its own): the requests "
+                        "that needed them recompute")
     b.add_argument("--debug-skip-draft-restore", action="store_true",
                    help="restore only the target's KV on a host or storage hit; the draft recomputes its prefix")
     s = SpeculativeConfig()

@@ -1,6 +1,11 @@
-"""Storage fault injection (`--debug-storage-fail-rate F --debug-storage-fail-rank R`): a backend wrapper
-that turns a seeded random fraction of page reads into misses on one rank, so tests can show that all
-ranks then agree on the shorter prefix. Existence queries and writes pass through untouched."""
+"""Fault injection.
+
+- Storage (`--debug-storage-fail-rate F --debug-storage-fail-rank R`): a backend wrapper that turns a
+  seeded random fraction of page reads into misses on one rank, so tests can show that all ranks then
+  agree on the shorter prefix. Existence queries and writes pass through untouched.
+- Loads (`--debug-load-fail-rate R`): host -> device loads that fail part way, so tests can show that
+  the requests needing them recompute (hicache/cache/failed_loads.py).
+"""
 
 from __future__ import annotations
 
@@ -57,3 +62,25 @@ class FlakyReads(StorageBackend):
 
     def evictions(self) -> tuple[int, int]:
         return self.inner.evictions()
+
+
+class InjectedFault(RuntimeError):
+    """A failure fault injection caused (so logs and tests can tell it from a real one)."""
+
+
+class LoadFaults:
+    """--debug-load-fail-rate: which host -> device loads fail, and at which layer (seeded per rank, so
+    ranks fail different loads, which is what settling a load by agreement is for)."""
+
+    def __init__(self, fail_rate: float, seed: int) -> None:
+        self.fail_rate = fail_rate
+        self._rng = random.Random(seed)
+        self.injected = 0
+
+    def layer_to_fail(self, num_layers: int) -> int | None:
+        """The layer the next load fails at (before copying it), or None for a load that succeeds."""
+        if self._rng.random() >= self.fail_rate:
+            return None
+        self.injected += 1
+        return self._rng.randrange(num_layers)
+

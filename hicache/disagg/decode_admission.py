@@ -67,16 +67,9 @@ def _promise(
     cache: PrefixCache, handle: KVHandle, total_pages: int, by_tier: PrefixMatch, lock: TreeNode | None, prompt_len: int
 ) -> None:
     """Reserve the rest of `total_pages` and take the suffix's pages out of it now (the transfer lands
-    in them), as `PrefixCache.extend` would."""
-    handle.reserved_pages = total_pages - len(handle.pages)
-    cache.reserved_pages += handle.reserved_pages
-    handle.cached = by_tier
-    handle.lock = lock
-    want = -(-prompt_len // cache.page_size) - len(handle.pages)
-    if want > 0:
-        handle.pages.extend(cache.alloc(want))
-        handle.reserved_pages -= want
-        cache.reserved_pages -= want
+    in them)."""
+    cache.promise(handle, total_pages - len(handle.pages), by_tier, lock)
+    cache.extend(handle, prompt_len)
 
 
 def _load_op(cache: PrefixCache) -> TransferOp | None:
@@ -104,12 +97,6 @@ def fail(cache: PrefixCache, handle: KVHandle, reservation: Reservation | None =
 
 
 def _drop_unfilled(cache: PrefixCache, nodes: tuple[TreeNode, ...]) -> None:
-    """Take back the device pages a failed restore attached (the host copies stay), deepest first and
-    only where nobody else holds them, so no later match reads pages that were never written. This is
-    device eviction of host-backed nodes (RadixTree.evict) aimed at these nodes."""
-    for node in reversed(nodes):
-        if node.device_pages is None or node.lock_ref > 0 or any(c.on_device for c in node.children.values()):
-            return
-        pages, node.device_pages = node.device_pages, None
-        cache.tree.evictable_pages -= len(pages)
-        cache.device.free(pages)
+    """Take back the device pages a failed restore attached (the host copies stay), so no later match
+    reads pages that were never written (RadixTree.detach_device)."""
+    cache.device.free(cache.tree.detach_device(nodes))

@@ -23,6 +23,7 @@ from collections import deque
 import torch
 
 from hicache.cache.api import KVCache, KVState
+from hicache.cache.failed_loads import FailedLoads
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker, consensus_checked
 from hicache.engine.model_runner import ModelRunner, StepCompute, WorkItem
@@ -127,8 +128,13 @@ class Scheduler:
         self.checker.checkpoint()
         if not work:
             return events
-        for item, out in zip(work, self.compute.step(work, self.cache.before_layer())):
+        outputs = self.compute.step(work, self.cache.before_layer())
+        failed = self.cache.failed_loads()
+        recomputing = self._recompute_failed_loads(failed) if failed else set()
+        for item, out in zip(work, outputs):
             req = item.req
+            if req.rid in recomputing:
+                continue  # its step read pages a load never filled: computed again from waiting
             req.kv.advance(out.computed)
             if out.kept < out.computed:
                 req.kv.truncate(out.kept)  # rejected speculative rows, in every pool the handle covers
@@ -142,6 +148,25 @@ class Scheduler:
                 if events[-1].finish_reason is not None:
                     break  # tokens a speculative step accepted past a stop are dropped
         return events
+
+    def _recompute_failed_loads(self, failed: FailedLoads) -> set[int]:
+        """Requests holding a page of a load that did not land (hicache/cache/failed_loads.py) go back
+        to the front of the waiting queue, their step's output dropped, holding nothing; admitted again,
+        they recompute from the last good page what the load was to bring. Then the cache takes the
+        load's pages back. The rids sent back."""
+        bad = failed.pages
+        hit = [req for req in self.running if not bad.isdisjoint(req.kv.pages)]
+        for req in hit:
+            self.running.remove(req)
+            kv = req.kv
+            self.cache.release(kv, req.prompt_ids[: kv.kv_len])  # its prefix was the tree's already
+            req.kv_handle = self.cache.open(req.rid, req.prompt_ids, req.namespace)
+            req.kv.load_host = False
+            req.generator = None  # a seeded sampler starts again with the request
+            logger.warning("request %d: a host -> device load failed; recomputing its prefix", req.rid)
+        self.waiting.extendleft(reversed(hit))
+        self.cache.drop_failed_loads(failed, len(hit))
+        return {req.rid for req in hit}
 
     def _drop_aborted(self) -> list[RequestEvent]:
         events = []

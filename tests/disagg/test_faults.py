@@ -31,8 +31,12 @@ def deployment(tmp_path_factory: pytest.TempPathFactory):
     }
     with started(*servers.values()):
         front = router(logs, r_port, [servers["prefill"].url], [servers["decode"].url])
-        with started(front):
-            yield {"logs": logs, "router": front.url, "servers": servers, "ports": (p_port, d_port, boot)}
+        try:
+            with started(front):
+                yield {"logs": logs, "router": front.url, "servers": servers, "ports": (p_port, d_port, boot)}
+        finally:  # the servers `restart` started in place of the first ones
+            for server in servers.values():
+                server.stop()
 
 
 def restart(deployment: dict, name: str, *args: str) -> None:

@@ -1,5 +1,6 @@
 """A real, throwaway redis-server for tests (and benchmarks): its own port, its own directory, no
-persistence, stopped by pid. stop()/start() simulate an outage and a restart on the same port.
+persistence unless asked for, stopped by pid. stop()/start() simulate an outage and a restart on the
+same port (which keeps the data only with `persist=True`).
 
     from tests.storage.redis_server import RedisServer, redis_server  # the class and a pytest fixture
 
@@ -50,11 +51,16 @@ class RedisServer:
     """A redis-server subprocess on 127.0.0.1. The port is chosen at the first start and kept across
     stop()/start(), so clients' URLs stay valid through a restart (with an empty store: no persistence)."""
 
-    def __init__(self, workdir: str | os.PathLike[str] | None = None, executable: str = "redis-server") -> None:
+    def __init__(
+        self, workdir: str | os.PathLike[str] | None = None, executable: str = "redis-server", persist: bool = False
+    ) -> None:
+        """`persist`: an append-only file synced at every write, so a restart keeps what was stored (a
+        production server's setting; tests of an outage that loses the data leave it off)."""
         path = shutil.which(executable)
         if path is None:
             raise RedisServerError(f"{executable} is not on PATH; install it with `make redis`")
         self.executable = path
+        self.persist = persist
         self._own_dir = workdir is None
         self.workdir = Path(tempfile.mkdtemp(prefix="hicache-redis-") if workdir is None else workdir)
         self.port: int | None = None
@@ -101,7 +107,8 @@ class RedisServer:
             "--port", str(port),
             "--bind", "127.0.0.1",
             "--save", "",
-            "--appendonly", "no",
+            "--appendonly", "yes" if self.persist else "no",
+            "--appendfsync", "always",
             "--dir", str(self.workdir),
             "--logfile", str(log),
         ]

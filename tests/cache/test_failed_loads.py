@@ -1,0 +1,115 @@
+"""A host -> device load that fails or times out degrades to a recompute (hicache/cache/failed_loads.py):
+the batch goes on, the requests that needed the load recompute from the last good page, outputs equal
+the cache-off run token for token, the failure is counted, and nothing leaks."""
+
+import itertools
+import time
+
+import pytest
+
+from hicache import Engine
+from hicache.cache.radix import RadixTree
+from hicache.config import DebugConfig, HiCacheConfig, ParallelConfig
+from hicache.mem.host_pool import HostKVPool
+from tests.conversations import make_conversations, run_turns
+
+CONVS = make_conversations(num_groups=2, per_group=3, system_len=300, question_len=40)
+TURNS = 3
+NEW = 16
+DEVICE_TOKENS = 1024  # the conversations' working set is ~3x this: host hits every turn
+
+
+def tokens(turns):
+    return [[r.token_ids for r in results] for results in turns]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with Engine(model="tiny", disable_radix_cache=True) as engine:
+        return tokens(run_turns(engine, CONVS, TURNS, NEW))
+
+
+def cached_engine(debug: DebugConfig, timeout: float = 60.0, tp: int = 1) -> Engine:
+    cfg = HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_transfer_timeout=timeout)
+    return Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, debug=debug,
+                  parallel=ParallelConfig(tp_size=tp))  # fmt: skip
+
+
+def assert_clean(engine: Engine) -> None:
+    assert engine.flush_cache()
+    assert engine.leak_report() == []
+    used = engine.pool_usage()
+    assert used["device"][0] == 0 and used["host"][0] == 0
+
+
+@pytest.mark.parametrize("rate", [1.0, 0.5])
+def test_failed_loads_recompute_with_equal_outputs(reference, rate):
+    with cached_engine(DebugConfig(debug_load_fail_rate=rate)) as engine:
+        turns = run_turns(engine, CONVS, TURNS, NEW)
+        stats = engine.cache_stats().host
+        assert tokens(turns) == reference
+        assert stats.load_pages > 0 and stats.load_failed_pages > 0 and stats.load_failed_requests > 0
+        if rate == 1.0:  # every load failed: nothing came from host memory
+            assert stats.load_failed_pages == stats.load_pages
+            assert all(r.cached_tokens_by_tier["host"] == 0 for results in turns for r in results)
+        else:
+            assert stats.load_failed_pages < stats.load_pages
+        assert_clean(engine)
+
+
+def test_loads_that_time_out_recompute_and_their_pages_wait_for_the_copy(reference, monkeypatch):
+    # The first loads' layers take 150 ms each to copy; a layer's attention waits at most 50 ms.
+    slow, calls = HostKVPool.load_layer, itertools.count()
+
+    def stuck(self, *args, **kwargs):
+        if next(calls) < 12:
+            time.sleep(0.15)
+        slow(self, *args, **kwargs)
+
+    monkeypatch.setattr(HostKVPool, "load_layer", stuck)
+    with cached_engine(DebugConfig(), timeout=0.05) as engine:
+        turns = run_turns(engine, CONVS, TURNS, NEW)
+        stats = engine.cache_stats().host
+        assert tokens(turns) == reference
+        assert stats.load_timed_out_pages > 0 and stats.load_failed_requests > 0
+        time.sleep(1.0)  # the late copies finish; their pages were kept out of the pool until then
+        assert_clean(engine)
+
+
+def test_ranks_that_fail_different_loads_agree(reference):
+    """Each TP rank draws its own failures: a load that failed on one rank is failed on both, so the
+    ranks recompute the same requests (a divergence would fail the run)."""
+    with Engine(model="tiny", disable_radix_cache=True, parallel=ParallelConfig(tp_size=2)) as engine:
+        tp_reference = tokens(run_turns(engine, CONVS, TURNS, NEW))
+    with cached_engine(DebugConfig(debug_load_fail_rate=0.4), tp=2) as engine:
+        turns = run_turns(engine, CONVS, TURNS, NEW)
+        stats = engine.cache_stats().host
+        assert tokens(turns) == tp_reference
+        assert stats.load_failed_pages > 0
+        assert_clean(engine)
+
+
+def _chain(tree: RadixTree, lengths: list[int]) -> list:
+    """A path of nodes of `lengths` pages (4 tokens each) under the root, on the device (pages 1, 2,
+    ... in order) and backed up to the host."""
+    tokens, nodes = [], []
+    for n in lengths:
+        tokens += range(len(tokens), len(tokens) + 4 * n)
+        tree.insert(tokens, list(range(1, len(tokens) // 4 + 1)))
+        node = tree.match_prefix(tokens).last_node
+        node.host_pages = [100 + p for p in node.device_pages]
+        nodes.append(node)
+    return nodes
+
+
+def test_detach_device_takes_descendants_first_and_spares_locked_nodes():
+    tree = RadixTree(page_size=4, on_device_free=lambda pages: None)
+    a, b, c = _chain(tree, [1, 2, 1])
+    tree.lock(c)
+    assert tree.detach_device([b]) == []  # c is locked, so b (its ancestor) keeps its pages too
+    tree.unlock(c)
+    before = tree.evictable_pages
+    taken = tree.detach_device([b])
+    assert sorted(taken) == [2, 3, 4] and b.device_pages is None and c.device_pages is None
+    assert a.on_device and tree.evictable_pages == before - 3
+    assert tree.match_prefix(list(range(16))).device_pages == a.device_pages
