@@ -75,6 +75,14 @@ class LoadLedger:
     def issued(self, load: IssuedLoad) -> None:
         self.unsettled.append(load)
 
+    def claim(self, op: TransferOp) -> None:
+        """The caller judges this load itself (a P/D decode restore: its request fails if it does), so
+        a failure of it fails the step that waits on it, as before."""
+        self.unsettled = [load for load in self.unsettled if load.op is not op]
+
+    def degradable(self, op: TransferOp) -> IssuedLoad | None:
+        return next((load for load in self.unsettled if load.op is op), None)
+
     def settle(self) -> FailedLoads:
         """Judge the loads issued since the last settle, agreed over every rank (see the module doc)."""
         if not self.unsettled:

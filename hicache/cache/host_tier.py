@@ -322,26 +322,30 @@ class HostTier:
 
     def before_layer(self) -> Callable[[int], None] | None:
         """Wait (bounded) for layer i of every load in flight now (None: nothing in flight). On the first
-        pipeline stage a load that failed or timed out is only noted: the step goes on and the load is
-        settled after it (failed_loads.py); a later stage cannot report it in time, so its step fails."""
-        pending = [load for load in self.ledger.unsettled if not load.op.done.is_set()]
+        pipeline stage a load the ledger settles that failed or timed out is only noted: the step goes
+        on and the load is settled after it (failed_loads.py); any other load's failure, or one on a
+        later stage (which cannot report it in time), fails the step."""
+        pending = self.loads.running()
         if not pending:
             return None
-        degrade = self.consensus.pctx.is_first_stage
+        first_stage = self.consensus.pctx.is_first_stage
+        loads = [(op, self.ledger.degradable(op) if first_stage else None) for op in pending]
 
         def wait(layer: int) -> None:
-            for load in pending:
+            for op, load in loads:
+                events: list[threading.Event] = op.payload  # type: ignore[assignment]
+                if load is None:
+                    op.wait(events[layer])
+                    if op.failed:
+                        raise RuntimeError(f"host -> device load failed: {op.error}")
+                    continue
                 if load.timed_out:
                     continue
                 try:
-                    load.op.wait(load.layer_done[layer])
+                    op.wait(events[layer])
                 except TransferTimeout:
-                    if not degrade:
-                        raise
                     load.timed_out = True
                     logger.warning("a host -> device load timed out at layer %d; its requests will recompute", layer)
-                if load.op.failed and not degrade:
-                    raise RuntimeError(f"host -> device load failed: {load.op.error}")
 
         return wait
 

@@ -75,7 +75,11 @@ def _promise(
 def _load_op(cache: PrefixCache) -> TransferOp | None:
     """The load `_load_back` just queued (it is the last one: this runs on the scheduler thread)."""
     host = getattr(cache, "host", None)  # only the hierarchical cache restores anything
-    return host.loads.last() if host is not None else None
+    if host is None:
+        return None
+    op = host.loads.last()
+    host.ledger.claim(op)  # a failed restore fails its request (`fail`), it is not recomputed
+    return op
 
 
 def complete(cache: PrefixCache, handle: KVHandle) -> None:
