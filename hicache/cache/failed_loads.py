@@ -83,6 +83,10 @@ class LoadLedger:
     def degradable(self, op: TransferOp) -> IssuedLoad | None:
         return next((load for load in self.unsettled if load.op is op), None)
 
+    def held(self, op: TransferOp) -> bool:
+        """A load judged failed that is still copying into pages nobody reads any more."""
+        return any(load.op is op for load in self.quarantine)
+
     def settle(self) -> FailedLoads:
         """Judge the loads issued since the last settle, agreed over every rank (see the module doc)."""
         if not self.unsettled:

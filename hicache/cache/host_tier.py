@@ -325,7 +325,7 @@ class HostTier:
         pipeline stage a load the ledger settles that failed or timed out is only noted: the step goes
         on and the load is settled after it (failed_loads.py); any other load's failure, or one on a
         later stage (which cannot report it in time), fails the step."""
-        pending = self.loads.running()
+        pending = [op for op in self.loads.running() if not self.ledger.held(op)]
         if not pending:
             return None
         first_stage = self.consensus.pctx.is_first_stage
