@@ -3,7 +3,9 @@
 keys.py names pages (chained page hashes + namespace digest), codec.py wraps each object in a verified
 envelope, backend.py states what a store must do, file_backend.py / redis_backend.py are the stores, and
 store.py (VerifiedStore) is what the cache controller calls: page hashes and payloads in and out, faults
-turned into counted misses.
+turned into counted misses. unified.py is the topology-independent layout (grid, names, spans),
+spans.py its per-layer verified envelope, unified_store.py (UnifiedStore) VerifiedStore's interface
+over it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from hicache.storage.file_backend import FileBackend, default_storage_dir
 from hicache.storage.keys import Namespace, page_hashes
 from hicache.storage.redis_backend import DEFAULT_URL, RedisBackend
 from hicache.storage.store import StorageStats, VerifiedStore
+from hicache.storage.unified_store import UnifiedStore
 
 BACKEND_KINDS = ("file", "redis")
 
@@ -29,6 +32,7 @@ __all__ = [
     "StorageBackend",
     "StorageStats",
     "StorageUnavailable",
+    "UnifiedStore",
     "VerifiedStore",
     "decode",
     "default_storage_dir",

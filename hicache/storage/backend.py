@@ -107,6 +107,38 @@ class StorageBackend(abc.ABC):
         """Bytes [offset, offset+length) of the object (shorter if it ends first), or None if absent.
         For readers that need only a slice of an object (unified layout: a layer range of a page)."""
 
+    def batch_read_ranges(self, items: Sequence[tuple[str, Sequence[tuple[int, memoryview]]]]) -> list[int | None]:
+        """Positioned reads: for each (key, [(offset, buffer), ...]) fill each buffer with the object's
+        bytes from `offset` on, and return how many bytes were read in all (less than the buffers hold
+        when the object ends first: callers compare), or None if the object is absent. Only the
+        ranges move, never the whole object. The default is one get_range per range."""
+        out: list[int | None] = []
+        for key, ranges in items:
+            total: int | None = 0
+            for offset, buf in ranges:
+                data = self.get_range(key, offset, buf.nbytes)
+                if data is None:
+                    total = None
+                    break
+                buf[: len(data)] = data
+                total += len(data)
+            out.append(total)
+        return out
+
+    def batch_put_ranges(self, items: Sequence[tuple[str, int, Sequence[tuple[int, BytesLike]]]]) -> None:
+        """Positioned writes: for each (key, size, [(offset, part), ...]) store an object of `size`
+        bytes with each part at its offset (gaps are zeros), atomically as `put` is. Lets a writer lay
+        out an object from pieces (header, checksum table, a view of its host page) without joining
+        them first. The default joins them and puts."""
+        joined = []
+        for key, size, parts in items:
+            blob = bytearray(size)
+            for offset, part in parts:
+                view = memoryview(part).cast("B")
+                blob[offset : offset + view.nbytes] = view
+            joined.append((key, bytes(blob)))
+        self.batch_put(joined)
+
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove the object if present."""

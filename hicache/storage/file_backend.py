@@ -21,10 +21,10 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from hicache.storage.backend import Blob, StorageBackend, StorageUnavailable, check_key, check_range
+from hicache.storage.backend import Blob, BytesLike, StorageBackend, StorageUnavailable, check_key, check_range
 from hicache.storage.file_capacity import FileCapacity
 
 logger = logging.getLogger(__name__)
@@ -122,6 +122,16 @@ class FileBackend(StorageBackend):
             os.close(fd)
 
     def put(self, key: str, blob: Blob) -> None:
+        def write(fd: int) -> int:
+            with open(fd, "wb", closefd=False) as f:
+                for part in blob if isinstance(blob, tuple) else (blob,):
+                    f.write(part)  # large parts go straight to the kernel, uncopied
+                return f.tell()
+
+        self._write_atomically(key, write)
+
+    def _write_atomically(self, key: str, write: Callable[[int], int]) -> None:
+        """`write(fd)` into a temp file beside the object (returning the size written), then rename."""
         final = self._path(key)
         directory = self._dir(key)
         # A dot-prefixed name can never be a key (keys have no '.'), so readers and exists never see it.
@@ -133,13 +143,12 @@ class FileBackend(StorageBackend):
                 os.makedirs(directory, exist_ok=True)
                 fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
             try:
-                with open(fd, "wb") as f:
-                    for part in blob if isinstance(blob, tuple) else (blob,):
-                        f.write(part)  # large parts go straight to the kernel, uncopied
+                try:
+                    size = write(fd)
                     if self.fsync:
-                        f.flush()
-                        os.fsync(f.fileno())
-                    size = f.tell()
+                        os.fsync(fd)
+                finally:
+                    os.close(fd)
                 os.replace(tmp, final)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -170,6 +179,32 @@ class FileBackend(StorageBackend):
             raise StorageUnavailable(f"reading {path}: {exc}") from exc
         self.capacity.on_read(path)
         return data
+
+    def batch_read_ranges(self, items: Sequence[tuple[str, Sequence[tuple[int, memoryview]]]]) -> list[int | None]:
+        paths = [self._path(k) for k, _ in items]
+        out: list[int | None] = []
+        for path, (_, ranges) in zip(paths, items):
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                out.append(None)
+                continue
+            except OSError as exc:
+                raise StorageUnavailable(f"reading {path}: {exc}") from exc
+            self.capacity.on_read(path)
+            try:  # one pread per range, at its offset: the bytes between ranges are never read
+                out.append(sum(_pread_into(fd, buf, offset) for offset, buf in ranges))
+            except OSError as exc:
+                raise StorageUnavailable(f"reading {path}: {exc}") from exc
+            finally:
+                os.close(fd)
+        return out
+
+    def batch_put_ranges(self, items: Sequence[tuple[str, int, Sequence[tuple[int, BytesLike]]]]) -> None:
+        for key, _, _ in items:
+            check_key(key)
+        for key, size, parts in items:
+            self._write_atomically(key, lambda fd, size=size, parts=parts: _pwrite_parts(fd, size, parts))
 
     def delete(self, key: str) -> None:
         path = self._path(key)
@@ -209,6 +244,27 @@ def _after(buffers: Sequence[memoryview], skip: int) -> list[memoryview]:
         out.append(buf[skip:])
         skip = 0
     return out
+
+
+def _pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    """Fill `buf` from `offset` (continuing after short reads); bytes read, less at the end of file."""
+    done = 0
+    while done < buf.nbytes:
+        n = os.preadv(fd, [buf[done:]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def _pwrite_parts(fd: int, size: int, parts: Sequence[tuple[int, BytesLike]]) -> int:
+    os.ftruncate(fd, size)
+    for offset, part in parts:
+        view = memoryview(part).cast("B")
+        done = 0
+        while done < view.nbytes:
+            done += os.pwrite(fd, view[done:], offset + done)
+    return size
 
 
 def _fsync_dir(directory: str) -> None:

@@ -45,6 +45,7 @@ class StorageStats:
     errors: int = 0
     evicted_objects: int = 0
     evicted_bytes: int = 0
+    span_bytes_read: int = 0  # unified layout: data bytes of the spans read (headers and tables not counted)
 
 
 class VerifiedStore:

@@ -133,3 +133,20 @@ def test_batch_get_into_scatters_and_reports_size(backend: StorageBackend) -> No
     assert backend.batch_get_into([], []) == []
     with pytest.raises(ValueError):
         backend.batch_get_into(k, bufs[:1])
+
+
+def test_positioned_writes_and_ranged_reads(backend: StorageBackend) -> None:
+    """batch_put_ranges lays parts out at their offsets (gaps zero); batch_read_ranges reads exactly
+    the ranges asked for, says how much it got (short past the end) and None for an absent object."""
+    k = keys(2)
+    backend.batch_put_ranges([(k[0], 12, [(0, b"ab"), (8, memoryview(b"wxyz"))])])
+    assert backend.get(k[0]) == b"ab\x00\x00\x00\x00\x00\x00wxyz"
+    head, tail, past = bytearray(2), bytearray(3), bytearray(4)
+    got = backend.batch_read_ranges(
+        [(k[0], [(0, memoryview(head)), (9, memoryview(tail))]), (k[1], [(0, memoryview(bytearray(1)))]),
+         (k[0], [(10, memoryview(past))])]
+    )  # fmt: skip
+    assert got == [5, None, 2]
+    assert (bytes(head), bytes(tail), bytes(past[:2])) == (b"ab", b"xyz", b"yz")
+    backend.batch_put_ranges([(k[0], 3, [(0, b"new")])])  # replaces the whole object
+    assert backend.get(k[0]) == b"new"

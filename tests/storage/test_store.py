@@ -25,7 +25,7 @@ def test_put_get_and_stats() -> None:
     assert store.exists_prefix(hashes) == 3
     assert store.stats.__dict__ == dict(
         gets=4, hits=3, misses=1, corrupt=0, puts=3, bytes_read=3 * (HEADER_SIZE + 3),
-        bytes_written=3 * (HEADER_SIZE + 3), errors=0, evicted_objects=0, evicted_bytes=0,
+        bytes_written=3 * (HEADER_SIZE + 3), errors=0, evicted_objects=0, evicted_bytes=0, span_bytes_read=0,
     )
     assert backend.calls == {"batch_put": 1, "batch_get": 1, "exists_prefix": 1}  # one backend call each
 
