@@ -17,7 +17,7 @@ from hicache.cache.prefix_cache import NO_PAGES, PrefixCache
 from hicache.cache.radix import MatchResult, TreeNode
 from hicache.cache.stats import CacheStats, WorkerStats
 from hicache.cache.storage_tier import StorageTier
-from hicache.cache.stores import open_store
+from hicache.cache.stores import UnifiedPlacement, open_store
 from hicache.config import DebugConfig, HiCacheConfig
 from hicache.debug.consensus_checker import consensus_checked
 from hicache.dist.consensus import Consensus
@@ -38,10 +38,13 @@ class HierarchicalCache(PrefixCache):
         debug: DebugConfig | None = None,
         draft: DraftPools | None = None,
         storage_writer: bool = True,  # this rank writes its pages to storage (not a replica of them)
+        unified: UnifiedPlacement | None = None,  # --hicache-storage-key-scheme unified: the rank's shard
     ) -> None:
         """`draft`: a speculative draft whose state the host and storage tiers keep with the target's."""
         debug = debug or DebugConfig()
-        host_pool = make_host_pool(pool, host_pool_pages(pool, cfg, draft), cfg.hicache_mem_layout, draft)
+        host_pool = make_host_pool(
+            pool, host_pool_pages(pool, cfg, draft), cfg.hicache_mem_layout, draft, cfg.hicache_storage_head_partition or 1
+        )
         super().__init__(pool, enabled=True, on_host_free=host_pool.allocator.free, draft=draft is not None)
         self.skip_draft_restore = draft is not None and draft.skip_restore
         self.consensus = consensus
@@ -54,7 +57,10 @@ class HierarchicalCache(PrefixCache):
         self.storage: StorageTier | None = None
         if cfg.hicache_storage_backend:
             rank = consensus.pctx.rank
-            store = open_store(cfg, pool, host_pool.parts[0].payload_bytes, model_identity, rank_suffix, debug, rank)
+            page_bytes = host_pool.parts[0].payload_bytes
+            store = open_store(
+                cfg, pool, page_bytes, model_identity, rank_suffix, debug, rank, unified, storage_writer
+            )
             self.storage = StorageTier(store, self.host, consensus, cfg, delay, writes=storage_writer)
         logger.info(
             "hierarchical cache: host %d pages (%.2f GB, %s), write policy %s, storage %s",

@@ -176,8 +176,12 @@ class StorageTier:
         hashes = page_hashes(key[: total * self.page_size], self.page_size)[start:]
         prefetch = Prefetch(rid, hashes, start)
         consensus = self.consensus
-        # A path the tree has fixes the base; a new prefix may have been stored from any.
-        bases = [match.rotation] if match.rotation is not None else list(range(self.placement.shards))
+        # A path the tree has fixes the base; a new prefix may have been stored from any (unified
+        # objects are named without their writer, so any base reads them: the first).
+        if match.rotation is not None or self.store.topology_independent:
+            bases = [match.rotation or 0]
+        else:
+            bases = list(range(self.placement.shards))
 
         def query(op: TransferOp) -> None:
             found = [self._own_hits(hashes, start, base) for base in bases]
@@ -248,7 +252,7 @@ class StorageTier:
             hashes = [prefetch.hashes[j] for j in own]
             if not own:
                 ok: list[bool] = []
-            elif part.host.layout == "page_first":
+            elif part.host.page_contiguous:
                 ok = store.get_pages_into(hashes, [part.view(p) for p in pages])
             else:
                 payloads = store.get_pages(hashes)

@@ -1,27 +1,51 @@
 """The store objects a rank's storage tier reads and writes: the configured backend under this model's
 namespace (its keys and headers name the model, dtype, page size, row layout and rank), and one more
-namespace per other part of a page (a speculative draft's state), on the same backend.
+namespace per other part of a page (a speculative draft's state), on the same backend. With
+`--hicache-storage-key-scheme unified` the store is a UnifiedStore instead: objects named by the cells
+of the grid they hold (hicache/storage/unified.py), the same for every compatible topology.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+from dataclasses import dataclass
 
 from hicache.config import DebugConfig, HiCacheConfig
 from hicache.debug.faults import FlakyReads
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_pool import PagePart
-from hicache.storage import Namespace, VerifiedStore, make_backend
+from hicache.storage import Namespace, UnifiedStore, VerifiedStore, make_backend
+from hicache.storage.unified import Grid, KVGeometry, Shard, UnifiedNamespace
+
+
+@dataclass(frozen=True)
+class UnifiedPlacement:
+    """What the unified layout needs of a rank: the model's KV geometry and the rank's global shard."""
+
+    geometry: KVGeometry
+    shard: Shard
+
+
+def unified_namespace(cfg: HiCacheConfig, geometry: KVGeometry, model_identity: str, kv_dtype: str,
+                      page_size: int) -> UnifiedNamespace:  # fmt: skip
+    """The namespace every deployment of this model, dtype, page size and grid shares."""
+    grid = Grid(
+        geometry,
+        cfg.hicache_storage_layer_partition or geometry.num_layers,
+        cfg.hicache_storage_head_partition or 1,
+    )
+    return UnifiedNamespace(model_identity, kv_dtype, page_size, grid)
 
 logger = logging.getLogger(__name__)
 
 
 def open_store(
     cfg: HiCacheConfig, pool: DeviceKVPool, page_bytes: int, model_identity: str, rank_suffix: str,
-    debug: DebugConfig, rank: int,
+    debug: DebugConfig, rank: int, unified: UnifiedPlacement | None = None, writer: bool = True,
 ) -> VerifiedStore:  # fmt: skip
     """The configured backend under this model's namespace (with fault injection where asked)."""
+    kv_dtype = str(pool.dtype).removeprefix("torch.")
     namespace = Namespace(
         model=model_identity,
         kv_dtype=str(pool.dtype).removeprefix("torch."),
@@ -36,7 +60,14 @@ def open_store(
         backend = FlakyReads(backend, debug.debug_storage_fail_rate, seed=rank)
         rate = 100 * debug.debug_storage_fail_rate
         logger.warning("rank %d fails %.0f%% of storage reads (fault injection)", rank, rate)
-    return VerifiedStore(backend, namespace, payload_bytes=page_bytes)
+    if unified is None:
+        return VerifiedStore(backend, namespace, payload_bytes=page_bytes)
+    uns = unified_namespace(cfg, unified.geometry, model_identity, kv_dtype, pool.page_size)
+    store = UnifiedStore(backend, uns, unified.shard, pool.dtype.itemsize, writer=writer)
+    if store.payload_bytes != page_bytes:
+        raise ValueError(f"unified host page of {page_bytes} bytes, the grid's is {store.payload_bytes}")
+    logger.info("unified storage layout: namespace %s, %d objects read per page", uns.digest, len(store.spans))
+    return store
 
 
 def part_store(target: VerifiedStore, part: PagePart) -> VerifiedStore:

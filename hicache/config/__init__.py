@@ -49,6 +49,7 @@ class FromArgs:
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_BACKENDS = ("file", "redis")
+KEY_SCHEMES = ("rank-suffix", "unified")
 DRAFT_LAYOUTS = ("auto", "packed", "sidecar")
 SPECULATIVE_ALGORITHMS = ("draft",)
 
@@ -73,6 +74,11 @@ class HiCacheConfig(FromArgs):
     hicache_storage_max_bytes: int = 0  # file backend: least recently used objects go past this; 0 = no cap
     hicache_transfer_timeout: float = 60.0  # seconds any wait on a copy or storage call may take
     hicache_draft_layout: str = "auto"  # how a speculative draft's state sits beside the target's (hicache/spec/)
+    # Storage keys (hicache/storage/unified.py): "rank-suffix" names each rank's shard; "unified" cuts a
+    # page on a grid of layer ranges x head groups that every compatible topology reads.
+    hicache_storage_key_scheme: str = "rank-suffix"
+    hicache_storage_head_partition: int = 0  # KV heads per head group; 0: one
+    hicache_storage_layer_partition: int = 0  # layers per layer range; 0: all of them
 
     def __post_init__(self) -> None:
         if self.hicache_ratio <= 0:
@@ -89,7 +95,15 @@ class HiCacheConfig(FromArgs):
                 raise UserError("--hicache-storage-backend needs --enable-hierarchical-cache")
         if self.hicache_storage_max_bytes and self.hicache_storage_backend != "file":
             raise UserError("--hicache-storage-max-bytes applies to --hicache-storage-backend file only")
-        for name in ("hicache_load_back_threshold", "hicache_storage_prefetch_threshold", "hicache_storage_max_bytes"):
+        _choice("--hicache-storage-key-scheme", self.hicache_storage_key_scheme, KEY_SCHEMES)
+        if self.hicache_storage_key_scheme == "unified":
+            if self.hicache_mem_layout == "layer_first":
+                raise UserError("--hicache-storage-key-scheme unified needs --hicache-mem-layout page_unified")
+            # The unified objects are spans of a page_unified host page; page_first (the default) is
+            # the same bytes for MLA and a permutation for MHA, so it is switched, not refused.
+            object.__setattr__(self, "hicache_mem_layout", "page_unified")
+        for name in ("hicache_load_back_threshold", "hicache_storage_prefetch_threshold", "hicache_storage_max_bytes",
+                     "hicache_storage_head_partition", "hicache_storage_layer_partition"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0")
         if not self.hicache_transfer_timeout > 0:

@@ -29,7 +29,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--enable-hierarchical-cache", action="store_true", help="add the host-memory tier")
     t.add_argument("--hicache-ratio", type=float, default=h.hicache_ratio, help="host capacity / device capacity")
     t.add_argument("--hicache-size", type=float, default=h.hicache_size, help="host capacity in GB (overrides the ratio)")
-    t.add_argument("--hicache-mem-layout", default=h.hicache_mem_layout, help="page_first or layer_first")
+    t.add_argument("--hicache-mem-layout", default=h.hicache_mem_layout, help="page_first, layer_first or page_unified")
     t.add_argument("--hicache-write-policy", default=h.hicache_write_policy,
                    help="write_through, write_through_selective or write_back")
     t.add_argument("--hicache-load-back-threshold", type=int, default=h.hicache_load_back_threshold,
@@ -48,6 +48,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds a step may wait on a host/device copy or a storage call before failing")
     t.add_argument("--hicache-storage-max-bytes", type=int, default=h.hicache_storage_max_bytes,
                    help="file backend size cap in bytes: least recently used objects are removed (0: no cap)")
+    t.add_argument("--hicache-storage-key-scheme", default=h.hicache_storage_key_scheme,
+                   help="rank-suffix (each rank's own objects) or unified (objects any compatible TP/PP reads)")
+    t.add_argument("--hicache-storage-head-partition", type=int, default=h.hicache_storage_head_partition,
+                   help="unified: KV heads per head group (0: one)")
+    t.add_argument("--hicache-storage-layer-partition", type=int, default=h.hicache_storage_layer_partition,
+                   help="unified: layers per layer range (0: every layer in one range)")
     t.add_argument("--hicache-draft-layout", default=h.hicache_draft_layout,
                    help="packed (draft layers appended to the target's host pool), sidecar (pools of its own) or auto")
     p = ParallelConfig()

@@ -119,9 +119,10 @@ class HostPoolGroup:
 
 
 def make_host_pool(
-    target: DeviceKVPool, num_pages: int, layout: str, draft: DraftPools | None = None
+    target: DeviceKVPool, num_pages: int, layout: str, draft: DraftPools | None = None, head_partition: int = 0
 ) -> HostKVPool | HostPoolGroup:
-    """The host tier's pool: the target's alone, or grouped with a draft's."""
+    """The host tier's pool: the target's alone, or grouped with a draft's (`head_partition`: KV heads
+    per group of a page_unified layout)."""
     if draft is None:
-        return HostKVPool(target, num_pages, layout)
+        return HostKVPool(target, num_pages, layout, head_partition=head_partition)
     return HostPoolGroup(target, draft, num_pages, layout)

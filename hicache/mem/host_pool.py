@@ -5,6 +5,11 @@ Layouts (`--hicache-mem-layout`):
   a page moves to and from storage as one buffer, with no gather.
 - `layer_first`: [layers, pages * page_size, row], the device pool's own shape: a backup or load is one
   strided copy per layer.
+- `page_unified`: the unified storage layout's order (hicache/storage/unified.py), so a host page splits
+  directly into storage objects. MHA: [pages, head groups, layers, K/V, page_size, heads per group,
+  head_dim], this rank's head groups and layers, so each (group, layer range) is one contiguous span;
+  copies from the device pool pack rows into this order and unpack them on the way back. Any other
+  row (MLA's latent: (page, layer, token, dim)) is page_first's shape.
 
 Copies between tiers go through `backup` (device -> host) and `load_layer` (host -> device, one layer at
 a time, so a forward pass can start on layer 0 while later layers are still loading). On CUDA the buffer
@@ -26,7 +31,7 @@ import torch
 from hicache.mem.allocator import PageAllocator
 from hicache.mem.device_pool import DeviceKVPool
 
-LAYOUTS = ("page_first", "layer_first")
+LAYOUTS = ("page_first", "layer_first", "page_unified")
 
 
 class HostKVPool:
@@ -37,9 +42,11 @@ class HostKVPool:
         layout: str = "page_first",
         num_layers: int | None = None,
         allocator: PageAllocator | None = None,
+        head_partition: int = 0,
     ) -> None:
         """`num_layers`: more than the device pool's when another pool's layers are appended (a packed
-        draft, host_group.py); `allocator`: another pool's, whose page ids this one follows."""
+        draft, host_group.py); `allocator`: another pool's, whose page ids this one follows;
+        `head_partition`: KV heads per group for page_unified (0: this rank's heads are one group)."""
         if layout not in LAYOUTS:
             raise ValueError(f"unknown host layout {layout!r}")
         self.layout = layout
@@ -52,11 +59,14 @@ class HostKVPool:
         self.shard_rank = device_pool.shard_rank
         self.local_pages = num_pages
         pin = device_pool.device.type == "cuda"
-        shape = (
-            (num_pages, self.num_layers, self.page_size, self.row)
-            if layout == "page_first"
-            else (self.num_layers, num_pages * self.page_size, self.row)
-        )
+        self.unified = _unified_shape(device_pool, head_partition) if layout == "page_unified" else None
+        if self.unified is not None:
+            groups, heads, dim = self.unified
+            shape: tuple[int, ...] = (num_pages, groups, self.num_layers, 2, self.page_size, heads, dim)
+        elif layout == "layer_first":
+            shape = (self.num_layers, num_pages * self.page_size, self.row)
+        else:  # page_first, and page_unified of a row that is not K/V heads (MLA)
+            shape = (num_pages, self.num_layers, self.page_size, self.row)
         self.buffer = torch.zeros(shape, dtype=self.dtype, pin_memory=pin)
         self.capacity_tokens = self.allocator.num_pages * self.page_size  # logical, over every shard
 
@@ -69,9 +79,14 @@ class HostKVPool:
         """What storage keeps of a page: one object, every layer (host_group.py splits a grouped page)."""
         return [PagePart("", self, range(self.num_layers))]
 
+    @property
+    def page_contiguous(self) -> bool:
+        """A page's bytes are one span of the buffer (storage reads land in place)."""
+        return self.layout != "layer_first"
+
     def _host_pages_of_layer(self, layer: int) -> torch.Tensor:
         """Layer `layer` of every host page as a [pages, page_size * row] view (strided for page_first)."""
-        if self.layout == "page_first":
+        if self.layout != "layer_first":
             return self.buffer[:, layer].flatten(1)
         return self.buffer[layer].view(self.local_pages, -1)
 
@@ -113,6 +128,9 @@ class HostKVPool:
         (this rank's pairs)."""
         d, h = self._own_pairs(device_pages, host_pages)
         for layer in range(device.num_layers):
+            if self.unified is not None:
+                self._pack(first_layer + layer, h, device.pages_of_layer(layer), d)
+                continue
             self._copy(self._host_pages_of_layer(first_layer + layer), h, device.pages_of_layer(layer), d)
 
     def load_layer(
@@ -121,7 +139,29 @@ class HostKVPool:
         """Copy one layer of whole pages host -> device (host layer `first_layer + layer`; this rank's
         pairs)."""
         d, h = self._own_pairs(device_pages, host_pages)
+        if self.unified is not None:
+            self._unpack(first_layer + layer, h, device.pages_of_layer(layer), d)
+            return
         self._copy(device.pages_of_layer(layer), d, self._host_pages_of_layer(first_layer + layer), h)
+
+    # page_unified: a device row is (token, K/V, group, head, dim); a host layer is (group, K/V, token, head, dim)
+    def _pack(self, layer: int, host_pages: list[int], src: torch.Tensor, device_pages: list[int]) -> None:
+        if not host_pages:
+            return
+        assert self.unified is not None
+        groups, heads, dim = self.unified
+        d = torch.tensor(device_pages, dtype=torch.int64, device=src.device)
+        rows = src.index_select(0, d).view(len(device_pages), self.page_size, 2, groups, heads, dim)
+        packed = rows.permute(0, 3, 2, 1, 4, 5).to(self.buffer.device, non_blocking=True)
+        self.buffer[torch.tensor(host_pages, dtype=torch.int64), :, layer] = packed
+
+    def _unpack(self, layer: int, host_pages: list[int], dst: torch.Tensor, device_pages: list[int]) -> None:
+        if not host_pages:
+            return
+        packed = self.buffer[torch.tensor(host_pages, dtype=torch.int64), :, layer]  # [n, G, 2, ps, H, D]
+        rows = packed.permute(0, 3, 2, 1, 4, 5).reshape(len(host_pages), -1)
+        d = torch.tensor(device_pages, dtype=torch.int64, device=dst.device)
+        dst.index_copy_(0, d, rows.to(dst.device, non_blocking=True))
 
     def resident_bytes(self) -> int:
         """Bytes of KV this rank holds for allocated host pages (its own class only when sharded)."""
@@ -131,7 +171,9 @@ class HostKVPool:
         """Layers `layers` (all by default) of one of this rank's pages: [layers, page_size, row]."""
         host_page = self._local(host_page)
         a, b = (0, self.num_layers) if layers is None else (layers.start, layers.stop)
-        if self.layout == "page_first":
+        if self.unified is not None:  # contiguous for every layer, or for one head group
+            return self.buffer[host_page, :, a:b]
+        if self.layout != "layer_first":
             return self.buffer[host_page, a:b]
         s = host_page * self.page_size
         return self.buffer[a:b, s : s + self.page_size]
@@ -140,13 +182,14 @@ class HostKVPool:
         return len(layers) * self.page_size * self.row * self.buffer.element_size()
 
     def page_payload(self, host_page: int, layers: range | None = None) -> bytes:
-        """One page (its layers `layers`, all by default) as bytes in page_first order (the storage
-        object's payload)."""
+        """One page (its layers `layers`, all by default) as bytes in page_first order, or page_unified's
+        own (the storage object's payload)."""
         return self._page(host_page, layers).contiguous().view(torch.uint8).numpy().tobytes()
 
     def page_view(self, host_page: int, layers: range | None = None) -> memoryview:
-        """A writable byte view of one page's layers (page_first only), so storage reads land in place."""
-        assert self.layout == "page_first"
+        """A writable byte view of one page's layers (page_first / page_unified), so storage reads land
+        in place."""
+        assert self.page_contiguous
         return memoryview(self._page(host_page, layers).view(torch.uint8).reshape(-1).numpy())
 
     def write_page(self, host_page: int, payload: bytes | memoryview, layers: range | None = None) -> None:
@@ -187,6 +230,18 @@ class PagePart:
 
     def write(self, host_page: int, payload: bytes | memoryview) -> None:
         self.host.write_page(host_page, payload, self.layers)
+
+
+def _unified_shape(device_pool: DeviceKVPool, head_partition: int) -> tuple[int, int, int] | None:
+    """(groups, heads per group, head_dim) of this rank's K/V for page_unified; None for other rows."""
+    comps = device_pool.layout.components
+    if [c.name for c in comps] != ["k", "v"] or len(comps[0].shape) != 2:
+        return None
+    heads, dim = comps[0].shape
+    per = head_partition or heads
+    if heads % per:
+        raise ValueError(f"head partition {per} does not divide this rank's {heads} KV heads")
+    return heads // per, per, dim
 
 
 def _runs(dst: list[int], src: list[int]) -> list[tuple[int, int, int]]:

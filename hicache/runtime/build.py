@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from hicache.cache.hierarchical import HierarchicalCache
 from hicache.cache.prefix_cache import PrefixCache
+from hicache.cache.stores import UnifiedPlacement, unified_namespace
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker
 from hicache.disagg.roles import radix_enabled, role_scheduler
@@ -19,7 +20,9 @@ from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.build import build_decoder
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.invariance import InvarianceReport
+from hicache.model.mla import MLAConfig
 from hicache.spec.build import build_decoder_for, build_draft
+from hicache.storage.unified import KVGeometry, Shard, check_aligned, shard_of
 
 
 def context_length(cfg: EngineConfig, model: ModelConfig) -> int:
@@ -45,6 +48,29 @@ def check_topology(cfg: EngineConfig, model: ModelConfig) -> None:
             raise UserError(f"--tp-size {tp} does not divide the model's {count} {what}")
     if model.num_layers < pp:
         raise UserError(f"--pp-size {pp} is more than the model's {model.num_layers} layers")
+    if cfg.hicache.hicache_storage_key_scheme == "unified" and cfg.hicache.hicache_storage_backend:
+        check_unified(cfg, model)
+
+
+def storage_geometry(model: ModelConfig, row_numel: int | None = None) -> KVGeometry:
+    """The model's KV for the unified layout: K/V heads, or MLA's one latent row (row_numel)."""
+    if isinstance(model, MLAConfig):
+        return KVGeometry(model.num_layers, model.num_kv_heads, row_numel or model.kv_lora_rank + model.qk_rope_head_dim,
+                          latent=True)  # fmt: skip
+    return KVGeometry(model.num_layers, model.num_kv_heads, model.head_dim)
+
+
+def check_unified(cfg: EngineConfig, model: ModelConfig) -> None:
+    """Every rank of this topology must own whole cells of the grid (refused here, naming the boundary,
+    before any rank starts); the draft's state is not in the unified layout yet."""
+    if cfg.speculative.enabled:
+        raise UserError("--hicache-storage-key-scheme unified does not store a speculative draft's state yet")
+    cache = cfg.hicache
+    grid = unified_namespace(cache, storage_geometry(model), "check", "check", cfg.page_size).grid
+    tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
+    for p in range(pp):
+        for t in range(tp):
+            check_aligned(grid, shard_of(grid.geometry, tp, t, pp, p), f"rank tp{t}/pp{p} of --tp-size {tp} --pp-size {pp}")
 
 
 def gather_pages(cfg: EngineConfig) -> int | None:
@@ -79,9 +105,14 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
         consensus = Consensus(pctx, pp_sync=not cfg.debug.debug_disable_pp_sync)
         checker.instrument(consensus)
         shard = storage_shard(pctx, sharding, model.replicated_over_tp)
+        unified = None
+        if cfg.hicache.hicache_storage_key_scheme == "unified":
+            geometry = storage_geometry(loaded.config, model.kv_layout.row_numel)
+            heads = range(geometry.num_kv_heads) if geometry.latent else range(*model.kv_head_range)
+            unified = UnifiedPlacement(geometry, Shard(range(*model.layer_range), heads))
         cache = HierarchicalCache(
             pool, cfg.hicache, consensus, loaded.identity, shard.suffix, cfg.debug,
-            draft.pools if draft else None, storage_writer=shard.writes,
+            draft.pools if draft else None, storage_writer=shard.writes, unified=unified,
         )
     else:
         cache = PrefixCache(pool, enabled=radix_enabled(cfg), draft=draft is not None)

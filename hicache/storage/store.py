@@ -55,6 +55,8 @@ class VerifiedStore:
     size for the namespace's layout); a stored object of another size is treated as corrupt rather than
     handed to a copy that would overrun or underfill a host page."""
 
+    topology_independent = False  # keys name the writer's shard (a UnifiedStore's do not)
+
     def __init__(self, backend: StorageBackend, namespace: Namespace, payload_bytes: int | None = None) -> None:
         if payload_bytes is not None and payload_bytes <= 0:
             raise ValueError(f"payload_bytes must be positive, got {payload_bytes}")

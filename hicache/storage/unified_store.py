@@ -24,6 +24,8 @@ class UnifiedStore(VerifiedStore):
     """One rank's view of the unified store: `shard` is what it holds; `writer`: it writes the cells
     inside its shard (False for a replica that an elected writer covers, e.g. MLA's other TP ranks)."""
 
+    topology_independent = True
+
     def __init__(
         self, backend: StorageBackend, namespace: UnifiedNamespace, shard: Shard, itemsize: int, writer: bool = True
     ) -> None:

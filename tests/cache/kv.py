@@ -63,7 +63,10 @@ def assert_host_kv(
         want = expected(tokens, layer)
         for i, page in enumerate(host_pages, start=first_page):
             got = torch.frombuffer(bytearray(host.page_payload(page)), dtype=torch.float32)
-            got = got.view(host.num_layers, host.page_size, host.row)[layer]
+            if host.unified is not None:  # page_unified: (group, layer, K/V, token, head, dim) -> rows
+                g, h, d = host.unified
+                got = got.view(g, host.num_layers, 2, host.page_size, h, d).permute(1, 3, 2, 0, 4, 5)
+            got = got.reshape(host.num_layers, host.page_size, host.row)[layer]
             good = torch.equal(got, want[i * PAGE : (i + 1) * PAGE])
             assert good, f"{tier} tier holds wrong KV: layer {layer}, page {i}"
 
