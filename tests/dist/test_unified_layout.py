@@ -1,0 +1,115 @@
+"""One external store shared by every compatible topology (--hicache-storage-key-scheme unified): a store
+written by TP2xPP2 is read after a restart by TP1xPP1, TP2xPP1 and TP1xPP2, which serve at least 90 %
+of the shared prefix from storage and generate what the single-rank cache-off run generates.
+
+float32, not bf16: a TP2 writer's KV comes from sums split over two ranks, which in bf16 differ from
+TP1's in the last bits often enough to flip a greedy token of `tiny` (tests/dist/test_parallel_tiers.py
+measures it); in float32 the difference stays far below any logit gap of these prompts. The storage
+layout itself is exact: what a reader restores is byte for byte what the writer's ranks computed.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from hicache import Engine, SamplingParams
+from hicache.config import HiCacheConfig, ParallelConfig
+from hicache.errors import UserError
+from tests.storage.redis_server import redis_server
+
+__all__ = ["redis_server"]
+
+PAGE = 16
+SHARED = 320  # tokens of system prompt every request shares
+PROMPTS = [[32 + (i * 7 + c * (i > SHARED) * 13) % 90 for i in range(SHARED + 40)] for c in range(3)]
+PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
+GRID = dict(hicache_storage_layer_partition=2, hicache_storage_head_partition=1)
+
+
+def tiers(backend: str, where: str, **kw) -> HiCacheConfig:
+    store = {"hicache_storage_dir": where} if backend == "file" else {"hicache_storage_url": where}
+    return HiCacheConfig(
+        enable_hierarchical_cache=True,
+        hicache_storage_backend=backend,
+        hicache_storage_prefetch_threshold=64,
+        hicache_storage_prefetch_policy="wait_complete",
+        hicache_storage_key_scheme="unified",
+        **store,
+        **{**GRID, **kw},
+    )
+
+
+def engine(model: str, backend: str, where: str, tp: int = 1, pp: int = 1, page_size: int = PAGE, **kw) -> Engine:
+    return Engine(model=model, dtype="float32", page_size=page_size, hicache=tiers(backend, where, **kw),
+                  parallel=ParallelConfig(tp_size=tp, pp_size=pp))  # fmt: skip
+
+
+def reference(model: str) -> list[list[int]]:
+    with Engine(model=model, dtype="float32", disable_radix_cache=True) as e:
+        return [r.token_ids for r in e.generate(PROMPTS, PARAMS)]
+
+
+def write(model: str, backend: str, where: str) -> None:
+    with engine(model, backend, where, tp=2, pp=2) as e:
+        results = e.generate(PROMPTS, PARAMS)
+        assert all(r.error is None for r in results)
+        assert e.flush_cache()  # the puts are done before the writer goes
+        assert e.cache_stats().storage.store.puts > 0
+
+
+def read(model: str, backend: str, where: str, tp: int, pp: int, want: list[list[int]]) -> None:
+    with engine(model, backend, where, tp=tp, pp=pp) as e:
+        results = e.generate(PROMPTS, PARAMS)
+        assert [r.error for r in results] == [None] * len(PROMPTS)
+        assert [r.token_ids for r in results] == want
+        shared = SHARED // PAGE * PAGE
+        tiers = [r.cached_tokens_by_tier for r in results]
+        # Nothing was in memory after the restart: storage serves the shared prefix (once; a request
+        # admitted after it was inserted finds it in memory), and every request reuses it.
+        assert sum(t["storage"] for t in tiers) >= 0.9 * shared, tiers
+        assert all(sum(t.values()) >= 0.9 * shared for t in tiers), tiers
+        stats = e.cache_stats().storage.store
+        assert stats.corrupt == 0 and stats.span_bytes_read > 0
+
+
+@pytest.fixture(scope="module")
+def tiny_store(tmp_path_factory):
+    where = str(tmp_path_factory.mktemp("unified"))
+    write("tiny", "file", where)
+    return where, reference("tiny")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
+def test_written_by_tp2_pp2_read_by_another_topology(tiny_store, tp, pp):
+    where, want = tiny_store
+    read("tiny", "file", where, tp, pp, want)
+
+
+@pytest.mark.timeout(300)
+def test_redis_written_by_tp2_pp2_read_by_tp1(redis_server):
+    write("tiny", "redis", redis_server.url)
+    read("tiny", "redis", redis_server.url, 1, 1, reference("tiny"))
+
+
+@pytest.mark.timeout(300)
+def test_mla_written_by_tp2_pp2_read_by_tp1(tmp_path):
+    """tiny-mla: the latent is the same for every head, one object per layer range, pages sharded
+    over the writer's TP ranks; the reader holds every page."""
+    write("tiny-mla", "file", str(tmp_path))
+    read("tiny-mla", "file", str(tmp_path), 1, 1, reference("tiny-mla"))
+
+
+def test_a_misaligned_grid_is_refused_at_start_up(tmp_path):
+    with pytest.raises(UserError, match=r"pipeline stage ends at layer 2, inside the storage layer range L0-3"):
+        engine("tiny", "file", str(tmp_path), pp=2, hicache_storage_layer_partition=4)
+    with pytest.raises(UserError, match=r"KV heads end at head 1, inside head group H0 = heads 0-1"):
+        engine("tiny", "file", str(tmp_path), tp=2, hicache_storage_head_partition=2)
+
+
+def test_another_page_size_gets_no_hits(tiny_store):
+    where, _ = tiny_store
+    with engine("tiny", "file", where, page_size=2 * PAGE) as e:
+        results = e.generate(PROMPTS[:1], PARAMS)
+        assert results[0].cached_tokens_by_tier["storage"] == 0
+        assert e.cache_stats().storage.store.hits == 0
