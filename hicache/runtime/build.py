@@ -73,6 +73,27 @@ def check_unified(cfg: EngineConfig, model: ModelConfig) -> None:
             check_aligned(grid, shard_of(grid.geometry, tp, t, pp, p), f"rank tp{t}/pp{p} of --tp-size {tp} --pp-size {pp}")
 
 
+def storage_layout(cfg: EngineConfig, model: ModelConfig, identity: str) -> dict:
+    """What GET /hicache/storage_layout answers: the key scheme and, for the unified layout, the
+    namespace (digest and every field it covers), the grid and how to form a key, so that an external
+    router computes the object names of any prompt without asking a rank."""
+    cache = cfg.hicache
+    out: dict = {"key_scheme": cache.hicache_storage_key_scheme, "storage_backend": cache.hicache_storage_backend}
+    if cache.hicache_storage_key_scheme != "unified" or not cache.hicache_storage_backend:
+        return {**out, "namespace_digest": None}
+    dtype = str(cfg.resolved_dtype()).removeprefix("torch.")
+    ns = unified_namespace(cache, storage_geometry(model), identity, dtype, cfg.page_size)
+    return {
+        **out,
+        "namespace_digest": ns.digest,
+        "namespace": ns.describe(),
+        "objects": [cell.suffix for cell in ns.grid.cells],
+        "key_format": "{page_hash}_{namespace_digest}_{object}",
+        "page_hash": "hex SHA-256 chain: digest_i = SHA-256(digest_{i-1} || page i's token ids as 4-byte "
+        "little-endian), digest_{-1} = 32 zero bytes; full pages only",
+    }
+
+
 def gather_pages(cfg: EngineConfig) -> int | None:
     """--cp-gather-tokens in pages (None: unbounded)."""
     tokens = cfg.parallel.cp_gather_tokens

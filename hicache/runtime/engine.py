@@ -40,7 +40,7 @@ from hicache.engine.scheduler import check_request_fits
 from hicache.errors import UserError
 from hicache.model.loader import load_model
 from hicache.runtime.base import Runtime, check_usable
-from hicache.runtime.build import build_scheduler, check_topology, context_length
+from hicache.runtime.build import build_scheduler, check_topology, context_length, storage_layout
 from hicache.runtime.deadlines import DeadlineWatch
 from hicache.runtime.local import LocalRuntime
 from hicache.runtime.rank_front import RankRuntime
@@ -285,6 +285,10 @@ class Engine:
     def disagg_info(self) -> dict:
         """This server's P/D role, transfer endpoint and rank-0 handshake (hicache/disagg/roles.py)."""
         return self._control("disagg_info")  # type: ignore[return-value]
+
+    def storage_layout(self) -> dict:
+        """The storage key scheme and, for the unified layout, its namespace and grid (runtime/build.py)."""
+        return storage_layout(self.config, self.model_config, self.model_identity)
 
     def disagg_stats(self) -> DisaggStats | None:
         """P/D transfer counters (None on a server without a role)."""

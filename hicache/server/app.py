@@ -92,6 +92,11 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
         info = await asyncio.to_thread(engine.disagg_info)
         return JSONResponse({**info, "served_model_name": served_model_name})
 
+    @app.get("/hicache/storage_layout")
+    async def storage_layout() -> Response:
+        """The storage namespace and grid, so an external router can compute object keys."""
+        return JSONResponse(engine.storage_layout())
+
     @app.get("/metrics")
     async def prometheus() -> Response:
         body, content_type = metrics.render()
