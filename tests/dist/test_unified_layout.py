@@ -113,3 +113,21 @@ def test_another_page_size_gets_no_hits(tiny_store):
         results = e.generate(PROMPTS[:1], PARAMS)
         assert results[0].cached_tokens_by_tier["storage"] == 0
         assert e.cache_stats().storage.store.hits == 0
+
+
+def test_a_corrupt_span_is_a_counted_miss_and_outputs_stay_equal(tmp_path):
+    with engine("tiny", "file", str(tmp_path)) as e:
+        e.generate(PROMPTS[:1], PARAMS)
+        assert e.flush_cache()
+    objects = sorted(p for p in tmp_path.rglob("*_L2-3_H1") if p.is_file())
+    assert objects
+    with open(objects[0], "r+b") as f:  # flip a byte of the last layer of one object
+        f.seek(-1, 2)
+        last = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([last[0] ^ 0x10]))
+    with engine("tiny", "file", str(tmp_path)) as e:
+        results = e.generate(PROMPTS[:1], PARAMS)
+        assert [r.token_ids for r in results] == reference("tiny")[:1]
+        stats = e.cache_stats().storage.store
+        assert stats.corrupt == 1 and stats.misses >= 1
