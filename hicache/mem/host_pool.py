@@ -152,7 +152,9 @@ class HostKVPool:
         groups, heads, dim = self.unified
         d = torch.tensor(device_pages, dtype=torch.int64, device=src.device)
         rows = src.index_select(0, d).view(len(device_pages), self.page_size, 2, groups, heads, dim)
-        packed = rows.permute(0, 3, 2, 1, 4, 5).to(self.buffer.device, non_blocking=True)
+        # Blocking: a non_blocking device -> host copy into a fresh tensor may still be running when
+        # the index_put below reads it (the direct copies of _copy land in the pinned buffer itself).
+        packed = rows.permute(0, 3, 2, 1, 4, 5).to(self.buffer.device)
         self.buffer[torch.tensor(host_pages, dtype=torch.int64), :, layer] = packed
 
     def _unpack(self, layer: int, host_pages: list[int], dst: torch.Tensor, device_pages: list[int]) -> None:
