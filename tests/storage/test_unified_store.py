@@ -12,7 +12,6 @@ import pytest
 from hicache.storage import FileBackend, RedisBackend, StorageBackend, UnifiedStore, page_hashes
 from hicache.storage import unified as u
 from hicache.storage.spans import prefix_size
-from tests.storage.redis_server import RedisServer
 
 PAGE = 4
 ITEM = 2
