@@ -1,5 +1,5 @@
-"""What a client sees of speculative decoding: a `hicache serve` with a draft (sidecar, on all three
-tiers) streams the same tokens and logprobs, bit for bit, as a cache-off server without one, from the
+"""What a client sees of speculative decoding: a `hicache serve` with a draft (packed or sidecar, on
+all three tiers) streams the same tokens and logprobs, bit for bit, as a cache-off server without one, from the
 device, from host memory and from storage after a flush; the usage of each answer carries the draft's
 proposed and accepted tokens, and /metrics their totals."""
 
@@ -9,14 +9,17 @@ import json
 import pathlib
 
 import httpx
+import pytest
 
 from tests.server.server_harness import assert_no_leaks, metric, running_servers, scrape
 
 # Three histories, two of which fit in the device pool: each round evicts one to host memory.
 HISTORIES = [[40 + (i * 7 + j * 3) % 80 for j in range(200)] for i in range(3)]
 MAX_TOKENS = 12
-SPEC = ("--speculative-algorithm", "draft", "--speculative-draft-model", "tiny-draft-sidecar",
-        "--speculative-num-draft-tokens", "3")  # fmt: skip
+
+
+def spec_flags(draft: str) -> tuple[str, ...]:
+    return ("--speculative-algorithm", "draft", "--speculative-draft-model", draft, "--speculative-num-draft-tokens", "3")
 
 
 def stream(url: str, prompt: list[int]) -> tuple[list, dict, dict]:
@@ -41,11 +44,12 @@ def stream(url: str, prompt: list[int]) -> tuple[list, dict, dict]:
     return tokens, usage, usage["prompt_tokens_details"]["cached_tokens_by_tier"]
 
 
-def test_streamed_answers_equal_the_target_alone_on_every_tier(tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("draft", ["tiny-draft-packed", "tiny-draft-sidecar"])
+def test_streamed_answers_equal_the_target_alone_on_every_tier(tmp_path: pathlib.Path, draft: str) -> None:
     store = str(tmp_path / "store")
     tiers = ("--enable-hierarchical-cache", "--max-total-tokens", "512", "--hicache-storage-backend", "file",
              "--hicache-storage-dir", store, "--hicache-storage-prefetch-threshold", "16")  # fmt: skip
-    with running_servers(tmp_path, ("--disable-radix-cache",), (*tiers, *SPEC)) as (plain, spec):
+    with running_servers(tmp_path, ("--disable-radix-cache",), (*tiers, *spec_flags(draft))) as (plain, spec):
         served = {"device": 0, "host": 0, "storage": 0}
         proposed = accepted = 0
         # The last history again (device), the first two (evicted meanwhile: host), all after a flush (storage).
