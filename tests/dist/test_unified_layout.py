@@ -39,9 +39,11 @@ def tiers(backend: str, where: str, **kw) -> HiCacheConfig:
     )
 
 
-def engine(model: str, backend: str, where: str, tp: int = 1, pp: int = 1, page_size: int = PAGE, **kw) -> Engine:
+def engine(
+    model: str, backend: str, where: str, tp: int = 1, pp: int = 1, page_size: int = PAGE, cp: int = 1, **kw
+) -> Engine:
     return Engine(model=model, dtype="float32", page_size=page_size, hicache=tiers(backend, where, **kw),
-                  parallel=ParallelConfig(tp_size=tp, pp_size=pp))  # fmt: skip
+                  parallel=ParallelConfig(tp_size=tp, pp_size=pp, cp_size=cp))  # fmt: skip
 
 
 def reference(model: str) -> list[list[int]]:
@@ -49,16 +51,16 @@ def reference(model: str) -> list[list[int]]:
         return [r.token_ids for r in e.generate(PROMPTS, PARAMS)]
 
 
-def write(model: str, backend: str, where: str) -> None:
-    with engine(model, backend, where, tp=2, pp=2) as e:
+def write(model: str, backend: str, where: str, tp: int = 2, pp: int = 2, cp: int = 1) -> None:
+    with engine(model, backend, where, tp=tp, pp=pp, cp=cp) as e:
         results = e.generate(PROMPTS, PARAMS)
         assert all(r.error is None for r in results)
         assert e.flush_cache()  # the puts are done before the writer goes
         assert e.cache_stats().storage.store.puts > 0
 
 
-def read(model: str, backend: str, where: str, tp: int, pp: int, want: list[list[int]]) -> None:
-    with engine(model, backend, where, tp=tp, pp=pp) as e:
+def read(model: str, backend: str, where: str, tp: int, pp: int, want: list[list[int]], cp: int = 1) -> None:
+    with engine(model, backend, where, tp=tp, pp=pp, cp=cp) as e:
         results = e.generate(PROMPTS, PARAMS)
         assert [r.error for r in results] == [None] * len(PROMPTS)
         assert [r.token_ids for r in results] == want
@@ -98,6 +100,15 @@ def test_mla_written_by_tp2_pp2_read_by_tp1(tmp_path):
     over the writer's TP ranks; the reader holds every page."""
     write("tiny-mla", "file", str(tmp_path))
     read("tiny-mla", "file", str(tmp_path), 1, 1, reference("tiny-mla"))
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("writer,reader", [(2, 1), (1, 2)])
+def test_page_sharded_cp_writers_and_readers_of_another_cp_size(tmp_path, writer, reader):
+    """Each CP rank writes the objects of the pages it owns; a reader of another CP size finds every
+    page's objects by name (names say what an object holds, never who wrote it) and loads its own."""
+    write("tiny", "file", str(tmp_path), tp=1, pp=1, cp=writer)
+    read("tiny", "file", str(tmp_path), 1, 1, reference("tiny"), cp=reader)
 
 
 def test_a_misaligned_grid_is_refused_at_start_up(tmp_path):
