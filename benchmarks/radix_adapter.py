@@ -14,7 +14,7 @@ keeps. Everything else (values: one device page id per page, as the scheduler pa
 from __future__ import annotations
 
 from array import array
-from typing import Any, Optional
+from typing import Any
 
 from radix_trace import Adapter  # ../shared/bench, on PYTHONPATH
 
@@ -39,5 +39,5 @@ class RadixAdapter(Adapter):
     def match(self, tokens: array) -> int:
         return self.tree.match_prefix(tokens).num_tokens
 
-    def size(self) -> Optional[int]:
+    def size(self) -> int | None:
         return self.tree.total_pages * self.page_size

@@ -39,7 +39,8 @@ def run_arm(bench_dir: str, arm: str, extra: list[str]) -> list[dict]:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         cmd = [python, os.path.join(bench_dir, "radix_trace.py"), "--backends", backends, "--output-file", out.name]
         subprocess.run(cmd + extra, env=env, check=True, stdout=subprocess.DEVNULL, cwd=bench_dir)
-        results = json.load(open(out.name))["results"]
+        with open(out.name) as f:
+            results = json.load(f)["results"]
     for r in results:
         if "error" in r:
             raise SystemExit(f"{label}/{r['backend']}: {r['error']}")
@@ -63,7 +64,9 @@ def main() -> None:
             for r in run_arm(os.path.abspath(args.bench_dir), arm, extra):
                 runs.setdefault(r["backend"], []).append(r)
         print(f"round {i + 1}/{args.rounds} done", file=sys.stderr)
-    medians = {b: {f: statistics.median(get(r) for r in rs) for f, (get, _) in FIGURES.items()} for b, rs in runs.items()}
+    medians = {
+        b: {f: statistics.median(get(r) for r in rs) for f, (get, _) in FIGURES.items()} for b, rs in runs.items()
+    }
     base = args.baseline or next(iter(medians))
     print(f"medians over {args.rounds} rounds; ratio = how many times better than {base}")
     print(f"{'backend':48s}" + "".join(f"{f:>26s}" for f in FIGURES))

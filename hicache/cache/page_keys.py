@@ -21,24 +21,25 @@ from __future__ import annotations
 
 import zlib
 from array import array
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import numpy as np
 
 TOKEN_BYTES = 8  # int64
 _INT64_FORMATS = frozenset({"q", "l", "<q", "<l", "=q", "=l", "@q", "@l"})
 
-Packed = Union[bytes, memoryview]  # a flat byte view ('B') of int64 token ids
+Packed = bytes | memoryview  # a flat byte view ('B') of int64 token ids
 
 
 class PackedTokens:
     """A token sequence packed once, for a caller that matches the same prompt again and again (a
     waiting request re-tried by admission each step): `view(n)` is its first n tokens, zero-copy."""
 
-    __slots__ = ("_bytes", "_tokens")
+    __slots__ = ("_bytes", "_tokens", "_view")
 
     def __init__(self, tokens: Sequence[int] | np.ndarray) -> None:
-        self._bytes = memoryview(_copy_packed(tokens))
+        self._bytes = bytes(_copy_packed(tokens))  # owned: the caller's buffer may change later
+        self._view = memoryview(self._bytes)
         self._tokens = len(self._bytes) // TOKEN_BYTES
 
     def __len__(self) -> int:
@@ -47,8 +48,16 @@ class PackedTokens:
     def view(self, n: int | None = None) -> memoryview:
         """The first n tokens (all by default) as a flat byte view."""
         if n is None or n >= self._tokens:
-            return self._bytes
-        return self._bytes[: max(n, 0) * TOKEN_BYTES]
+            return self._view
+        return self._view[: max(n, 0) * TOKEN_BYTES]
+
+    def common_prefix(self, other: PackedTokens) -> int:
+        """Length in tokens of the longest common prefix with `other`, at memcmp speed."""
+        return common_pages(self._bytes, other._view, 0, TOKEN_BYTES)
+
+
+# What the tree's match and insert take: token ids in any container, or already packed.
+Tokens = Sequence[int] | np.ndarray | PackedTokens | Packed
 
 
 def _copy_packed(tokens: Sequence[int] | np.ndarray) -> bytes | memoryview:
@@ -97,7 +106,7 @@ def _as_buffer(tokens: object) -> memoryview | None:
     return view.cast("B")
 
 
-def pack(tokens: Sequence[int] | np.ndarray | Packed | PackedTokens) -> memoryview:
+def pack(tokens: Tokens) -> memoryview:
     """`tokens` as a flat byte view of int64 ids. `bytes` and 'B'-format memoryviews are taken to be
     packed already (keys, `PackedTokens.view`)."""
     view = _copy_packed(tokens)

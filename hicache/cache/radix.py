@@ -30,9 +30,9 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections import Counter
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator
 
-from hicache.cache.page_keys import TOKEN_BYTES, PackedTokens, common_pages, pack
+from hicache.cache.page_keys import TOKEN_BYTES, Tokens, common_pages, pack
 from hicache.cache.tree_node import InsertResult, MatchResult, TreeNode
 from hicache.debug.consensus_checker import consensus_checked
 
@@ -74,14 +74,12 @@ class RadixTree:
         """The children-dict key of the run starting at byte `start` of `key`: its first page."""
         return bytes(key[start : start + self._page_bytes])
 
-    def _query(self, tokens: Sequence[int] | PackedTokens) -> memoryview:
+    def _query(self, tokens: Tokens) -> memoryview:
         """`tokens` packed (page_keys.py), cut to whole pages."""
         query = pack(tokens)
         return query[: len(query) - len(query) % self._page_bytes]
 
-    def match_prefix(
-        self, tokens: Sequence[int] | PackedTokens, namespace: str = "", count_hit: bool = False
-    ) -> MatchResult:
+    def match_prefix(self, tokens: Tokens, namespace: str = "", count_hit: bool = False) -> MatchResult:
         """Longest cached page-aligned prefix of `tokens` on either tier. Splits a node when the match
         ends inside it, so every matched node is covered exactly and can be locked."""
         path = self._walk(self._query(tokens), namespace)
@@ -178,9 +176,7 @@ class RadixTree:
     def _conflicts(self, path: list[TreeNode], rotation: int) -> bool:
         return any(node.rotation != rotation for node in path)
 
-    def insert(
-        self, tokens: Sequence[int] | PackedTokens, pages: list[int], namespace: str = "", rotation: int = 0
-    ) -> InsertResult:
+    def insert(self, tokens: Tokens, pages: list[int], namespace: str = "", rotation: int = 0) -> InsertResult:
         """Cache `tokens` (a page multiple) whose KV lives in device `pages`, placed from rotation base
         `rotation`. Where the tree already has the KV on the device, its pages win and the caller frees
         its own; where it has it only on the host, the caller's pages are attached to the node. Refused
@@ -212,9 +208,7 @@ class RadixTree:
             parent = child
         return InsertResult(tree_pages, parent, new_nodes)
 
-    def insert_host(
-        self, tokens: Sequence[int] | PackedTokens, host_pages: list[int], namespace: str = "", rotation: int = 0
-    ) -> list[int]:
+    def insert_host(self, tokens: Tokens, host_pages: list[int], namespace: str = "", rotation: int = 0) -> list[int]:
         """Cache the last len(host_pages) pages of `tokens` as host-only KV (read from storage), placed
         from rotation base `rotation`; the rest of `tokens` must already be cached. Returns the host
         pages the tree did not take (the caller frees them): all of them if the prefix is gone or has
