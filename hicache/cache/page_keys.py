@@ -37,7 +37,7 @@ class PackedTokens:
 
     __slots__ = ("_bytes", "_tokens", "_view")
 
-    def __init__(self, tokens: Sequence[int] | np.ndarray) -> None:
+    def __init__(self, tokens: Tokens) -> None:
         self._bytes = bytes(_copy_packed(tokens))  # owned: the caller's buffer may change later
         self._view = memoryview(self._bytes)
         self._tokens = len(self._bytes) // TOKEN_BYTES
@@ -60,7 +60,7 @@ class PackedTokens:
 Tokens = Sequence[int] | np.ndarray | PackedTokens | Packed
 
 
-def _copy_packed(tokens: Sequence[int] | np.ndarray) -> bytes | memoryview:
+def _copy_packed(tokens: Tokens) -> bytes | memoryview:
     view = _as_buffer(tokens)
     if view is not None:
         return view
@@ -74,7 +74,7 @@ def _copy_packed(tokens: Sequence[int] | np.ndarray) -> bytes | memoryview:
 def _numpy_int64(arr: np.ndarray) -> np.ndarray:
     if arr.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
-    if arr.size and arr.dtype.kind not in "iub":
+    if arr.size and arr.dtype.kind not in "iu":
         raise TypeError(f"tokens must be integers, got dtype {arr.dtype}")
     return np.ascontiguousarray(arr, dtype=np.int64)
 
@@ -88,10 +88,8 @@ def _as_buffer(tokens: object) -> memoryview | None:
     if isinstance(tokens, memoryview):
         view = tokens
     elif isinstance(tokens, array):
-        if tokens.itemsize != TOKEN_BYTES or tokens.typecode not in "qlQL":
-            return None
-        if tokens.typecode in "QL":
-            return None  # unsigned: a value >= 2**63 would read as negative; convert instead
+        if tokens.itemsize != TOKEN_BYTES or tokens.typecode not in "ql":
+            return None  # narrower, or unsigned (>= 2**63 would read as negative): converted instead
         view = memoryview(tokens)
     elif isinstance(tokens, np.ndarray):
         if tokens.dtype != np.int64 or tokens.ndim != 1 or not tokens.flags.c_contiguous:
