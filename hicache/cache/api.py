@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
+
+from hicache.cache.page_keys import PackedTokens
 
 if TYPE_CHECKING:
     from hicache.cache.failed_loads import FailedLoads
@@ -105,6 +108,13 @@ class KVHandle:
     # False after a load of its host part failed (hicache/cache/failed_loads.py): admission then
     # recomputes that part instead of loading it again.
     load_host: bool = True
+
+    @cached_property
+    def packed_prompt(self) -> PackedTokens:
+        """The prompt packed for the tree once (hicache/cache/page_keys.py; the prompt never changes):
+        admission tries a waiting request again every step, and packing a 1M-token list costs ~15 ms
+        where the match itself costs well under one."""
+        return PackedTokens(self.prompt)
 
     # ---- scheduler side ------------------------------------------------------------------------
 

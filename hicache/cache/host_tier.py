@@ -29,6 +29,7 @@ from hicache.cache.controller import (
     DEFAULT_TRANSFER_TIMEOUT_S, AckQueue, CopyStream, SupervisedWorker, TransferOp, TransferTimeout,
 )  # fmt: skip
 from hicache.cache.failed_loads import FailedLoads, IssuedLoad, LoadLedger
+from hicache.cache.page_keys import key_digest
 from hicache.cache.radix import MatchResult, RadixTree, TreeNode
 from hicache.cache.stats import HostStats
 from hicache.config import HiCacheConfig
@@ -191,7 +192,7 @@ class HostTier:
             self.copies.run(fence, lambda: self.host.backup(self.pool, device_pages, host_pages))
 
         op = TransferOp("backup", run, payload=node)
-        op.ident = hash((node.key, device_pages[0], len(device_pages)))
+        op.ident = hash((key_digest(node.key), device_pages[0], len(device_pages)))  # same on every rank
         self.backups.push(op)
         self.backup_worker.submit(op)
 
@@ -312,7 +313,7 @@ class HostTier:
                 event.set()
 
         op = TransferOp("load", run, payload=layer_done)
-        op.ident = hash((tuple(n.key for n in match.host_nodes), device_pages[0], len(device_pages)))
+        op.ident = hash((tuple(key_digest(n.key) for n in match.host_nodes), device_pages[0], len(device_pages)))
         self.loads.push(op)
         self.ledger.issued(IssuedLoad(op, layer_done, tuple(match.host_nodes), device_pages))
         self.load_worker.submit(op)

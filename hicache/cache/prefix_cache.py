@@ -22,6 +22,7 @@ from hicache.cache.api import Admission, KVHandle, KVState, PrefixMatch
 from hicache.cache.device_tier import DeviceTier
 from hicache.cache.failed_loads import FailedLoads
 from hicache.cache.gather_budget import GatherBudget
+from hicache.cache.page_keys import Tokens
 from hicache.cache.radix import MatchResult, PagesFn, TreeNode
 from hicache.cache.stats import CacheStats
 from hicache.debug.consensus_checker import consensus_checked
@@ -132,14 +133,14 @@ class PrefixCache:
             handle.enter(KVState.RESERVED)
             return self._ready(handle, total_pages, PrefixMatch(), None)
         # At least the last prompt token is always computed: its logits give the first output token.
-        reserved = self.reserve(handle, handle.prompt[: len(handle.prompt) - 1], total_pages)
+        reserved = self.reserve(handle, handle.packed_prompt.view(len(handle.prompt) - 1), total_pages)
         if reserved is None:
             return Admission(False)
         admission = self._ready(handle, total_pages - len(handle.pages), reserved.cached, reserved.lock)
         self._on_admitted(handle)
         return admission
 
-    def reserve(self, handle: KVHandle, tokens: Sequence[int], total_pages: int) -> Reserved | None:
+    def reserve(self, handle: KVHandle, tokens: Tokens, total_pages: int) -> Reserved | None:
         """WAITING → MATCHED → LOCKED → RESERVED over the cached prefix of `tokens`: match it (a finished
         prefetch is inserted first), lock it, and, if the `total_pages` less its device part fit in
         free + evictable pages minus what others were promised (checked with the prefix locked), start
@@ -225,7 +226,8 @@ class PrefixCache:
         n = len(tokens) - len(tokens) % self.page_size
         if not self.enabled or n == 0:
             return
-        res = self.device.insert(tokens[:n], handle.pages[: n // self.page_size], handle.namespace, handle.rotation)
+        key = handle.packed_prompt.view(n) if tokens is handle.prompt else tokens[:n]  # packed once per prompt
+        res = self.device.insert(key, handle.pages[: n // self.page_size], handle.namespace, handle.rotation)
         if res.refused:  # another placement of these tokens is cached: this request keeps its own pages
             return
         handle.pages[: len(res.pages)] = res.pages

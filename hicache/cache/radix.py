@@ -14,6 +14,9 @@ Contracts:
   (with its host-only descendants). Host eviction removes host-only, unlocked leaves. Least recently
   used first in both.
 - `namespace` (a request's cache_salt) selects a separate root: different salts never share pages.
+- Keys are packed int64 bytes (hicache/cache/page_keys.py): a node's run is compared with the query in
+  one memcmp, and a divergence is found by bisecting pages with memcmps, so no step loops over pages
+  or tokens in Python. Children are keyed by their first page's bytes.
 - Recency is a logical clock, not wall time, so ranks that apply the same operations in the same order
   make the same eviction choices.
 - Sharded pages (`num_classes` N > 1, hicache/dist/placement.py): every shard rank keeps this same tree
@@ -26,8 +29,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from typing import Callable, Iterable, Iterator, Sequence
+from collections import Counter
+from typing import Callable, Iterable, Iterator
 
+from hicache.cache.page_keys import TOKEN_BYTES, Tokens, common_pages, pack
 from hicache.cache.tree_node import InsertResult, MatchResult, TreeNode
 from hicache.debug.consensus_checker import consensus_checked
 
@@ -41,6 +46,7 @@ class RadixTree:
         self, page_size: int, on_device_free: PagesFn, on_host_free: PagesFn | None = None, num_classes: int = 1
     ) -> None:
         self.page_size = page_size
+        self._page_bytes = page_size * TOKEN_BYTES
         self.num_classes = num_classes
         self._free_device = on_device_free
         self._free_host = on_host_free
@@ -60,20 +66,23 @@ class RadixTree:
     def _root(self, namespace: str) -> TreeNode:
         root = self._roots.get(namespace)
         if root is None:
-            root = self._roots[namespace] = TreeNode((), [], None)
+            root = self._roots[namespace] = TreeNode(b"", [], None)
             root.lock_ref = 1  # roots are never evicted
         return root
 
-    def _page_key(self, tokens: Sequence[int], start: int) -> tuple[int, ...]:
-        return tuple(tokens[start : start + self.page_size])
+    def _child_key(self, key: bytes | memoryview, start: int = 0) -> bytes:
+        """The children-dict key of the run starting at byte `start` of `key`: its first page."""
+        return bytes(key[start : start + self._page_bytes])
 
-    def _aligned(self, n: int) -> int:
-        return n - n % self.page_size
+    def _query(self, tokens: Tokens) -> memoryview:
+        """`tokens` packed (page_keys.py), cut to whole pages."""
+        query = pack(tokens)
+        return query[: len(query) - len(query) % self._page_bytes]
 
-    def match_prefix(self, tokens: Sequence[int], namespace: str = "", count_hit: bool = False) -> MatchResult:
+    def match_prefix(self, tokens: Tokens, namespace: str = "", count_hit: bool = False) -> MatchResult:
         """Longest cached page-aligned prefix of `tokens` on either tier. Splits a node when the match
         ends inside it, so every matched node is covered exactly and can be locked."""
-        path = self._walk(tuple(tokens[: self._aligned(len(tokens))]), namespace)
+        path = self._walk(self._query(tokens), namespace)
         now = next(self._clock)
         device_pages: list[int] = []
         last_device = self._root(namespace)
@@ -89,37 +98,33 @@ class RadixTree:
                 host_nodes.append(node)
         return MatchResult(device_pages, last_device, host_nodes, self.page_size)
 
-    def _walk(self, tokens: tuple[int, ...], namespace: str) -> list[TreeNode]:
+    def _walk(self, query: memoryview, namespace: str) -> list[TreeNode]:
+        """The nodes covering the longest cached page-aligned prefix of the packed, page-aligned `query`,
+        splitting the last one where the match ends inside it."""
         node = self._root(namespace)
         node.last_access = next(self._clock)
         path: list[TreeNode] = []
-        pos = 0
-        while pos < len(tokens):
-            child = node.children.get(self._page_key(tokens, pos))
+        pos = 0  # bytes
+        pb = self._page_bytes
+        while pos < len(query):
+            child = node.children.get(self._child_key(query, pos))
             if child is None:
                 break
-            n = self._common_pages(child.key, tokens, pos) * self.page_size
-            if n < len(child.key):
-                child = self._split(child, n)
+            # The first page is equal (it is the dict key); common_pages checks it again in the same memcmp.
+            k = common_pages(child.key, query, pos, pb)
+            if k * pb < len(child.key):
+                child = self._split(child, k)
             path.append(child)
-            pos += n
+            pos += k * pb
             node = child
         return path
 
-    def _common_pages(self, key: tuple[int, ...], tokens: tuple[int, ...], pos: int) -> int:
-        p = self.page_size
-        n = 0
-        limit = min(len(key), len(tokens) - pos) // p
-        while n < limit and key[n * p : (n + 1) * p] == tokens[pos + n * p : pos + (n + 1) * p]:
-            n += 1
-        return n
-
-    def _split(self, node: TreeNode, n_tokens: int) -> TreeNode:
-        """Cut `node` after n_tokens; the new upper part takes its place under the parent."""
-        assert 0 < n_tokens < len(node.key) and n_tokens % self.page_size == 0
-        k = n_tokens // self.page_size
+    def _split(self, node: TreeNode, k: int) -> TreeNode:
+        """Cut `node` after k pages; the new upper part takes its place under the parent."""
+        n_bytes = k * self._page_bytes
+        assert 0 < n_bytes < len(node.key)
         upper = TreeNode(
-            node.key[:n_tokens],
+            node.key[:n_bytes],
             None if node.device_pages is None else node.device_pages[:k],
             node.parent,
             None if node.host_pages is None else node.host_pages[:k],
@@ -132,14 +137,14 @@ class RadixTree:
         upper.hit_count = node.hit_count
         upper.backup_pending = node.backup_pending
         assert node.parent is not None
-        node.parent.children[self._page_key(node.key, 0)] = upper
-        node.key = node.key[n_tokens:]
+        node.parent.children[self._child_key(node.key)] = upper
+        node.key = node.key[n_bytes:]
         if node.device_pages is not None:
             node.device_pages = node.device_pages[k:]
         if node.host_pages is not None:
             node.host_pages = node.host_pages[k:]
         node.parent = upper
-        upper.children[self._page_key(node.key, 0)] = node
+        upper.children[self._child_key(node.key)] = node
         return upper
 
     # ---- updates -------------------------------------------------------------------------------
@@ -164,21 +169,22 @@ class RadixTree:
         if self.num_classes == 1:
             counts[0] += sign * len(pages)
             return
-        for page in pages:
-            counts[page % self.num_classes] += sign
+        # Counter over a map counts in C: a 1M-token node is ~15k pages.
+        for owner, n in Counter(map(self.num_classes.__rmod__, pages)).items():
+            counts[owner] += sign * n
 
     def _conflicts(self, path: list[TreeNode], rotation: int) -> bool:
         return any(node.rotation != rotation for node in path)
 
-    def insert(self, tokens: Sequence[int], pages: list[int], namespace: str = "", rotation: int = 0) -> InsertResult:
+    def insert(self, tokens: Tokens, pages: list[int], namespace: str = "", rotation: int = 0) -> InsertResult:
         """Cache `tokens` (a page multiple) whose KV lives in device `pages`, placed from rotation base
         `rotation`. Where the tree already has the KV on the device, its pages win and the caller frees
         its own; where it has it only on the host, the caller's pages are attached to the node. Refused
         whole (`refused`, nothing changed but recency) if the cached path has another rotation base."""
-        if len(tokens) % self.page_size or len(pages) * self.page_size != len(tokens):
+        query = pack(tokens)
+        if len(query) % self._page_bytes or len(pages) * self._page_bytes != len(query):
             raise ValueError("insert needs a page-aligned key and one page per page_size tokens")
-        tokens = tuple(tokens)
-        path = self._walk(tokens, namespace)
+        path = self._walk(query, namespace)
         if self._conflicts(path, rotation):
             return InsertResult(list(pages), path[-1], refused=True)
         now = next(self._clock)
@@ -186,51 +192,51 @@ class RadixTree:
         for node in path:
             node.last_access = now
             if node.device_pages is None:
-                node.device_pages = pages[len(tree_pages) : len(tree_pages) + len(node.key) // self.page_size]
+                node.device_pages = list(pages[len(tree_pages) : len(tree_pages) + len(node.key) // self._page_bytes])
                 self._account_device(node, +1)
             tree_pages.extend(node.device_pages)
         parent = path[-1] if path else self._root(namespace)
         new_nodes = []
         if len(tree_pages) < len(pages):
-            start = len(tree_pages) * self.page_size
-            child = TreeNode(tokens[start:], list(pages[len(tree_pages) :]), parent, rotation=rotation)
+            start = len(tree_pages) * self._page_bytes
+            child = TreeNode(bytes(query[start:]), list(pages[len(tree_pages) :]), parent, rotation=rotation)
             child.last_access = now
-            parent.children[self._page_key(child.key, 0)] = child
+            parent.children[self._child_key(child.key)] = child
             self._account_device(child, +1)
             tree_pages.extend(child.device_pages)  # type: ignore[arg-type]
             new_nodes.append(child)
             parent = child
         return InsertResult(tree_pages, parent, new_nodes)
 
-    def insert_host(
-        self, tokens: Sequence[int], host_pages: list[int], namespace: str = "", rotation: int = 0
-    ) -> list[int]:
+    def insert_host(self, tokens: Tokens, host_pages: list[int], namespace: str = "", rotation: int = 0) -> list[int]:
         """Cache the last len(host_pages) pages of `tokens` as host-only KV (read from storage), placed
         from rotation base `rotation`; the rest of `tokens` must already be cached. Returns the host
         pages the tree did not take (the caller frees them): all of them if the prefix is gone or has
         another rotation base, and those the tree already holds."""
-        tokens = tuple(tokens)
-        n_prefix = len(tokens) // self.page_size - len(host_pages)
-        path = self._walk(tokens, namespace)
-        covered = sum(len(n.key) for n in path) // self.page_size
+        query = self._query(tokens)
+        total = len(query) // self._page_bytes
+        n_prefix = total - len(host_pages)
+        path = self._walk(query, namespace)
+        covered = sum(len(n.key) for n in path) // self._page_bytes
         if covered < n_prefix or self._conflicts(path, rotation):
             return list(host_pages)
         rejected: list[int] = []
         pos = 0  # page index along tokens
         for node in path:
-            k = len(node.key) // self.page_size
-            mine = [(i - n_prefix) for i in range(pos, pos + k) if i >= n_prefix]
+            k = len(node.key) // self._page_bytes
+            # host_pages[i] is page n_prefix + i: this node's share is pages max(pos, n_prefix)..pos+k-1
+            mine = list(host_pages[max(pos, n_prefix) - n_prefix : max(pos + k - n_prefix, 0)])
             if node.host_pages is None and len(mine) == k:
-                node.host_pages = [host_pages[i] for i in mine]
+                node.host_pages = mine
             else:
-                rejected.extend(host_pages[i] for i in mine)
+                rejected.extend(mine)
             pos += k
-        if covered < len(tokens) // self.page_size:
+        if covered < total:
             parent = path[-1] if path else self._root(namespace)
             rest = list(host_pages[covered - n_prefix :])
-            child = TreeNode(tokens[covered * self.page_size :], None, parent, rest, rotation=rotation)
+            child = TreeNode(bytes(query[covered * self._page_bytes :]), None, parent, rest, rotation=rotation)
             child.last_access = next(self._clock)
-            parent.children[self._page_key(child.key, 0)] = child
+            parent.children[self._child_key(child.key)] = child
         return rejected
 
     def attach_device(self, node: TreeNode, device_pages: list[int]) -> None:
@@ -317,7 +323,7 @@ class RadixTree:
     def _remove_subtree(self, node: TreeNode) -> None:
         """Unlink `node`; its (host-only) descendants' host pages go back to the host pool."""
         assert node.parent is not None and node.lock_ref == 0
-        del node.parent.children[self._page_key(node.key, 0)]
+        del node.parent.children[self._child_key(node.key)]
         stack = [node]
         while stack:
             n = stack.pop()

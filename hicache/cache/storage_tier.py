@@ -133,7 +133,7 @@ class StorageTier:
             prior = None
             if parent is not None and not parent.is_root:
                 prior = self._node_hashes(parent)[-1]
-            node.hashes = page_hashes(node.key, self.page_size, prior)
+            node.hashes = page_hashes(node.tokens, self.page_size, prior)
         return node.hashes
 
     def put(self, nodes: list[TreeNode]) -> TransferOp | None:

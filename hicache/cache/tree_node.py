@@ -5,12 +5,18 @@ A node is a page-aligned run of tokens with its KV on the device (`device_pages`
 sharded over N ranks (hicache/dist/placement.py): page P of the path from the root lives on class
 (rotation + P) mod N, so every node of a root's subtree carries the same rotation (a split copies it
 to both halves, an insert that would mix two is refused). At N = 1 it is always 0.
+
+`key` is the node's run packed as int64 bytes (hicache/cache/page_keys.py); `tokens` unpacks it.
 """
 
 from __future__ import annotations
 
 import itertools
+from array import array
 from dataclasses import dataclass, field
+from itertools import chain
+
+from hicache.cache.page_keys import num_tokens, unpack
 
 
 class TreeNode:
@@ -23,7 +29,7 @@ class TreeNode:
 
     def __init__(
         self,
-        key: tuple[int, ...],
+        key: bytes,
         device_pages: list[int] | None,
         parent: "TreeNode | None",
         host_pages: list[int] | None = None,
@@ -33,7 +39,7 @@ class TreeNode:
         self.device_pages = device_pages
         self.host_pages = host_pages
         self.hashes: list[bytes] | None = None  # storage page hashes, computed when first needed
-        self.children: dict[tuple[int, ...], TreeNode] = {}
+        self.children: dict[bytes, TreeNode] = {}  # by the child's first page (packed)
         self.parent = parent
         self.lock_ref = 0
         self.last_access = 0
@@ -41,6 +47,15 @@ class TreeNode:
         self.backup_pending = False  # host_pages assigned, device -> host copy not yet acknowledged
         self.id = next(TreeNode._ids)
         self.rotation = rotation
+
+    @property
+    def num_tokens(self) -> int:
+        return num_tokens(self.key)
+
+    @property
+    def tokens(self) -> array:
+        """The node's token ids (a copy), e.g. for storage hashing."""
+        return unpack(self.key)
 
     @property
     def is_root(self) -> bool:
@@ -60,7 +75,7 @@ class TreeNode:
 
     def __repr__(self) -> str:
         return (
-            f"TreeNode(id={self.id}, tokens={len(self.key)}, lock_ref={self.lock_ref}, "
+            f"TreeNode(id={self.id}, tokens={self.num_tokens}, lock_ref={self.lock_ref}, "
             f"device={self.device_pages is not None}, host={self.host_pages is not None})"
         )
 
@@ -79,11 +94,11 @@ class MatchResult:
 
     @property
     def host_pages(self) -> list[int]:
-        return [p for n in self.host_nodes for p in n.host_pages or []]
+        return list(chain.from_iterable(n.host_pages or () for n in self.host_nodes))
 
     @property
     def host_tokens(self) -> int:
-        return len(self.host_pages) * self.page_size
+        return sum(len(n.host_pages or ()) for n in self.host_nodes) * self.page_size
 
     @property
     def last_node(self) -> TreeNode:

@@ -55,7 +55,7 @@ def reserve(cache: PrefixCache, handle: KVHandle, total_pages: int) -> Reservati
         _promise(cache, handle, total_pages, PrefixMatch(), None, prompt_len)
         return Reservation(0, PrefixMatch(), None)
     # The whole prompt: decode computes none of it, so even its last token's KV may come from the tree.
-    reserved = cache.reserve(handle, handle.prompt, total_pages)
+    reserved = cache.reserve(handle, handle.packed_prompt, total_pages)
     if reserved is None:
         return None
     restore = _load_op(cache) if reserved.loaded_nodes else None  # issued just now, runs while the suffix arrives

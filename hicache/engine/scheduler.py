@@ -39,17 +39,6 @@ logger = logging.getLogger(__name__)
 IN_BATCH_PREFIX_MIN_TOKENS = 32
 
 
-def common_prefix_len(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix; compares 64-token slices first, which is much faster in
-    Python than token by token for the long shared histories this is used on."""
-    n, step, limit = 0, 64, min(len(a), len(b))
-    while n + step <= limit and a[n : n + step] == b[n : n + step]:
-        n += step
-    while n < limit and a[n] == b[n]:
-        n += 1
-    return n
-
-
 def _pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
 
@@ -213,7 +202,7 @@ class Scheduler:
         for other in self.running:
             if other.prompt_shared or other.namespace != req.namespace:
                 continue
-            shared = common_prefix_len(req.prompt_ids, other.prompt_ids)
+            shared = req.kv.packed_prompt.common_prefix(other.kv.packed_prompt)  # packed once per prompt
             if shared - other.cached_tokens >= IN_BATCH_PREFIX_MIN_TOKENS:
                 return True
         return False

@@ -50,7 +50,7 @@ def test_insert_of_cached_tokens_returns_the_duplicates():
     res = device.insert(A + B[:PAGE], mine + device.alloc(1), "")
     assert res.pages[:2] == first, "the tree's pages win"
     assert device.allocator.used_pages == 3, "our duplicates went back to the pool"
-    assert len(res.new_nodes) == 1 and res.last_node.key == tuple(B[:PAGE])
+    assert len(res.new_nodes) == 1 and tuple(res.last_node.tokens) == tuple(B[:PAGE])
 
 
 def test_keep_if_decides_what_eviction_keeps():
