@@ -252,7 +252,7 @@ class StorageTier:
             hashes = [prefetch.hashes[j] for j in own]
             if not own:
                 ok: list[bool] = []
-            elif part.host.page_contiguous:
+            elif part.contiguous:
                 ok = store.get_pages_into(hashes, [part.view(p) for p in pages])
             else:
                 payloads = store.get_pages(hashes)

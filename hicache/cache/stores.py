@@ -73,6 +73,8 @@ def open_store(
 def part_store(target: VerifiedStore, part: PagePart) -> VerifiedStore:
     """The store of a page's other part (a draft's state), on the target's backend under its own
     namespace: its model, dtype, rows and part name, so its keys and headers are its own."""
+    if isinstance(target, UnifiedStore):
+        return unified_part_store(target, part)
     namespace = dataclasses.replace(
         target.namespace,
         model=part.identity or target.namespace.model,
@@ -81,3 +83,26 @@ def part_store(target: VerifiedStore, part: PagePart) -> VerifiedStore:
         part=part.name,
     )
     return VerifiedStore(target.backend, namespace, payload_bytes=part.payload_bytes)
+
+
+def unified_part_store(target: UnifiedStore, part: PagePart) -> UnifiedStore:
+    """Under the unified scheme, a page's other part (a draft's state, which lives on one rank) is a
+    UnifiedStore of its own namespace: the part's model, dtype and name, the target's page size, and a
+    grid of its own layers (one layer range) and heads (its host pool's head groups; a row that is not
+    K/V heads, e.g. a sidecar draft's, is one latent-like row). Its digest differs from the target's in
+    the part name at least, so no object name of one is the other's."""
+    layers = len(part.layers)
+    shape = part.host.unified  # (groups, heads per group, head_dim) of a page_unified K/V pool
+    if shape is None:
+        geometry, per = KVGeometry(layers, 1, part.host.row, latent=True), 0
+    else:
+        groups, per, dim = shape
+        geometry = KVGeometry(layers, groups * per, dim)
+    ns = UnifiedNamespace(part.identity or target.unified.model, part.dtype_name, target.unified.page_size,
+                          Grid(geometry, layers, per), part=part.name)  # fmt: skip
+    shard = Shard(range(layers), range(geometry.num_kv_heads))
+    store = UnifiedStore(target.backend, ns, shard, part.host.dtype.itemsize, writer=target.writer)
+    if store.payload_bytes != part.payload_bytes:
+        raise ValueError(f"{part.name} part of {part.payload_bytes} bytes a page, its grid's is {store.payload_bytes}")
+    logger.info("unified storage layout, %s part: namespace %s", part.name, ns.digest)
+    return store

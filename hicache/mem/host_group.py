@@ -53,14 +53,23 @@ class HostPoolGroup:
     """The host tier's pool when a draft rides along: the same calls as a `HostKVPool` (allocator,
     backup, load_layer, page_bytes, parts), each moving the target's and the draft's state."""
 
-    def __init__(self, target: DeviceKVPool, draft: DraftPools, num_pages: int, layout: str = "page_first") -> None:
+    def __init__(
+        self,
+        target: DeviceKVPool,
+        draft: DraftPools,
+        num_pages: int,
+        layout: str = "page_first",
+        head_partition: int = 0,
+    ) -> None:
+        """`head_partition`: the target's KV heads per group of a page_unified layout (a packed draft's
+        rows share it; a sidecar draft's own pool keeps its heads in one group)."""
         lt, ld = target.num_layers, draft.pool.num_layers
         if draft.layout == "packed":
-            shared = HostKVPool(target, num_pages, layout, num_layers=lt + ld)
+            shared = HostKVPool(target, num_pages, layout, num_layers=lt + ld, head_partition=head_partition)
             self._target = _Member(target, shared, 0)
             self._draft = _Member(draft.pool, shared, lt)
         elif draft.layout == "sidecar":
-            own = HostKVPool(target, num_pages, layout)
+            own = HostKVPool(target, num_pages, layout, head_partition=head_partition)
             self._target = _Member(target, own, 0)
             self._draft = _Member(draft.pool, HostKVPool(draft.pool, num_pages, layout, allocator=own.allocator), 0)
         else:
@@ -125,4 +134,4 @@ def make_host_pool(
     per group of a page_unified layout)."""
     if draft is None:
         return HostKVPool(target, num_pages, layout, head_partition=head_partition)
-    return HostPoolGroup(target, draft, num_pages, layout)
+    return HostPoolGroup(target, draft, num_pages, layout, head_partition)

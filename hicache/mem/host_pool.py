@@ -227,7 +227,17 @@ class PagePart:
     def payload(self, host_page: int) -> bytes:
         return self.host.page_payload(host_page, self.layers)
 
+    @property
+    def contiguous(self) -> bool:
+        """The part's bytes are one span of its page (storage reads land in place, `view`). Not so for
+        some of the layers of a page_unified page of several head groups (a packed draft's pool):
+        those go through `payload` / `write`, which keep the page_unified order all the same."""
+        host = self.host
+        whole = host.unified is None or host.unified[0] == 1 or len(self.layers) == host.num_layers
+        return host.page_contiguous and whole
+
     def view(self, host_page: int) -> memoryview:
+        assert self.contiguous
         return self.host.page_view(host_page, self.layers)
 
     def write(self, host_page: int, payload: bytes | memoryview) -> None:

@@ -62,9 +62,8 @@ def storage_geometry(model: ModelConfig, row_numel: int | None = None) -> KVGeom
 
 def check_unified(cfg: EngineConfig, model: ModelConfig) -> None:
     """Every rank of this topology must own whole cells of the grid (refused here, naming the boundary,
-    before any rank starts); the draft's state is not in the unified layout yet."""
-    if cfg.speculative.enabled:
-        raise UserError("--hicache-storage-key-scheme unified does not store a speculative draft's state yet")
+    before any rank starts). A speculative draft runs on one rank: its part has a grid of its own
+    (hicache/cache/stores.py, unified_part_store), which it always owns whole."""
     cache = cfg.hicache
     grid = unified_namespace(cache, storage_geometry(model), "check", "check", cfg.page_size).grid
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size

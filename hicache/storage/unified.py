@@ -157,6 +157,7 @@ class UnifiedNamespace:
     page_size: int
     grid: Grid
     schema_version: int = SCHEMA_VERSION
+    part: str = ""  # another part of a page (a speculative draft's state, "draft"); "": the target's
 
     def __post_init__(self) -> None:
         if self.page_size <= 0 or not self.model or not self.kv_dtype:
@@ -171,7 +172,7 @@ class UnifiedNamespace:
         return f"unified:{MLA_ORDER if self.grid.geometry.latent else MHA_ORDER}"
 
     def describe(self) -> dict:
-        return {
+        out = {
             "schema_version": self.schema_version,
             "model": self.model,
             "kv_dtype": self.kv_dtype,
@@ -180,6 +181,8 @@ class UnifiedNamespace:
             "layout": self.layout,
             "grid": self.grid.describe(),
         }
+        # Only a part's namespace names it, so the target's digest is that of a cache without a draft.
+        return {**out, "part": self.part} if self.part else out
 
     @cached_property
     def digest(self) -> str:

@@ -32,6 +32,7 @@ class UnifiedStore(VerifiedStore):
         grid, page_size = namespace.grid, namespace.page_size
         self.unified = namespace
         self.shard = shard
+        self.writer = writer
         self.spans = reads(grid, shard, page_size, itemsize)
         self.layer_bytes = grid.layer_bytes(page_size, itemsize)
         own = set(writes(grid, shard)) if writer else set()

@@ -77,12 +77,21 @@ def test_every_namespace_field_changes_the_digest():
         dataclasses.replace(base, grid=u.Grid(SEED, 30, 4)),
         dataclasses.replace(base, grid=u.Grid(dataclasses.replace(SEED, head_dim=64), 30, 2)),
         dataclasses.replace(base, grid=u.Grid(dataclasses.replace(SEED, num_layers=61), 30, 2)),
+        # Another part of a page (a speculative draft's state), even of the same model and grid.
+        dataclasses.replace(base, part="draft"),
         # Replication mode and object layout: an MLA model of otherwise equal numbers.
         dataclasses.replace(base, grid=u.Grid(dataclasses.replace(SEED, latent=True), 30, 2)),
     ]
     digests = {base.digest} | {v.digest for v in variants}
     assert len(digests) == len(variants) + 1
     assert base.replication != variants[-1].replication and base.layout != variants[-1].layout
+
+
+def test_the_targets_namespace_does_not_name_a_part():
+    """A cache with a draft writes the target's objects under the digest a cache without one uses."""
+    base = u.UnifiedNamespace("model-a", "bfloat16", 64, SEED_GRID)
+    assert "part" not in base.describe()
+    assert dataclasses.replace(base, part="draft").describe()["part"] == "draft"
 
 
 def test_a_name_says_what_it_holds_never_who_wrote_it():
