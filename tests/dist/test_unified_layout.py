@@ -1,6 +1,7 @@
 """One external store shared by every compatible topology (--hicache-storage-key-scheme unified): a store
 written by TP2xPP2 is read after a restart by TP1xPP1, TP2xPP1 and TP1xPP2, which serve at least 90 %
-of the shared prefix from storage and generate what the single-rank cache-off run generates.
+of the shared prefix from storage and generate what the single-rank cache-off run generates, for the
+file and the Redis backend and for `tiny` and `tiny-mla` (each store written once, module-scoped).
 
 float32, not bf16: a TP2 writer's KV comes from sums split over two ranks, which in bf16 differ from
 TP1's in the last bits often enough to flip a greedy token of `tiny` (tests/dist/test_parallel_tiers.py
@@ -10,20 +11,23 @@ layout itself is exact: what a reader restores is byte for byte what the writer'
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from hicache import Engine, SamplingParams
 from hicache.config import HiCacheConfig, ParallelConfig
 from hicache.errors import UserError
-from tests.storage.redis_server import redis_server
-
-__all__ = ["redis_server"]
+from tests.storage.redis_server import RedisServer
 
 PAGE = 16
 SHARED = 320  # tokens of system prompt every request shares
 PROMPTS = [[32 + (i * 7 + c * (i > SHARED) * 13) % 90 for i in range(SHARED + 40)] for c in range(3)]
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
 GRID = dict(hicache_storage_layer_partition=2, hicache_storage_head_partition=1)
+MODELS = ("tiny", "tiny-mla")
+BACKENDS = ("file", "redis")
+READERS = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) after a TP2xPP2 writer
 
 
 def tiers(backend: str, where: str, **kw) -> HiCacheConfig:
@@ -46,6 +50,7 @@ def engine(
                   parallel=ParallelConfig(tp_size=tp, pp_size=pp, cp_size=cp))  # fmt: skip
 
 
+@functools.cache
 def reference(model: str) -> list[list[int]]:
     with Engine(model=model, dtype="float32", disable_radix_cache=True) as e:
         return [r.token_ids for r in e.generate(PROMPTS, PARAMS)]
@@ -75,31 +80,28 @@ def read(model: str, backend: str, where: str, tp: int, pp: int, want: list[list
 
 
 @pytest.fixture(scope="module")
-def tiny_store(tmp_path_factory):
-    where = str(tmp_path_factory.mktemp("unified"))
-    write("tiny", "file", where)
-    return where, reference("tiny")
+def redis_store(tmp_path_factory):
+    """One server for the module's stores (each model its own namespace, so they share it)."""
+    with RedisServer(tmp_path_factory.mktemp("redis")) as server:
+        yield server.url
+
+
+@pytest.fixture(scope="module", params=[(m, b) for m in MODELS for b in BACKENDS], ids="-".join)
+def tp2_pp2_store(request, tmp_path_factory):
+    """A store written once per model and backend by TP2xPP2, for every reader topology. tiny-mla:
+    the latent is the same for every head, one object per layer range, pages sharded over the
+    writer's TP ranks."""
+    model, backend = request.param
+    where = str(tmp_path_factory.mktemp("unified")) if backend == "file" else request.getfixturevalue("redis_store")
+    write(model, backend, where)
+    return model, backend, where
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("tp,pp", [(1, 1), (2, 1), (1, 2)])
-def test_written_by_tp2_pp2_read_by_another_topology(tiny_store, tp, pp):
-    where, want = tiny_store
-    read("tiny", "file", where, tp, pp, want)
-
-
-@pytest.mark.timeout(300)
-def test_redis_written_by_tp2_pp2_read_by_tp1(redis_server):
-    write("tiny", "redis", redis_server.url)
-    read("tiny", "redis", redis_server.url, 1, 1, reference("tiny"))
-
-
-@pytest.mark.timeout(300)
-def test_mla_written_by_tp2_pp2_read_by_tp1(tmp_path):
-    """tiny-mla: the latent is the same for every head, one object per layer range, pages sharded
-    over the writer's TP ranks; the reader holds every page."""
-    write("tiny-mla", "file", str(tmp_path))
-    read("tiny-mla", "file", str(tmp_path), 1, 1, reference("tiny-mla"))
+@pytest.mark.parametrize("tp,pp", READERS)
+def test_written_by_tp2_pp2_read_by_another_topology(tp2_pp2_store, tp, pp):
+    model, backend, where = tp2_pp2_store
+    read(model, backend, where, tp, pp, reference(model))
 
 
 @pytest.mark.timeout(300)
@@ -118,8 +120,9 @@ def test_a_misaligned_grid_is_refused_at_start_up(tmp_path):
         engine("tiny", "file", str(tmp_path), tp=2, hicache_storage_head_partition=2)
 
 
-def test_another_page_size_gets_no_hits(tiny_store):
-    where, _ = tiny_store
+def test_another_page_size_gets_no_hits(tmp_path):
+    where = str(tmp_path)
+    write("tiny", "file", where, tp=1, pp=1)
     with engine("tiny", "file", where, page_size=2 * PAGE) as e:
         results = e.generate(PROMPTS[:1], PARAMS)
         assert results[0].cached_tokens_by_tier["storage"] == 0
