@@ -102,14 +102,19 @@ class VerifiedStore:
             # Header and payload travel as parts: a file backend writes them without copying the payload.
             items.append((self.namespace.object_key(page_hash), encode_parts(page_hash, digest, payload)))
             written += HEADER_SIZE + size
+        return self._put(lambda: self.backend.batch_put(items), len(items), written)
+
+    def _put(self, put: Callable[[], None], objects: int, written: int) -> bool:
+        """Run a backend write of `objects` objects, `written` bytes: counted, or (False) the store
+        was unavailable (counted, logged)."""
         try:
-            self.backend.batch_put(items)
+            put()
         except StorageUnavailable as exc:
             self._unavailable("put", exc)
             return False
         self._reachable()
         with self._lock:
-            self._stats.puts += len(items)
+            self._stats.puts += objects
             self._stats.bytes_written += written
         return True
 
@@ -155,10 +160,11 @@ class VerifiedStore:
 
         return [hit is not None for hit in self._verify_all(keys, page_hashes, reads, verify, nbytes)]
 
-    def _fetch(self, keys: list[str], read: Callable[[], list[T | None]]) -> list[T | None]:
-        """Run one backend read for `keys`; an outage makes every page a (counted) miss."""
+    def _fetch(self, keys: list[str], read: Callable[[], list[T | None]], pages: int | None = None) -> list[T | None]:
+        """Run one backend read for `keys` (of `pages` pages; one key a page by default); an outage makes
+        every key a (counted) miss."""
         with self._lock:
-            self._stats.gets += len(keys)
+            self._stats.gets += len(keys) if pages is None else pages
         try:
             result = read()
         except StorageUnavailable as exc:

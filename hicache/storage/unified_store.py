@@ -73,16 +73,7 @@ class UnifiedStore(VerifiedStore):
                 written += len(prefix) + span.length
         if not items:
             return True
-        try:
-            self.backend.batch_put_ranges(items)
-        except StorageUnavailable as exc:
-            self._unavailable("put", exc)
-            return False
-        self._reachable()
-        with self._lock:
-            self._stats.puts += len(items)
-            self._stats.bytes_written += written
-        return True
+        return self._put(lambda: self.backend.batch_put_ranges(items), len(items), written)
 
     def get_pages_into(self, page_hashes: Sequence[bytes], outs: Sequence[BytesLike]) -> list[bool]:
         """Read this rank's spans of each page straight into `outs[i]` (its host page) and verify them.
@@ -100,15 +91,8 @@ class UnifiedStore(VerifiedStore):
                 k = i * len(self.spans) + j
                 dst = view[s.local_offset : s.local_offset + s.length]
                 items.append((keys[k], ((0, prefixes[k]), (prefixes[k].nbytes + s.offset, dst))))
-        with self._lock:
-            self._stats.gets += len(page_hashes)
-        try:
-            sizes = self.backend.batch_read_ranges(items)
-        except StorageUnavailable as exc:
-            self._unavailable("get", exc)
-            sizes = [None] * len(items)
-        else:
-            self._reachable()
+        span_keys = [key for key, _ in items]
+        sizes = self._fetch(span_keys, lambda: self.backend.batch_read_ranges(items), pages=len(page_hashes))
         out: list[bool] = []
         hits = corrupt = nbytes = span_bytes = 0
         for i, view in enumerate(views):
