@@ -273,6 +273,9 @@ class EngineConfig(FromArgs):
     context_length: int | None = None
     device: str = "auto"
     dtype: str = "auto"
+    # auto: the checkpoint's quantized tensors stay quantized where the kernels are fast (bf16 on a
+    # CPU); none: every weight dense; int8 / int4: every linear weight in that format.
+    quantization: str = "auto"
     disable_radix_cache: bool = False
     default_max_new_tokens: int = 128
     request_timeout: float = 0.0  # seconds from submission; 0: none
@@ -301,6 +304,8 @@ class EngineConfig(FromArgs):
             raise UserError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.quantization not in ("auto", "none", "int8", "int4"):
+            raise UserError(f"--quantization must be auto, none, int8 or int4, got {self.quantization!r}")
         if self.hicache.enable_hierarchical_cache and self.disable_radix_cache:
             raise UserError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache")
         if self.device == "cuda" and not torch.cuda.is_available():

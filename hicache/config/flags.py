@@ -21,6 +21,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--context-length", type=int, default=None, help="defaults to the model's")
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     g.add_argument("--dtype", default=d.dtype, help="auto, float32 or bfloat16")
+    g.add_argument("--quantization", default=d.quantization,
+                   help="weight format of the linear layers: auto keeps a GGUF's quantized tensors quantized "
+                        "(int4 for Q4_1, int8 for Q8_0) with bfloat16 activations, none dequantizes every weight, "
+                        "int8/int4 quantize every linear weight")
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse at all")
     g.add_argument("--request-timeout", type=float, default=d.request_timeout,
                    help="fail a request not finished this many seconds after submission (0: never)")

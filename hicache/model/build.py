@@ -1,22 +1,29 @@
 """Builds one rank's decoder on its batch-invariant ops, and checks the invariant on this machine.
 
-Linear call shapes are measured per weight shape (calibration.py, remembered across restarts); the
-assembled model then runs the start-up probe (invariance.py) and carries its report as
-`model.invariance`. If the probe fails with remembered plans, they are measured again once: a stale
-file must not stand between a user and the cache.
+Each linear weight becomes a matmul in the engine's weight format (`--quantization`: dense, or kept
+as int8/int4 codes for the weight-only quantized kernels); its call shapes are measured per weight
+shape and format (calibration.py, remembered across restarts); the assembled model then runs the
+start-up probe (invariance.py) and carries its report as `model.invariance`. If the probe fails with
+remembered plans, they are measured again once: a stale file must not stand between a user and the cache.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+from typing import Any
 
 import torch
 
 from hicache.dist.parallel import ParallelContext
 from hicache.dist.placement import kv_sharding
-from hicache.model import ops
+from hicache.errors import UserError
+from hicache.model import ops, quant
 from hicache.model.calibration import LinearPlanner, NoInvariantPlan
 from hicache.model.config import LoadedModel
 from hicache.model.invariance import InvarianceReport, mechanisms, self_check
-from hicache.model.llama import LlamaModel, PlanFor
+from hicache.model.llama import LlamaModel, MakeLinear
 from hicache.model.shift import ARCHITECTURE as TOKEN_SHIFT
 from hicache.model.shift import TokenShiftModel
 
@@ -25,11 +32,96 @@ ARCHITECTURES: dict[str, type[LlamaModel]] = {"llama": LlamaModel, TOKEN_SHIFT: 
 from hicache.model.mla import MLAConfig, MLAModel
 
 
+logger = logging.getLogger(__name__)
+
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
+CHECKPOINT = "checkpoint"  # each weight in its checkpoint's own format: Q4_1 -> int4, Q8_0 -> int8, else dense
+
+
+def _kernel_available(fmt: str, dtype: torch.dtype, device: torch.device) -> bool:
+    return any(b.weight_format == fmt and b.available(dtype, device) for b in ops.BACKENDS.values())
+
+
+def resolve_quantization(requested: str, loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> str:
+    """What `--quantization` means for this checkpoint, dtype and device: none, int8, int4 or checkpoint.
+
+    auto keeps the checkpoint's quantized tensors quantized where the kernels are fast: on a CPU with
+    bfloat16 activations. With float32 activations (where bf16 is not native, e.g. AVX2-only CPUs) the
+    packed kernels measured 3-40x slower than a dense float32 matmul, so auto stays dense there."""
+    if requested not in QUANTIZATIONS:
+        raise UserError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {requested!r}")
+    if requested == "none":
+        return "none"
+    if requested in quant.FORMATS:
+        if not _kernel_available(requested, dtype, device):
+            raise UserError(f"--quantization {requested}: no {requested} weight-only kernel for "
+                            f"{str(dtype).removeprefix('torch.')} on {device.type} in this torch build")  # fmt: skip
+        return requested
+    formats = {w.bits for w in loaded.quantized.values()}
+    if not formats or dtype != torch.bfloat16 or not all(
+        _kernel_available("int4" if bits == 4 else "int8", dtype, device) for bits in formats
+    ):
+        return "none"
+    return CHECKPOINT
+
+
+def with_weight_format(loaded: LoadedModel, resolved: str) -> LoadedModel:
+    """`loaded` to be built in weight format `resolved`. Another format computes other KV, so it gets
+    another identity (storage keys and P/D peers are namespaced by it); dense keeps the file's."""
+    identity = loaded.identity if resolved == "none" else hashlib.sha256(
+        f"{loaded.identity}:weights-{resolved}".encode()).hexdigest()  # fmt: skip
+    return dataclasses.replace(loaded, identity=identity, extra={**loaded.extra, "weight_format": resolved})
+
+
+class LinearFactory:
+    """Turns one checkpoint weight (float32 values, or a QuantizedWeight: what the loader kept) into
+    a batch-invariant matmul in the resolved weight format (`MakeLinear`). A weight whose shape the
+    format's kernel does not take stays dense (logged once per shape)."""
+
+    def __init__(self, resolved: str, dtype: torch.dtype, device: torch.device, planner: LinearPlanner | None) -> None:
+        self.resolved, self.dtype, self.device, self.planner = resolved, dtype, device, planner
+        self._dense_shapes: set[tuple[int, int]] = set()
+
+    def format_for(self, weight: Any) -> str:
+        if self.resolved == "none":
+            return "dense"
+        if self.resolved == CHECKPOINT:
+            if not isinstance(weight, quant.QuantizedWeight):
+                return "dense"
+            fmt = "int4" if weight.bits == 4 else "int8"
+        else:
+            fmt = self.resolved
+        shape = tuple(weight.shape)
+        if not all(b.accepts(shape) for b in ops.BACKENDS.values() if b.weight_format == fmt):
+            if shape not in self._dense_shapes:
+                logger.info("linear %dx%d stays dense: the %s kernel does not take that shape", *shape, fmt)
+                self._dense_shapes.add(shape)
+            return "dense"
+        return fmt
+
+    def __call__(self, weight: Any) -> ops.Linear:
+        fmt = self.format_for(weight)
+        if fmt == "dense":
+            prepared = weight.to(device=self.device, dtype=self.dtype).contiguous()
+        else:
+            prepared = quant.as_format(weight, fmt)
+        if self.planner is not None:
+            plan = self.planner.plan(tuple(prepared.shape), fmt)
+        else:  # plain ops, for benchmarks of what invariance costs
+            plan = ops.PLAIN if fmt == "dense" else ops.LinearPlan(_first_backend(fmt), 1)
+        return ops.Linear(prepared, plan, self.dtype)
+
+
+def _first_backend(fmt: str) -> str:
+    return next(name for name, b in ops.BACKENDS.items() if b.weight_format == fmt)
+
+
 def build_decoder(
     loaded: LoadedModel, pctx: ParallelContext, dtype: torch.dtype, device: torch.device, invariant: bool = True
 ) -> LlamaModel:
     """`invariant=False` builds the model on plain `F.linear` without padding, for benchmarks that
-    measure what invariance costs; it is not checked (its report says so)."""
+    measure what invariance costs; it is not checked (its report says so). The weight format is
+    `loaded.extra["weight_format"]` (`with_weight_format`; dense when absent)."""
 
     ops.configure_device(device)
     if isinstance(loaded.config, MLAConfig):
@@ -37,20 +129,22 @@ def build_decoder(
     else:
         decoder = ARCHITECTURES[str(loaded.extra.get("architecture", "llama"))]
     sharding = kv_sharding(pctx, decoder.replicated_over_tp)
+    resolved = str(loaded.extra.get("weight_format", "none"))
+    weights = loaded.weights if resolved == "none" else {**loaded.weights, **loaded.quantized}
 
-    def build(plan_for: PlanFor) -> LlamaModel:
-        return decoder(loaded.config, loaded.weights, pctx, dtype, device, plan_for, sharding)
+    def build(make_linear: MakeLinear) -> LlamaModel:
+        return decoder(loaded.config, weights, pctx, dtype, device, make_linear, sharding)
 
     if not invariant:
-        model = build(lambda w: ops.PLAIN)
+        model = build(LinearFactory(resolved, dtype, device, None))
         model.invariance = InvarianceReport(False, mechanisms(model), "plain ops (benchmark mode): not checked")
         return model
     planner = LinearPlanner(device, dtype)
     remembered = planner.path.exists()
     try:
-        model = build(planner.plan)
+        model = build(LinearFactory(resolved, dtype, device, planner))
     except NoInvariantPlan as exc:
-        model = build(lambda w: ops.PLAIN)
+        model = build(LinearFactory("none", dtype, device, None))
         model.invariance = InvarianceReport(False, mechanisms(model), str(exc))
         return model
     model.invariance = self_check(model)
@@ -58,6 +152,6 @@ def build_decoder(
     # plan file was there when each rank started is not something they agree on.
     if not model.invariance.verified and remembered and pctx.tp_size == 1:
         planner.forget()
-        model = build(planner.plan)
+        model = build(LinearFactory(resolved, dtype, device, planner))
         model.invariance = self_check(model)
     return model

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import pathlib
 import platform
@@ -23,6 +24,7 @@ from dataclasses import asdict
 
 import torch
 
+from hicache.model import quant
 from hicache.model.ops import BACKENDS, LinearPlan, shaped_call
 
 logger = logging.getLogger(__name__)
@@ -104,11 +106,44 @@ def probe_operands(n: int, k: int, rows: int, dtype: torch.dtype, device: torch.
     return weight.to(device=device, dtype=dtype), x.to(device=device, dtype=dtype)
 
 
+def probe_quantized(n: int, k: int, rows: int, fmt: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
+    """`probe_operands` for a quantized format: random codes with a power-of-two scale per row (so
+    every dequantized value is exact, in the kernel as here), and PAIRS cancelling pairs made of the
+    largest code in two far-apart groups of a row (equal scales, so equal values) against inputs
+    +-2^e, with 2^e sized so the products are ~2^16 times the random part of the output."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = 2.0 ** torch.randint(-1, 2, (n, 1), generator=gen).float()
+    if fmt == "int4":
+        codes, top = torch.randint(0, 16, (n, k), generator=gen), 15
+        weight = quant.QuantizedWeight(codes.to(torch.int8), scale.expand(n, k // quant.INT4_GROUP).contiguous(),
+                                       torch.zeros(n, k // quant.INT4_GROUP), quant.INT4_GROUP, 4, "probe")  # fmt: skip
+    else:
+        codes, top = torch.randint(-127, 128, (n, k), generator=gen), 127
+        weight = quant.QuantizedWeight(codes.to(torch.int8), scale, None, k, 8, "probe")
+    x = torch.randn(rows, k, generator=gen)
+    typical = (x[:REFERENCE_ROWS] @ weight.dequantize().t()).abs().median().item()
+    big = 2.0 ** round(math.log2(max(typical, 1e-3) * 2**16 / top))
+    quarter = max(k // 4, 1)
+    for i in range(min(PAIRS, quarter)):
+        lo, hi = i * quarter // PAIRS, k - 1 - i * quarter // PAIRS
+        sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1, 1) if fmt == "int8" else 1
+        weight.codes[:, lo] = weight.codes[:, hi] = (sign * top) if fmt == "int8" else top
+        x[:, lo], x[:, hi] = big, -big
+    return weight, x.to(device=device, dtype=dtype)
+
+
+def probe_for(shape: tuple[int, int], fmt: str, dtype: torch.dtype, device: torch.device):
+    """The probe weight (in what a `fmt` backend prepares from) and inputs for one weight shape."""
+    if fmt == "dense":
+        return probe_operands(*shape, LARGE_ROWS, dtype, device)
+    return probe_quantized(*shape, LARGE_ROWS, fmt, dtype, device)
+
+
 def plan_passes(shape: tuple[int, int], dtype: torch.dtype, device: torch.device, plan: LinearPlan) -> bool:
     """True if every probe call shaped by `plan` gives the reference call's rows bit for bit."""
     backend = BACKENDS[plan.backend]
-    weight, x = probe_operands(*shape, LARGE_ROWS, dtype, device)
-    prepared = backend.prepare(weight)
+    weight, x = probe_for(shape, backend.weight_format, dtype, device)
+    prepared = backend.prepare(weight, dtype)
 
     def call(rows: torch.Tensor) -> torch.Tensor:
         return shaped_call(lambda r: backend.run(prepared, r), plan, rows.contiguous())
@@ -123,12 +158,15 @@ def plan_passes(shape: tuple[int, int], dtype: torch.dtype, device: torch.device
     return True
 
 
-def candidate_plans(dtype: torch.dtype, device: torch.device) -> list[LinearPlan]:
-    plans = []
+def candidate_plans(dtype: torch.dtype, device: torch.device, weight_format: str = "dense") -> list[LinearPlan]:
+    """Backends reading `weight_format`, each with every granule, then fixed tiles (on ATen's dense
+    kernel, or on the format's first backend)."""
+    plans, tile_backend = [], "aten"
     for name, backend in BACKENDS.items():
-        if backend.available(dtype, device):
+        if backend.weight_format == weight_format and backend.available(dtype, device):
             plans += [LinearPlan(name, g) for g in GRANULES]
-    return plans + [LinearPlan("aten", tile=TILE)]
+            tile_backend = name if weight_format != "dense" else tile_backend
+    return plans + [LinearPlan(tile_backend, tile=TILE)] if plans or weight_format == "dense" else []
 
 
 class LinearPlanner:
@@ -144,27 +182,32 @@ class LinearPlanner:
         self.fingerprint = platform_fingerprint(device)
         self.path = (cache_dir or default_cache_dir()) / f"linear-plans-{self.fingerprint}.json"
         self._plans: dict[str, LinearPlan] = self._load()
-        self._candidates = candidate_plans(dtype, device)
+        self._candidates: dict[str, list[LinearPlan]] = {}
 
-    def _key(self, weight: torch.Tensor) -> str:
-        n, k = weight.shape
-        return f"{str(self.dtype).removeprefix('torch.')}:{n}x{k}"
+    def _key(self, shape: tuple[int, int], weight_format: str) -> str:
+        n, k = shape
+        fmt = "" if weight_format == "dense" else f"{weight_format}:"  # dense keys predate formats
+        return f"{str(self.dtype).removeprefix('torch.')}:{fmt}{n}x{k}"
 
-    def plan(self, weight: torch.Tensor) -> LinearPlan:
-        key = self._key(weight)
+    def plan(self, shape: tuple[int, int], weight_format: str = "dense") -> LinearPlan:
+        """The plan of a weight of `shape` (out, in) stored in `weight_format`."""
+        key = self._key(tuple(shape), weight_format)
         if key not in self._plans:
-            self._plans[key] = self._measure(weight, key)
+            self._plans[key] = self._measure(tuple(shape), weight_format, key)
             self._save()
         return self._plans[key]
 
-    def _measure(self, weight: torch.Tensor, key: str) -> LinearPlan:
-        for plan in self._candidates:
-            if plan_passes(tuple(weight.shape), self.dtype, self.device, plan):
+    def _measure(self, shape: tuple[int, int], weight_format: str, key: str) -> LinearPlan:
+        if weight_format not in self._candidates:
+            self._candidates[weight_format] = candidate_plans(self.dtype, self.device, weight_format)
+        candidates = self._candidates[weight_format]
+        for plan in candidates:
+            if plan_passes(shape, self.dtype, self.device, plan):
                 logger.info("linear %s on %s: %s", key, self.device, plan.describe())
                 return plan
         raise NoInvariantPlan(
             f"no batch-invariant call shape found for a {key} linear on this machine "
-            f"(tried {', '.join(p.describe() for p in self._candidates)})"
+            f"(tried {', '.join(p.describe() for p in candidates) or 'nothing: no kernel for this format'})"
         )
 
     def forget(self) -> None:

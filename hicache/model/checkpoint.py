@@ -13,6 +13,7 @@ from typing import Iterable, Sequence
 import torch
 
 from hicache.errors import UserError
+from hicache.model.quant import QuantizedWeight
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.tokenizer import Tokenizer
 
@@ -86,6 +87,7 @@ def checked_model(
     files: Sequence[str | os.PathLike[str]],
     source: str,
     started: float,
+    quantized: dict[str, QuantizedWeight] | None = None,
     **extra: object,
 ) -> LoadedModel:
     """The tail every file loader shares: the tokenizer must fit the embedding, the identity is the
@@ -100,4 +102,5 @@ def checked_model(
         tokenizer=tokenizer,
         identity=identity,
         extra={"source": source, "context_length": config.max_position, **extra},
+        quantized=quantized or {},
     )

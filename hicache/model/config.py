@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hicache.model.quant import QuantizedWeight
 from hicache.model.tokenizer import Tokenizer
 
 
@@ -48,6 +49,10 @@ class LoadedModel:
 
     `identity` is a digest of the weights' source (file bytes, or the seed for `tiny`): storage keys
     are namespaced by it, so KV computed by one model is never served to another.
+
+    `quantized` holds, under the same names, the integer codes of the tensors the checkpoint stores
+    quantized (a GGUF's Q4_1 and Q8_0 blocks), for weight-only quantized matmuls (`--quantization`);
+    `weights` holds their dequantized values all the same.
     """
 
     name: str
@@ -56,3 +61,4 @@ class LoadedModel:
     tokenizer: Tokenizer
     identity: str
     extra: dict[str, object] = field(default_factory=dict)
+    quantized: dict[str, QuantizedWeight] = field(default_factory=dict)

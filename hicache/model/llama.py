@@ -15,7 +15,7 @@ model itself is the same code.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -30,8 +30,9 @@ from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
 from hicache.model.invariance import InvarianceReport
 
-# Chooses the call shapes of one weight's GEMMs (a LinearPlanner's `plan`, or `lambda w: ops.PLAIN`).
-PlanFor = Callable[[torch.Tensor], ops.LinearPlan]
+# Turns a checkpoint weight (a float32 tensor or a QuantizedWeight, sliced for this rank) into a
+# batch-invariant matmul in the engine's weight format, dtype and device (build.LinearFactory).
+MakeLinear = Callable[[Any], ops.Linear]
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -78,9 +79,10 @@ class LlamaLayer(DecoderLayer):
         self.num_heads = q1 - q0
         self.num_kv_heads = kv1 - kv0
         self.head_dim = d
-        self.q_proj = linear(w[a + "q_proj.weight"][q0 * d : q1 * d])
-        self.k_proj = linear(w[a + "k_proj.weight"][kv0 * d : kv1 * d])
-        self.v_proj = linear(w[a + "v_proj.weight"][kv0 * d : kv1 * d])
+        # q, k and v share the input: one matmul; its output's columns are q | k | v.
+        self.qkv_proj = linear(torch.cat([w[a + "q_proj.weight"][q0 * d : q1 * d],
+                                          w[a + "k_proj.weight"][kv0 * d : kv1 * d],
+                                          w[a + "v_proj.weight"][kv0 * d : kv1 * d]]))  # fmt: skip
         self.o_proj = linear(w[a + "o_proj.weight"][:, q0 * d : q1 * d])
 
 
@@ -100,7 +102,7 @@ class LlamaModel:
         pctx: ParallelContext,
         dtype: torch.dtype,
         device: torch.device,
-        plan_for: PlanFor,
+        make_linear: MakeLinear,
         sharding: KVSharding | None = None,
     ) -> None:
         self.cfg = cfg
@@ -111,13 +113,10 @@ class LlamaModel:
         self.layer_range = pctx.layer_range(cfg.num_layers)
         self.kv_head_range = pctx.shard_range(cfg.num_kv_heads, "num_kv_heads")
 
-        def cast(t: torch.Tensor) -> torch.Tensor:
+        def cast(t: torch.Tensor) -> torch.Tensor:  # what stays dense: norms, the embedding table
             return t.to(device=device, dtype=dtype).contiguous()
 
-        def linear(t: torch.Tensor) -> ops.Linear:
-            weight = cast(t)
-            return ops.Linear(weight, plan_for(weight))
-
+        linear = make_linear
         self.layers = [self._build_layer(cfg, weights, f"model.layers.{i}.", cast, linear)
                        for i in range(*self.layer_range)]  # fmt: skip
         self.embed = cast(weights["model.embed_tokens.weight"]) if pctx.is_first_stage else None
@@ -145,14 +144,15 @@ class LlamaModel:
         return KVLayout.mha(self.kv_head_range[1] - self.kv_head_range[0], self.cfg.head_dim)
 
     def _named_linears(self, layer) -> dict[str, ops.Linear]:
-        return {"q_proj": layer.q_proj, "k_proj": layer.k_proj, "o_proj": layer.o_proj}
+        return {"qkv_proj": layer.qkv_proj, "o_proj": layer.o_proj}
 
     def _attention(self, local: int, layer, x: torch.Tensor, positions: torch.Tensor, meta, pool) -> torch.Tensor:
         """This rank's heads' attention output [T, heads * dv] for normed inputs x [T, hidden]."""
-        T, d = x.shape[0], layer.head_dim
-        q = self.rope(layer.q_proj(x).view(T, layer.num_heads, d), positions)
-        k = self.rope(layer.k_proj(x).view(T, layer.num_kv_heads, d), positions)
-        v = layer.v_proj(x).view(T, layer.num_kv_heads, d)
+        T, d, h = x.shape[0], layer.head_dim, layer.num_heads
+        qkv = layer.qkv_proj(x).view(T, h + 2 * layer.num_kv_heads, d)
+        # RoPE is elementwise per head: one call rotates q's and k's heads alike.
+        qk = self.rope(qkv[:, : h + layer.num_kv_heads], positions)
+        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + layer.num_kv_heads :]
         kv = self.attention_layout.pack({"k": k, "v": v})
         return self.attention.forward(local, q, kv, meta, pool, self._expand).reshape(T, -1)
 

@@ -19,6 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
+from hicache.model import quant
+
 # CPU flash attention splits keys into blocks of up to 512 and queries into blocks of 32/64/256; a
 # short last key block, or a query block of one to three rows, is summed in another order. Keys
 # padded (masked) to a multiple of KV_ALIGN and queries (discarded rows) to a multiple of Q_ALIGN
@@ -54,18 +56,29 @@ def configure_device(device: torch.device) -> None:
 
 
 class LinearBackend:
-    """A GEMM implementation for y = x @ W.T: `prepare` turns a weight into what `run` takes."""
+    """A GEMM implementation for y = x @ W.T: `prepare` turns a weight into what `run` takes, for
+    activations of `dtype`. `weight_format` is what it reads: "dense" (a tensor in the activation
+    dtype) or a quantized format of hicache/model/quant.py (a QuantizedWeight in that format)."""
 
     name = ""
+    weight_format = "dense"
 
     def available(self, dtype: torch.dtype, device: torch.device) -> bool:
         raise NotImplementedError
 
-    def prepare(self, weight: torch.Tensor) -> Any:
+    def accepts(self, shape: tuple[int, int]) -> bool:
+        """Whether the kernel takes a weight of this (out, in) shape."""
+        return True
+
+    def prepare(self, weight: Any, dtype: torch.dtype) -> Any:
         raise NotImplementedError
 
     def run(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
+
+    def weight_bytes(self, prepared: Any) -> int:
+        """Bytes a call reads for the weight (codes, scales and offsets included)."""
+        return prepared.numel() * prepared.element_size()
 
 
 class OneDNNBackend(LinearBackend):
@@ -79,16 +92,19 @@ class OneDNNBackend(LinearBackend):
         if device.type != "cpu" or not torch.backends.mkldnn.is_available():
             return False
         try:  # bf16 needs AVX512-BF16 or AVX-NE-CONVERT; the reorder says so by raising
-            self.run(self.prepare(torch.zeros(8, 8, dtype=dtype)), torch.zeros(2, 8, dtype=dtype))
+            self.run(self.prepare(torch.zeros(8, 8, dtype=dtype), dtype), torch.zeros(2, 8, dtype=dtype))
         except (RuntimeError, AttributeError):
             return False
         return True
 
-    def prepare(self, weight: torch.Tensor) -> Any:
+    def prepare(self, weight: torch.Tensor, dtype: torch.dtype) -> Any:
         return torch.ops.mkldnn._reorder_linear_weight(weight, None)
 
     def run(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, prepared, None, "none", [], "")
+
+    def weight_bytes(self, prepared: Any) -> int:
+        return prepared.numel() * prepared.element_size()  # the blocked layout holds as many elements
 
 
 class AtenBackend(LinearBackend):
@@ -99,14 +115,72 @@ class AtenBackend(LinearBackend):
     def available(self, dtype: torch.dtype, device: torch.device) -> bool:
         return True
 
-    def prepare(self, weight: torch.Tensor) -> Any:
+    def prepare(self, weight: torch.Tensor, dtype: torch.dtype) -> Any:
         return weight
 
     def run(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, prepared)
 
 
-BACKENDS: dict[str, LinearBackend] = {b.name: b for b in (OneDNNBackend(), AtenBackend())}
+class _PackedBackend(LinearBackend):
+    """What the two weight-only quantized CPU kernels share: the activations stay in their dtype
+    (bf16 is their fast path: with float32 activations they measured 3-40x slower than a dense
+    float32 matmul, docs/BENCHMARKS.md section 9), the codes are unpacked inside the kernel."""
+
+    op = ""
+
+    def available(self, dtype: torch.dtype, device: torch.device) -> bool:
+        if device.type != "cpu" or not hasattr(torch.ops.aten, self.op):
+            return False
+        try:
+            self.run(self.prepare(quant.as_format(torch.ones(16, 64), self.weight_format), dtype),
+                     torch.zeros(2, 64, dtype=dtype))  # fmt: skip
+        except RuntimeError:
+            return False
+        return True
+
+    def weight_bytes(self, prepared: Any) -> int:
+        return sum(t.numel() * t.element_size() for t in prepared)
+
+
+class Int8PackBackend(_PackedBackend):
+    """`aten._weight_int8pack_mm`: symmetric int8 codes, one scale per output row."""
+
+    name, weight_format, op = "int8pack", "int8", "_weight_int8pack_mm"
+
+    def prepare(self, weight: "quant.QuantizedWeight", dtype: torch.dtype) -> Any:
+        return weight.codes.contiguous(), weight.scale[:, 0].to(dtype).contiguous()
+
+    def run(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
+        codes, scales = prepared
+        return torch.ops.aten._weight_int8pack_mm(x, codes, scales)
+
+
+class Int4PackBackend(_PackedBackend):
+    """`aten._weight_int4pack_mm_for_cpu`: 4-bit codes packed two to a byte, a scale and an offset per
+    32 inputs in the activation dtype. The kernel computes (code - 8) * scale + zero, so a weight's
+    offset m becomes zero = m + 8 * scale."""
+
+    name, weight_format, op = "int4pack", "int4", "_weight_int4pack_mm_for_cpu"
+    INNER_K_TILES = 2  # how the packing interleaves K for the kernel's inner loop
+
+    def accepts(self, shape: tuple[int, int]) -> bool:
+        n, k = shape
+        return n % 16 == 0 and k % quant.INT4_GROUP == 0  # the packing's and the groups' granularity
+
+    def prepare(self, weight: "quant.QuantizedWeight", dtype: torch.dtype) -> Any:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(weight.codes.int(), self.INNER_K_TILES)
+        zero = weight.offset + 8 * weight.scale
+        return packed, torch.stack([weight.scale, zero], -1).transpose(0, 1).to(dtype).contiguous()
+
+    def run(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
+        packed, scales_and_zeros = prepared
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, quant.INT4_GROUP, scales_and_zeros)
+
+
+BACKENDS: dict[str, LinearBackend] = {
+    b.name: b for b in (OneDNNBackend(), AtenBackend(), Int8PackBackend(), Int4PackBackend())
+}
 
 
 @dataclass(frozen=True)
@@ -147,13 +221,22 @@ def shaped_call(run: Callable[[torch.Tensor], torch.Tensor], plan: LinearPlan, x
 class Linear:
     """y = x @ weight.T with every row's bits independent of how many rows share the call.
     Mechanism: the call shapes of `plan` (padded rows or fixed tiles) on its backend, as measured for
-    this weight's shape, dtype and platform."""
+    this weight's shape, format, dtype and platform. `weight`: a tensor in the activation dtype
+    `dtype` for a dense backend, a QuantizedWeight in the backend's format for a quantized one."""
 
-    def __init__(self, weight: torch.Tensor, plan: LinearPlan) -> None:
+    def __init__(self, weight: Any, plan: LinearPlan, dtype: torch.dtype) -> None:
         self.plan = plan
         self.out_features, self.in_features = weight.shape
         self._backend = BACKENDS[plan.backend]
-        self._prepared = self._backend.prepare(weight)
+        self._prepared = self._backend.prepare(weight, dtype)
+
+    @property
+    def weight_format(self) -> str:
+        return self._backend.weight_format
+
+    @property
+    def weight_bytes(self) -> int:
+        return self._backend.weight_bytes(self._prepared)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         lead = x.shape[:-1]

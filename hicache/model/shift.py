@@ -21,7 +21,7 @@ from hicache.mem.kv_layout import KVComponent, KVLayout
 from hicache.model import ops
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
-from hicache.model.llama import LlamaLayer, LlamaModel, PlanFor
+from hicache.model.llama import LlamaLayer, LlamaModel, MakeLinear
 
 SHIFT = "shift"
 ARCHITECTURE = "token_shift"  # LoadedModel.extra["architecture"] of a model with these weights
@@ -43,18 +43,13 @@ class TokenShiftModel(LlamaModel):
         pctx: ParallelContext,
         dtype: torch.dtype,
         device: torch.device,
-        plan_for: PlanFor,
+        make_linear: MakeLinear,
         sharding: KVSharding | None = None,
     ) -> None:
-        super().__init__(cfg, weights, pctx, dtype, device, plan_for, sharding)
-
-        def linear(t: torch.Tensor) -> ops.Linear:
-            weight = t.to(device=device, dtype=dtype).contiguous()
-            return ops.Linear(weight, plan_for(weight))
-
+        super().__init__(cfg, weights, pctx, dtype, device, make_linear, sharding)
         names = [shift_weight_names(i) for i in range(*self.layer_range)]
-        self.shift_in = [linear(weights[a]) for a, _ in names]
-        self.shift_out = [linear(weights[b]) for _, b in names]
+        self.shift_in = [make_linear(weights[a]) for a, _ in names]
+        self.shift_out = [make_linear(weights[b]) for _, b in names]
         dim = self.shift_in[0].out_features
         self.kv_layout = KVLayout(self.kv_layout.components + (KVComponent(SHIFT, (dim,)),))
         # Where each row of the forward pass in progress writes its state, and reads its predecessor's.

@@ -4,6 +4,8 @@ of a TP/PP deployment build it here, so both run the same code."""
 
 from __future__ import annotations
 
+import logging
+
 from hicache.cache.hierarchical import HierarchicalCache
 from hicache.cache.prefix_cache import PrefixCache
 from hicache.cache.stores import UnifiedPlacement, unified_namespace
@@ -17,12 +19,15 @@ from hicache.engine.model_runner import ModelRunner
 from hicache.engine.scheduler import Scheduler
 from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.model.build import build_decoder
+from hicache.model.build import build_decoder, resolve_quantization, with_weight_format
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.invariance import InvarianceReport
+from hicache.model.loader import load_model
 from hicache.model.mla import MLAConfig
 from hicache.spec.build import build_decoder_for, build_draft
 from hicache.storage.unified import KVGeometry, Shard, check_aligned, shard_of
+
+logger = logging.getLogger(__name__)
 
 
 def context_length(cfg: EngineConfig, model: ModelConfig) -> int:
@@ -108,6 +113,14 @@ def check_invariance(cfg: EngineConfig, report: InvarianceReport) -> None:
         f"batch-invariance self-check failed on this machine ({report.detail}); a prefix cache could change "
         "answers here, so it is refused: serve with --disable-radix-cache, or try --dtype float32/bfloat16"
     )
+
+
+def load_engine_model(cfg: EngineConfig) -> LoadedModel:
+    """The model `cfg` names, to be built in the weight format its `--quantization` resolves to here."""
+    loaded = load_model(cfg.model)
+    resolved = resolve_quantization(cfg.quantization, loaded, cfg.resolved_dtype(), cfg.resolved_device())
+    logger.info("weights of %s: quantization %s -> %s", loaded.name, cfg.quantization, resolved)
+    return with_weight_format(loaded, resolved)
 
 
 def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContext) -> Scheduler:

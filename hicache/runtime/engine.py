@@ -25,8 +25,8 @@ from typing import Callable, Sequence
 from hicache.cache.api import TIERS
 from hicache.cache.stats import CacheStats
 from hicache.config import EngineConfig
-from hicache.dist.parallel import ParallelContext
 from hicache.disagg.stats import DisaggStats
+from hicache.dist.parallel import ParallelContext
 from hicache.engine.request import (
     Bootstrap,
     DisaggUsage,
@@ -38,9 +38,8 @@ from hicache.engine.request import (
 )
 from hicache.engine.scheduler import check_request_fits
 from hicache.errors import UserError
-from hicache.model.loader import load_model
 from hicache.runtime.base import Runtime, check_usable
-from hicache.runtime.build import build_scheduler, check_topology, context_length, storage_layout
+from hicache.runtime.build import build_scheduler, check_topology, context_length, load_engine_model, storage_layout
 from hicache.runtime.deadlines import DeadlineWatch
 from hicache.runtime.local import LocalRuntime
 from hicache.runtime.rank_front import RankRuntime
@@ -152,7 +151,7 @@ class Engine:
         cfg = replace(config or EngineConfig(), **overrides)
         self.config = cfg
         cfg.log()
-        loaded = load_model(cfg.model)
+        loaded = load_engine_model(cfg)
         self.model_name = loaded.name
         self.model_identity = loaded.identity
         self.model_config = loaded.config

@@ -34,8 +34,7 @@ from hicache.dist.parallel import Mesh, ParallelContext
 from hicache.engine.request import FinishReason, RequestEvent
 from hicache.engine.scheduler import Scheduler
 from hicache.errors import UserError
-from hicache.model.loader import load_model
-from hicache.runtime.build import build_scheduler
+from hicache.runtime.build import build_scheduler, load_engine_model
 from hicache.runtime.commands import COMMANDS, combine
 
 logger = logging.getLogger(__name__)
@@ -206,7 +205,7 @@ def rank_main(spec: RankSpec, cfg: EngineConfig, inbox: Any, outbox: Any) -> Non
     scheduler = None
     try:
         pctx = init_distributed(spec, cfg)
-        loaded = load_model(cfg.model)
+        loaded = load_engine_model(cfg)
         scheduler = build_scheduler(cfg, loaded, pctx)
         del loaded
         dist.barrier(group=pctx.world_group)

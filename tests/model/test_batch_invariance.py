@@ -19,9 +19,9 @@ import torch
 
 from hicache.dist.parallel import ParallelContext
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.model import ops
+from hicache.model import ops, quant
 from hicache.model.batch import ForwardBatch, SeqSlice
-from hicache.model.build import build_decoder
+from hicache.model.build import CHECKPOINT, build_decoder, with_weight_format
 from hicache.model.invariance import feed, probe_inputs
 from hicache.model.loader import load_model
 
@@ -39,9 +39,22 @@ def loaded(request):
     return load_model(request.param)
 
 
-@pytest.fixture(scope="module", params=["float32", "bfloat16"])
+# (activation dtype, weight format): dense in both dtypes, and the weight-only quantized kernels
+# (hicache/model/quant.py) with bf16 activations: smollm2 in its checkpoint's formats (int4 layers,
+# int8 head: both kernels), tiny (dense weights) quantized to each.
+FORMATS = {"tiny": ("none", "int8", "int4"), "smollm2": ("none", CHECKPOINT)}
+
+
+@pytest.fixture(scope="module", params=["float32", "bfloat16", "bfloat16-int8", "bfloat16-int4", "bfloat16-checkpoint"])
 def model(request, loaded):
-    m = build_decoder(loaded, ParallelContext(), getattr(torch, request.param), torch.device("cpu"))
+    dtype, _, fmt = request.param.partition("-")
+    fmt = fmt or "none"
+    if fmt not in FORMATS[loaded.name]:
+        pytest.skip(f"{loaded.name} is not run with {fmt} weights")
+    if fmt != "none" and not all(b.available(torch.bfloat16, torch.device("cpu"))
+                                 for b in ops.BACKENDS.values() if b.weight_format in quant.FORMATS):  # fmt: skip
+        pytest.skip("no int8/int4 kernels for bf16 activations in this torch build")
+    m = build_decoder(with_weight_format(loaded, fmt), ParallelContext(), getattr(torch, dtype), torch.device("cpu"))
     assert m.invariance.verified, m.invariance.detail
     return m
 
