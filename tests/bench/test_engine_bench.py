@@ -156,3 +156,17 @@ def test_printed_timings_that_disagree_with_the_wall_time_are_dropped() -> None:
     peer.keep_own("prefill 512", (0.00026, 512), 17.8)  # what llama-cpp-python 0.3.36 printed on a first request
     peer.keep_own("prefill 2048", (4.9, 2048), 5.0)
     assert list(peer.own) == ["prefill 2048"] and "0.26 ms for prefill 512" in peer.notes[0]
+
+
+def test_auto_counts_the_checkpoints_own_types() -> None:
+    from hicache.errors import UserError
+    from hicache.model.gguf_loader import smollm2_path
+
+    try:
+        smollm2_path()
+    except UserError as exc:
+        pytest.skip(str(exc))
+    auto = eb.weight_bytes(SMOLLM2, eb.Format("auto", "bfloat16").kind_of("smollm2"), 2)
+    # Q4_1 layers -> int4 group 32; the Q8_0 tied embedding -> int8 per channel; f32 norms -> bf16.
+    assert auto.layers == LAYER_PARAMS * 0.625 and auto.lm_head == 49152 * 576 + 2 * 49152
+    assert auto.norms == 61 * 576 * 2
