@@ -1,157 +1,643 @@
-"""Engine throughput and prefix-cache TTFT, against the machine's matmul limit measured in the same run, and
-what the batch-invariant ops cost against plain ones.
+"""Engine speed for issue 16: prefill, decode and prefix-cache TTFT per weight format, against the
+machine's memory-bandwidth and matmul limits measured in the same run, against plain (not
+batch-invariant) ops, and against llama.cpp's server on the same GGUF and threads (optional peer).
 
-    .venv/bin/python benchmarks/engine_bench.py [--models tiny smollm2] [--dtypes float32 bfloat16] [--profile]
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/engine_bench.py \\
+        [--models smollm2] [--quantizations none int8 int4] [--dtypes auto] \\
+        [--llama-cpp-python /work/llama-venv/bin/python] [--threads N] [--profile] [--quick]
 
-Prints the CPU and the matmul GFLOP/s (bf16, fp32); then per model and dtype, for the batch-invariant
-ops (what the engine runs) and for plain `F.linear` without padding (what an engine without the
-invariant would run), in the same process: prefill tokens/s at 512 and 2048 tokens (and the model
-FLOP/s that implies against the matmul limit), decode tokens/s at batch 1, 8 and 32, and the
-invariant/plain ratio of each; TTFT of a turn that hits a 2K-token cached prefix against the same
-turn with the cache off; with --profile, where the time of a 2K prefill and of a batch-8 decode step
-goes (top operators, torch profiler).
+Per model and weight format (`--quantizations` x `--dtypes`; the dtype is the activations' and, for
+`none`, the weights'): prefill tok/s at 512 and 2048 tokens, decode tok/s at batch 1, 8 and 32, and the
+TTFT of a 64-token turn after a cached 2K-token prefix against the same turn with the radix cache off.
+Each figure is set against
+  (a) the bandwidth limit: the bytes a forward must read (the weights in their format, once per forward,
+      the embedding rows of its tokens, the KV it attends over) / the measured copy bandwidth, counted
+      as bytes read + bytes written by a large `copy_` (a copy of n bytes moves 2n);
+  (b) the matmul limit: the useful matmul FLOPs (2 x weights x tokens, causal attention QK^T + PV, the
+      lm_head for every logits row) / the 2048^2 GEMM GFLOP/s in the activation dtype;
+and "of limit" is the measured rate over the tighter of the two (a roofline; 1.00 = at the limit).
+With `--llama-cpp-python PATH` (an interpreter that imports llama_cpp) it starts llama.cpp's
+OpenAI-compatible server on the smollm2 GGUF with the same threads and measures it through HTTP; the
+aims table holds issue 16's targets. Prints markdown ready for docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import platform
+import datetime
+import os
+import random
 import sys
 import time
+from dataclasses import dataclass, field
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import best_time, matmul_gflops  # noqa: E402
-from hicache import Engine, SamplingParams  # noqa: E402
+from benchmarks.common import (
+    LLAMA_CPP_INSTALL,
+    LlamaCppServer,
+    best_time,
+    copy_gbps_read_write,
+    cpu_name,
+    matmul_gflops,
+)
+from hicache import Engine, SamplingParams
+from hicache.config import EngineConfig
+from hicache.model.config import ModelConfig
+
+__all__ = ["cpu_name", "main"]  # spec_bench imports cpu_name from here
 
 PREFILLS = (512, 2048)
 DECODE_BATCHES = (1, 8, 32)
-DECODE_STEPS = 32
+DECODE_PROMPT = 128
+HISTORY, TURN = 2048, 64
+QUANTIZATIONS = ("none", "int8", "int4", "auto")
+# One chunk per prompt: a prefill reads the weights once.
+ENGINE_FLAGS = {"max_total_tokens": 65536, "chunked_prefill_size": 4096}
+GGUF_TYPES = {"Q4_1": "q4_1", "Q4_0": "q4_0", "Q8_0": "q8_0", "F32": "f32", "F16": "f16", "BF16": "bf16"}
+# What --quantization auto is assumed to make of each GGUF type (for the byte count only).
+AUTO_KIND = {"q4_1": "int4", "q4_0": "int4", "q8_0": "int8", "f32": "dense", "f16": "dense", "bf16": "dense"}
 
 
-def cpu_name() -> str:
-    name, flags = platform.processor() or "cpu", set()
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    isa = "AVX512+BF16" if "avx512_bf16" in flags else "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "?"
-    return f"{name} ({isa} in /proc/cpuinfo; torch dispatches {torch.backends.cpu.get_cpu_capability()})"
+@dataclass(frozen=True)
+class Settings:
+    decode_steps: int = 32
+    repeat: int = 3
+    plain: bool = True
+    copy_bytes: int = 1 << 29
 
 
-def flops_per_token(engine: Engine) -> float:
-    """2 x (non-embedding parameters): the matmul work per prompt token, attention excluded."""
-    c = engine.model_config
-    per_layer = c.hidden_size * c.head_dim * (2 * c.num_heads + 2 * c.num_kv_heads) + 3 * c.hidden_size * c.intermediate_size
-    return 2.0 * per_layer * c.num_layers
+QUICK = Settings(decode_steps=8, repeat=1, plain=False, copy_bytes=1 << 26)
 
 
-def prompt(n: int, salt: int) -> list[int]:
-    return [(i * 7919 + salt * 104729) % 30000 + 300 for i in range(n)]
+# ---- what a forward must read and compute --------------------------------------------------------
 
 
-def ids_for(engine: Engine):
+def layer_shapes(c: ModelConfig) -> dict[str, tuple[int, int]]:
+    """(out, in) of each linear weight of one decoder layer, by GGUF short name."""
+    q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    d, i = c.hidden_size, c.intermediate_size
+    return {
+        "attn_q": (q, d),
+        "attn_k": (kv, d),
+        "attn_v": (kv, d),
+        "attn_output": (d, q),
+        "ffn_gate": (i, d),
+        "ffn_up": (i, d),
+        "ffn_down": (d, i),
+    }
+
+
+def matrix_bytes(out: int, inp: int, kind: str, act_bytes: int) -> float:
+    """Bytes of an (out, in) weight stored as `kind`. int8: 1 B/weight + a bf16 scale per output row;
+    int4: 0.5 B/weight + a bf16 scale and a bf16 zero per 32 weights; q*_*: llama.cpp's GGUF blocks."""
+    n = out * inp
+    per_weight = {
+        "int4": 0.5 + 4 / 32,
+        "q4_1": 20 / 32,
+        "q4_0": 18 / 32,
+        "q8_0": 34 / 32,
+        "f32": 4,
+        "f16": 2,
+        "bf16": 2,
+        "dense": act_bytes,
+    }
+    return n + 2 * out if kind == "int8" else n * per_weight[kind]
+
+
+@dataclass(frozen=True)
+class WeightBytes:
+    layers: float  # every linear weight of every layer
+    lm_head: float  # the whole (vocab, hidden) matrix: the logits matmul reads all of it, tied or not
+    embedding_row: float  # one token's lookup
+    norms: float
+
+    @property
+    def per_forward(self) -> float:
+        return self.layers + self.lm_head + self.norms
+
+
+def weight_bytes(c: ModelConfig, kind_of, act_bytes: int) -> WeightBytes:
+    """`kind_of(name)` gives the storage of a tensor ("attn_q", …, "token_embd", "output", "norm")."""
+    layers = c.num_layers * sum(matrix_bytes(o, i, kind_of(n), act_bytes) for n, (o, i) in layer_shapes(c).items())
+    head = "token_embd" if c.tie_word_embeddings else "output"
+    return WeightBytes(
+        layers=layers,
+        lm_head=matrix_bytes(c.vocab_size, c.hidden_size, kind_of(head), act_bytes),
+        embedding_row=matrix_bytes(1, c.hidden_size, kind_of("token_embd"), act_bytes),
+        norms=(2 * c.num_layers + 1) * c.hidden_size * (4 if kind_of("norm") == "f32" else act_bytes),
+    )
+
+
+def gguf_kinds(path) -> dict[str, str]:
+    """Storage type of each tensor family of a GGUF file, by short name ("attn_q", "token_embd", "norm", …)."""
+    from gguf import GGUFReader
+
+    kinds: dict[str, str] = {}
+    for t in GGUFReader(str(path)).tensors:
+        name = t.name.split(".")[-2] if t.name.startswith("blk.") else t.name.split(".")[0]
+        name = "norm" if name.endswith("norm") else name
+        kind = GGUF_TYPES.get(t.tensor_type.name, t.tensor_type.name.lower())
+        if kinds.setdefault(name, kind) != kind:
+            raise ValueError(f"{path}: {name} tensors are stored as both {kinds[name]} and {kind}")
+    return kinds
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Lower bounds on the time of a piece of work, in seconds."""
+
+    bandwidth_s: float
+    matmul_s: float
+
+    def __add__(self, other: Limits) -> Limits:
+        return Limits(self.bandwidth_s + other.bandwidth_s, self.matmul_s + other.matmul_s)
+
+    @property
+    def roofline_s(self) -> float:
+        return max(self.bandwidth_s, self.matmul_s)
+
+
+@dataclass(frozen=True)
+class Machine:
+    copy_gbps: float  # read + write
+    gflops: dict[str, float]  # by activation dtype name
+
+
+def forward_limits(
+    c: ModelConfig,
+    w: WeightBytes,
+    kv_bytes: int,
+    machine: Machine,
+    dtype: str,
+    batch: int,
+    new: int,
+    start: int,
+    logits_rows: int,
+) -> Limits:
+    """One forward: `batch` sequences, each adding `new` tokens after `start` cached ones."""
+    lin_params = c.num_layers * sum(o * i for o, i in layer_shapes(c).values())
+    qdim, kvdim = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+    keys_seen = new * start + new * (new + 1) // 2  # causal: token j attends to j + 1 keys
+    flops = batch * (
+        2 * new * lin_params + 4 * c.num_layers * qdim * keys_seen + 2 * logits_rows * c.vocab_size * c.hidden_size
+    )
+    kv_read = batch * c.num_layers * 2 * kvdim * kv_bytes * (start + new)
+    nbytes = w.per_forward + batch * new * w.embedding_row + kv_read
+    return Limits(nbytes / (machine.copy_gbps * 1e9), flops / (machine.gflops[dtype] * 1e9))
+
+
+# ---- hicache measurements --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Format:
+    quantization: str
+    dtype: str  # resolved: float32 / bfloat16
+
+    @property
+    def act_bytes(self) -> int:
+        return 2 if self.dtype == "bfloat16" else 4
+
+    @property
+    def label(self) -> str:
+        act = {"bfloat16": "bf16", "float32": "fp32"}[self.dtype]
+        if self.quantization == "none":
+            return f"{act} dense"
+        name = {"int8": "int8 per-channel", "int4": "int4 group 32", "auto": "auto (as the checkpoint)"}[
+            self.quantization
+        ]
+        return f"{name}, {act} activations"
+
+    def engine_kwargs(self) -> dict:
+        # NOTE: `quantization` is passed only when asked for, so the tool runs on engines without it.
+        extra = {} if self.quantization == "none" else {"quantization": self.quantization}
+        return dict(dtype=self.dtype, **extra)
+
+    def kind_of(self, model: str):
+        if self.quantization in ("int8", "int4"):
+            return lambda name: "dense" if name == "norm" else self.quantization
+        if self.quantization == "auto" and model == "smollm2":
+            from hicache.model.gguf_loader import smollm2_path
+
+            stored = gguf_kinds(smollm2_path())
+            return lambda name: "dense" if name == "norm" else AUTO_KIND[stored[name]]
+        return lambda name: "dense"
+
+
+@dataclass
+class Measured:
+    """Best seconds of each workload (keys of `LABELS`) and the tokens it computed."""
+
+    config: ModelConfig | None = None
+    tokenizer: object = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    cached_tokens: int = 0  # what the TTFT turn found in the cache
+    threads: int = 0
+
+
+def prompt(n: int, salt: int, vocab: int) -> list[int]:
+    return [((i * 7919 + salt * 104729) % 30000 + 300) % vocab for i in range(n)]
+
+
+class UnsupportedFormat(Exception):
+    pass
+
+
+def open_engine(model: str, fmt: Format, **flags) -> Engine:
+    try:
+        return Engine(model=model, **fmt.engine_kwargs(), **ENGINE_FLAGS, **flags)
+    except TypeError as exc:
+        if "quantization" in str(exc):
+            raise UnsupportedFormat("this engine has no `quantization` setting yet (issue 16)") from None
+        raise
+
+
+def measure_throughput(engine: Engine, s: Settings, out: Measured) -> None:
+    """Prefill and decode (radix cache off in `engine`, so every prompt is computed)."""
     vocab = engine.tokenizer.vocab_size
-    return lambda n, salt: [t % vocab for t in prompt(n, salt)]
-
-
-def throughput(name: str, dtype: str, invariant: bool) -> dict[str, float]:
-    """Prefill and decode tokens/s of one engine (radix cache off: every prompt is computed)."""
-    flags = dict(model=name, dtype=dtype, max_total_tokens=65536, chunked_prefill_size=4096, disable_radix_cache=True)
-    out = {}
-    with Engine(batch_invariant_ops=invariant, **flags) as engine:
-        ids = ids_for(engine)
-        one = SamplingParams(max_new_tokens=1, ignore_eos=True)
-        engine.generate([ids(64, 0)], one)
-        for n in PREFILLS:
-            out[f"prefill {n}"] = n / best_time(lambda: engine.generate([ids(n, n)], one), repeat=3)
-        for batch in DECODE_BATCHES:
-            prompts = [ids(128, 100 * batch + b) for b in range(batch)]
-            engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm the shapes
-            params = SamplingParams(max_new_tokens=DECODE_STEPS + 1, ignore_eos=True)
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    engine.generate([prompt(64, 0, vocab)], one)
+    for n in PREFILLS:
+        key = f"prefill {n}"
+        ids = prompt(n, n, vocab)
+        out.seconds[key] = best_time(lambda ids=ids: engine.generate([ids], one), repeat=s.repeat)
+        out.tokens[key] = n
+    for batch in DECODE_BATCHES:
+        prompts = [prompt(DECODE_PROMPT, 100 * batch + b, vocab) for b in range(batch)]
+        engine.generate(prompts, SamplingParams(max_new_tokens=2, ignore_eos=True))  # warm the shapes
+        params = SamplingParams(max_new_tokens=s.decode_steps + 1, ignore_eos=True)
+        best = float("inf")
+        for _ in range(max(1, s.repeat - 1)):
             start = time.perf_counter()
             results = engine.generate(prompts, params)
-            elapsed = time.perf_counter() - start - max(r.ttft_s for r in results)  # decode steps only
-            out[f"decode batch {batch}"] = batch * DECODE_STEPS / elapsed
+            # Decode steps only: from the last request's first token (the end of the batch's prefill) on.
+            best = min(best, time.perf_counter() - start - max(r.ttft_s for r in results))
+        key = f"decode batch {batch}"
+        out.seconds[key], out.tokens[key] = best, batch * s.decode_steps
+
+
+def measure_ttft_off(engine: Engine, s: Settings, out: Measured) -> None:
+    vocab = engine.tokenizer.vocab_size
+    turn = prompt(HISTORY, 999, vocab) + prompt(TURN, 998, vocab)
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    engine.generate([turn], one)
+    out.seconds["ttft off"] = min(engine.generate([turn], one)[0].ttft_s for _ in range(s.repeat))
+    out.tokens["ttft off"] = len(turn)
+
+
+def measure_ttft_hit(engine: Engine, s: Settings, out: Measured) -> None:
+    """A fresh 64-token turn after the cached history each time: a repeated turn would hit all of itself."""
+    vocab = engine.tokenizer.vocab_size
+    history = prompt(HISTORY, 999, vocab)
+    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    engine.generate([history + prompt(TURN, 997, vocab)], one)  # caches the history, warms the shapes
+    best, cached = float("inf"), HISTORY + TURN
+    for k in range(s.repeat):
+        (r,) = engine.generate([history + prompt(TURN, 900 + k, vocab)], one)
+        best, cached = min(best, r.ttft_s), min(cached, r.cached_tokens)
+    out.seconds["ttft hit"], out.tokens["ttft hit"], out.cached_tokens = best, TURN, cached
+
+
+def measure(model: str, fmt: Format, s: Settings, invariant: bool = True) -> Measured:
+    out = Measured()
+    with open_engine(model, fmt, disable_radix_cache=True, batch_invariant_ops=invariant) as engine:
+        out.config, out.tokenizer = engine.model_config, engine.tokenizer
+        out.threads = int(engine.call_in_loop(torch.get_num_threads))  # what the scheduler's thread runs with
+        measure_throughput(engine, s, out)
+        measure_ttft_off(engine, s, out)
+    if invariant:  # plain ops break the cache's answers: its hit is not measured on them
+        with open_engine(model, fmt) as engine:
+            measure_ttft_hit(engine, s, out)
     return out
 
 
-def bench_invariance_cost(name: str, dtype: str, peak: float, flops: float) -> None:
-    inv, plain = throughput(name, dtype, True), throughput(name, dtype, False)
-    print(f"\n### {name}, {dtype}\n")
-    print("| measurement | invariant ops | plain ops | invariant / plain | invariant vs matmul limit |")
-    print("| --- | --- | --- | --- | --- |")
-    for key in inv:
-        limit = ""
-        if key.startswith("prefill"):
-            limit = f"{flops * inv[key] / 1e9:.0f} GFLOP/s = {flops * inv[key] / 1e9 / peak:.2f} x"
-        print(f"| {key} | {inv[key]:.1f} tok/s | {plain[key]:.1f} tok/s | {inv[key] / plain[key]:.2f} | {limit} |")
+def workload_limits(key: str, c: ModelConfig, w: WeightBytes, fmt: Format, machine: Machine, s: Settings) -> Limits:
+    kw = {"c": c, "w": w, "kv_bytes": fmt.act_bytes, "machine": machine, "dtype": fmt.dtype}
+    if key.startswith("prefill"):
+        return forward_limits(**kw, batch=1, new=int(key.split()[1]), start=0, logits_rows=1)
+    if key.startswith("decode"):
+        batch = int(key.split()[-1])
+        steps = [
+            forward_limits(**kw, batch=batch, new=1, start=DECODE_PROMPT + k, logits_rows=1)
+            for k in range(s.decode_steps)
+        ]
+        return sum(steps[1:], steps[0])
+    if key == "ttft hit":
+        return forward_limits(**kw, batch=1, new=TURN, start=HISTORY, logits_rows=1)
+    return forward_limits(**kw, batch=1, new=HISTORY + TURN, start=0, logits_rows=1)
 
 
-def bench_ttft(name: str) -> None:
-    common = dict(model=name, max_total_tokens=65536, chunked_prefill_size=4096)
-    one = SamplingParams(max_new_tokens=1, ignore_eos=True)
-    with Engine(**common) as engine:
-        ids = ids_for(engine)
-        history = ids(2048, 999)
-        turn = history + ids(64, 998)
-        engine.generate([history], one)  # cache the 2K history
-        hit = min(best_time(lambda: engine.generate([turn], one), repeat=1, warmup=0) for _ in range(3))
-    with Engine(disable_radix_cache=True, **common) as off:
-        off.generate([ids(64, 0)], one)
-        miss = best_time(lambda: off.generate([turn], one), repeat=3)
-    print(f"\n{name} (engine dtype): TTFT of a 64-token turn after a cached 2K prefix {hit * 1000:.0f} ms, "
-          f"cache off {miss * 1000:.0f} ms, ratio {hit / miss:.3f}")
+# ---- llama.cpp peer -----------------------------------------------------------------------------
 
 
-def where_time_goes(name: str) -> None:
+@dataclass
+class PeerResult:
+    seconds: dict[str, float] = field(default_factory=dict)  # HTTP wall time of the requests
+    tokens: dict[str, int] = field(default_factory=dict)
+    own: dict[str, tuple[float, int]] = field(default_factory=dict)  # llama.cpp's own timing: (s, tokens)
+    notes: list[str] = field(default_factory=list)
+
+    def keep_own(self, key: str, own: tuple[float, int] | None, wall_s: float) -> None:
+        """Keeps llama.cpp's printed timing of `key` where it agrees with the wall time: its perf counters
+        printed a 512-token prompt eval as 0.26 ms of a 17.8 s request (0.3.36, first requests)."""
+        if own is None:
+            return
+        if 0.5 * wall_s - 0.05 <= own[0] <= 1.05 * wall_s + 0.01:  # 50 ms for HTTP and the server's Python
+            self.own[key] = own
+        else:
+            self.notes.append(
+                f"llama.cpp printed {own[0] * 1000:.2f} ms for {key} against {wall_s * 1000:.0f} ms of wall time: "
+                "not shown."
+            )
+
+
+def measure_llama_cpp(python: str, threads: int, s: Settings, tokenizer) -> PeerResult:
+    """llama.cpp's server on the smollm2 GGUF: prefill from max_tokens=1 requests, decode from a long
+    minus a 1-token completion of two fresh prompts of one length, TTFT from a 64-token turn once its
+    prompt cache holds the 2K history. Every other timed prompt starts with different words: llama.cpp
+    reuses the longest common prefix with the prompt before it."""
+    from hicache.bench.workload import TextSampler
+    from hicache.model.gguf_loader import smollm2_path
+
+    sampler = TextSampler(tokenizer, random.Random(16))
+    out = PeerResult()
+
+    def best(requests):
+        return min(requests, key=lambda r: r.seconds)
+
+    with LlamaCppServer(python, smollm2_path(), threads) as server:
+        server.complete(sampler.text(64), 2)  # warm-up
+        for n in PREFILLS:
+            r = best(server.complete(sampler.text(n), 1) for _ in range(s.repeat))
+            key = f"prefill {n}"
+            out.seconds[key], out.tokens[key] = r.seconds, r.prompt_tokens - r.prefix_hit
+            out.keep_own(key, r.prompt_eval, r.seconds)
+        pairs = [
+            (
+                server.complete(sampler.text(DECODE_PROMPT), s.decode_steps + 1),
+                server.complete(sampler.text(DECODE_PROMPT), 1),
+            )
+            for _ in range(max(1, s.repeat - 1))
+        ]
+        long, short = min(pairs, key=lambda p: p[0].seconds - p[1].seconds)
+        out.seconds["decode batch 1"] = long.seconds - short.seconds
+        out.tokens["decode batch 1"] = long.completion_tokens - short.completion_tokens
+        out.keep_own("decode batch 1", long.eval, out.seconds["decode batch 1"])
+        history = sampler.text(HISTORY)
+        off = server.complete(history + sampler.text(TURN), 1)  # fresh: nothing in common with the last prompt
+        hit = best(server.complete(history + sampler.text(TURN), 1) for _ in range(s.repeat))
+        out.seconds["ttft hit"], out.tokens["ttft hit"] = hit.seconds, hit.prompt_tokens - hit.prefix_hit
+        out.seconds["ttft off"], out.tokens["ttft off"] = off.seconds, off.prompt_tokens - off.prefix_hit
+        for key, r in (("ttft hit", hit), ("ttft off", off)):
+            out.keep_own(key, r.prompt_eval, r.seconds)
+        out.notes.append(
+            f"Server: {server.describe()}. Its prompt cache reused {hit.prefix_hit} of the TTFT "
+            f"turn's {hit.prompt_tokens} prompt tokens (cache off: {off.prefix_hit})."
+        )
+        if long.completion_tokens != s.decode_steps + 1:
+            out.notes.append(f"llama.cpp stopped after {long.completion_tokens} of {s.decode_steps + 1} tokens.")
+    return out
+
+
+# ---- report ---------------------------------------------------------------------------------------
+
+
+def rate(seconds: float, tokens: int) -> float:
+    return tokens / seconds
+
+
+def fmt_value(key: str, seconds: float, tokens: int) -> str:
+    if key.startswith("ttft"):
+        ms = seconds * 1000
+        return f"{ms:.0f} ms" if ms >= 10 else f"{ms:.1f} ms"
+    r = rate(seconds, tokens)
+    return f"{r:.0f} tok/s" if r >= 100 else f"{r:.1f} tok/s"
+
+
+LABELS = {
+    "prefill 512": "prefill 512 tokens",
+    "prefill 2048": "prefill 2048 tokens",
+    "decode batch 1": "decode batch 1",
+    "decode batch 8": "decode batch 8 (aggregate)",
+    "decode batch 32": "decode batch 32 (aggregate)",
+    "ttft hit": f"TTFT, {TURN}-token turn after a cached {HISTORY // 1024}K prefix",
+    "ttft off": f"TTFT, same turn, radix cache off ({HISTORY + TURN} tokens)",
+}
+
+
+def print_format_table(
+    model: str, fmt: Format, w: WeightBytes, m: Measured, plain: Measured | None, machine: Machine, s: Settings
+) -> None:
+    c = m.config
+    print(f"\n### {model}, {fmt.label}\n")
+    print(
+        f"Weight bytes a forward reads: {w.per_forward / 1e6:.1f} MB (layers {w.layers / 1e6:.1f}, lm_head "
+        f"{w.lm_head / 1e6:.1f}, norms {w.norms / 1e6:.2f}) + {w.embedding_row:.0f} B of embedding per token; "
+        f"scheduler thread runs {m.threads} torch threads. Decode: {DECODE_PROMPT}-token prompts, "
+        f"{s.decode_steps} steps.\n"
+    )
+    head = "| measurement | hicache | bandwidth limit | matmul limit | of limit |"
+    rule = "| --- | ---: | ---: | ---: | ---: |"
+    if plain:
+        head, rule = head + " plain ops | invariant / plain |", rule + " ---: | ---: |"
+    print(head)
+    print(rule)
+    for key, label in LABELS.items():
+        seconds, n = m.seconds[key], m.tokens[key]
+        lim = workload_limits(key, c, w, fmt, machine, s)
+        value = fmt_value(key, seconds, n)
+        if key == "ttft hit":
+            value += f" ({m.cached_tokens} cached)"
+        row = (
+            f"| {label} | {value} | {fmt_value(key, lim.bandwidth_s, n)} | "
+            f"{fmt_value(key, lim.matmul_s, n)} | {lim.roofline_s / seconds:.2f} |"
+        )
+        if plain:
+            if key in plain.seconds:
+                row += f" {fmt_value(key, plain.seconds[key], n)} | {plain.seconds[key] / seconds:.2f} |"
+            else:
+                row += " | |"
+        print(row)
+
+
+def peer_rate(peer: PeerResult, key: str) -> float:
+    """llama.cpp's tok/s for the ratios: through HTTP, as measured (its printed timings are a cross-check)."""
+    return rate(peer.seconds[key], peer.tokens[key])
+
+
+def print_peer(
+    results: dict[str, Measured], peer: PeerResult, gguf: WeightBytes, machine: Machine, s: Settings
+) -> None:
+    labels = list(results)
+    c = next(iter(results.values())).config
+    lim = workload_limits("decode batch 1", c, gguf, Format("none", "bfloat16"), machine, s)  # f16 KV
+    print("\n### smollm2 against llama.cpp's server (same GGUF, same threads)\n")
+    print(
+        f"llama.cpp reads {gguf.per_forward / 1e6:.1f} MB of GGUF weights per forward: its bandwidth limit at "
+        f'batch 1 is {rate(lim.bandwidth_s, s.decode_steps):.1f} tok/s. "HTTP" is a request\'s wall time; '
+        '"own" is what its server printed (llama_perf_context_print: prompt eval / eval time), a cross-check. '
+        "Ratios are hicache (in-process) over llama.cpp (HTTP) for tok/s and llama.cpp over hicache for TTFT: "
+        "above 1 hicache is faster.\n"
+    )
+    print("| measurement | llama.cpp HTTP | llama.cpp own | " + " | ".join(f"{x} | ratio" for x in labels) + " |")
+    print("| --- | ---: | ---: |" + " ---: | ---: |" * len(labels))
+    for key in [k for k in LABELS if k in peer.seconds]:
+        seconds, n = peer.seconds[key], peer.tokens[key]
+        own = fmt_value(key, *peer.own[key]) if key in peer.own else ""
+        row = f"| {LABELS[key]} | {fmt_value(key, seconds, n)} | {own} |"
+        for label in labels:
+            m = results[label]
+            ratio = (
+                seconds / m.seconds[key]
+                if key.startswith("ttft")
+                else rate(m.seconds[key], m.tokens[key]) / peer_rate(peer, key)
+            )
+            row += f" {fmt_value(key, m.seconds[key], m.tokens[key])} | {ratio:.2f} |"
+        print(row)
+    for note in peer.notes:
+        print(f"\n{note}")
+
+
+def print_aims(results: dict[str, Measured], limits: dict[str, dict[str, Limits]], peer: PeerResult | None) -> None:
+    """Issue 16's aims, one column per weight format."""
+    labels = list(results)
+    print("\n### Issue 16's aims (smollm2, this run)\n")
+    print("| aim | target | " + " | ".join(labels) + " |")
+    print("| --- | --- |" + " --- |" * len(labels))
+
+    def row(name: str, target: float, values: list[float | None]) -> None:
+        cells = ["n/a (no peer)" if v is None else f"{v:.2f} ({'met' if v >= target else 'not met'})" for v in values]
+        print(f"| {name} | >= {target:g} | " + " | ".join(cells) + " |")
+
+    def vs_peer(label: str, key: str, peer_key: str) -> float | None:
+        m = results[label]
+        return None if peer is None else rate(m.seconds[key], m.tokens[key]) / peer_rate(peer, peer_key)
+
+    row("decode batch 1 / llama.cpp", 1.0, [vs_peer(x, "decode batch 1", "decode batch 1") for x in labels])
+    row(
+        "decode batch 1 / bandwidth limit",
+        0.7,
+        [limits[x]["decode batch 1"].bandwidth_s / results[x].seconds["decode batch 1"] for x in labels],
+    )
+    for n in PREFILLS:
+        row(f"prefill {n} / llama.cpp", 2.0, [vs_peer(x, f"prefill {n}", f"prefill {n}") for x in labels])
+    row(
+        "decode batch 8 aggregate / llama.cpp batch 1",
+        3.0,
+        [vs_peer(x, "decode batch 8", "decode batch 1") for x in labels],
+    )
+
+
+def where_time_goes(model: str, fmt: Format) -> None:
     """Operator breakdown of a 2K prefill and of a batch-8 decode step, in the scheduler's thread."""
-    with Engine(model=name, max_total_tokens=65536, chunked_prefill_size=4096, disable_radix_cache=True) as engine:
+    with open_engine(model, fmt, disable_radix_cache=True) as engine:
         vocab = engine.tokenizer.vocab_size
         one = SamplingParams(max_new_tokens=1, ignore_eos=True)
-        engine.generate([[t % vocab for t in prompt(64, 5)]], one)
+        engine.generate([prompt(64, 5, vocab)], one)
         for label, prompts, params in (
-            ("prefill 2048", [[t % vocab for t in prompt(2048, 6)]], one),
-            ("decode batch 8 x 16 steps", [[t % vocab for t in prompt(128, 7 + b)] for b in range(8)],
-             SamplingParams(max_new_tokens=16, ignore_eos=True)),
+            ("prefill 2048", [prompt(2048, 6, vocab)], one),
+            (
+                "decode batch 8 x 16 steps",
+                [prompt(128, 7 + b, vocab) for b in range(8)],
+                SamplingParams(max_new_tokens=16, ignore_eos=True),
+            ),
         ):
-            holder: dict[str, profile] = {}
-
-            def start() -> None:
-                holder["p"] = profile(activities=[ProfilerActivity.CPU])
-                holder["p"].__enter__()
-
-            engine.call_in_loop(start)
+            prof = profile(activities=[ProfilerActivity.CPU])
+            engine.call_in_loop(prof.__enter__)  # the scheduler's thread runs the steps
             engine.generate(prompts, params)
-            engine.call_in_loop(lambda: holder["p"].__exit__(None, None, None))
-            table = holder["p"].key_averages().table(sort_by="self_cpu_time_total", row_limit=8)
-            print(f"\n### {name}: {label}\n\n```\n{table}\n```")
+            engine.call_in_loop(lambda prof=prof: prof.__exit__(None, None, None))
+            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=10)
+            print(f"\n### {model}, {fmt.label}: {label}\n\n```\n{table}\n```")
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["tiny", "smollm2"])
-    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    parser.add_argument("--profile", action="store_true", help="also print the operator breakdown")
-    args = parser.parse_args()
-    gflops = {"bfloat16": matmul_gflops(torch.bfloat16), "float32": matmul_gflops(torch.float32)}
-    print(f"CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    print(f"matmul 2048^2: bf16 {gflops['bfloat16']:.0f} GFLOP/s, fp32 {gflops['float32']:.0f} GFLOP/s")
-    for name in args.models:
-        with Engine(model=name) as probe:
-            flops = flops_per_token(probe)
-        for dtype in args.dtypes:
-            bench_invariance_cost(name, dtype, gflops[dtype], flops)
-        bench_ttft(name)
-    if args.profile:
-        for name in args.models:
-            where_time_goes(name)
+    parser.add_argument("--models", nargs="+", default=["smollm2"])
+    parser.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"], choices=QUANTIZATIONS)
+    parser.add_argument(
+        "--dtypes",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "float32", "bfloat16"],
+        help="activation dtype (and dense weights' dtype); auto: what the engine picks on this CPU",
+    )
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's), also llama.cpp's")
+    parser.add_argument(
+        "--llama-cpp-python",
+        metavar="PATH",
+        default=None,
+        help="a Python that imports llama_cpp: run llama.cpp's server on the smollm2 GGUF as the peer",
+    )
+    parser.add_argument("--no-plain", action="store_true", help="skip plain (not batch-invariant) ops on dense formats")
+    parser.add_argument("--profile", action="store_true", help="also print the operator breakdown per format")
+    parser.add_argument("--quick", action="store_true", help="smoke test: 1 repeat, 8 decode steps, no plain ops")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    s = QUICK if args.quick else Settings(plain=not args.no_plain)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    load = os.getloadavg()
+    copy = copy_gbps_read_write(s.copy_bytes)
+    machine = Machine(copy, {"bfloat16": matmul_gflops(torch.bfloat16), "float32": matmul_gflops(torch.float32)})
+    print(
+        f"## engine_bench, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"
+        f"{' (--quick)' if args.quick else ''}\n"
+    )
+    print(
+        f"CPU: {cpu_name()}; torch {torch.__version__}, {threads} threads ({torch.get_num_interop_threads()} interop); "
+        f"load average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} at the start.\n"
+    )
+    print(
+        f"Limits measured in this run: copy of {s.copy_bytes >> 20} MiB {copy:.1f} GB/s counted as read + write "
+        f"({copy / 2:.1f} GB/s copied); matmul 2048^2 bf16 {machine.gflops['bfloat16']:.0f} GFLOP/s, "
+        f"fp32 {machine.gflops['float32']:.0f} GFLOP/s."
+    )
+    dtypes = list(
+        dict.fromkeys(str(EngineConfig(dtype=d).resolved_dtype()).removeprefix("torch.") for d in args.dtypes)
+    )
+    formats = [Format(q, d) for d in dtypes for q in args.quantizations]
+    smollm2: dict[str, Measured] = {}
+    smollm2_limits: dict[str, dict[str, Limits]] = {}
+    for model in args.models:
+        for fmt in formats:
+            try:
+                m = measure(model, fmt, s)
+            except UnsupportedFormat as exc:
+                print(f"\n### {model}, {fmt.label}\n\nskipped: {exc}.")
+                continue
+            plain = measure(model, fmt, s, invariant=False) if s.plain and fmt.quantization == "none" else None
+            w = weight_bytes(m.config, fmt.kind_of(model), fmt.act_bytes)
+            print_format_table(model, fmt, w, m, plain, machine, s)
+            if model == "smollm2":
+                smollm2[fmt.label] = m
+                smollm2_limits[fmt.label] = {k: workload_limits(k, m.config, w, fmt, machine, s) for k in m.seconds}
+            if args.profile:
+                where_time_goes(model, fmt)
+    peer = None
+    if not args.llama_cpp_python:
+        print(f"\nllama.cpp peer skipped (no --llama-cpp-python). To run it: {LLAMA_CPP_INSTALL}.")
+    elif not smollm2:
+        print("\nllama.cpp peer skipped: it runs on the smollm2 GGUF, and smollm2 was not measured (--models).")
+    else:
+        first = next(iter(smollm2.values()))
+        peer = measure_llama_cpp(args.llama_cpp_python, first.threads or threads, s, first.tokenizer)
+        from hicache.model.gguf_loader import smollm2_path
+
+        stored = gguf_kinds(smollm2_path())
+        print_peer(smollm2, peer, weight_bytes(first.config, lambda name: stored[name], 2), machine, s)
+    if smollm2:
+        print_aims(smollm2, smollm2_limits, peer)
+    load = os.getloadavg()
+    print(f"\nLoad average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} at the end.")
 
 
 if __name__ == "__main__":
