@@ -3,7 +3,7 @@ machine's memory-bandwidth and matmul limits measured in the same run, against p
 batch-invariant) ops, and against llama.cpp's server on the same GGUF and threads (optional peer).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/engine_bench.py \\
-        [--models smollm2] [--quantizations none int8 int4] [--dtypes auto] \\
+        [--models smollm2] [--quantizations none auto int8 int4] [--dtypes auto] \\
         [--llama-cpp-python /work/llama-venv/bin/python] [--threads N] [--profile] [--quick]
 
 Per model and weight format (`--quantizations` x `--dtypes`; the dtype is the activations' and, for
@@ -58,8 +58,8 @@ QUANTIZATIONS = ("none", "int8", "int4", "auto")
 # One chunk per prompt: a prefill reads the weights once.
 ENGINE_FLAGS = {"max_total_tokens": 65536, "chunked_prefill_size": 4096}
 GGUF_TYPES = {"Q4_1": "q4_1", "Q4_0": "q4_0", "Q8_0": "q8_0", "F32": "f32", "F16": "f16", "BF16": "bf16"}
-# What --quantization auto is assumed to make of each GGUF type (for the byte count only).
-AUTO_KIND = {"q4_1": "int4", "q4_0": "int4", "q8_0": "int8", "f32": "dense", "f16": "dense", "bf16": "dense"}
+# What --quantization auto makes of each GGUF type (hicache/model/quant.py keeps Q4_1 and Q8_0 codes).
+AUTO_KIND = {"q4_1": "int4", "q4_0": "dense", "q8_0": "int8", "f32": "dense", "f16": "dense", "bf16": "dense"}
 
 
 @dataclass(frozen=True)
@@ -213,14 +213,13 @@ class Format:
         return f"{name}, {act} activations"
 
     def engine_kwargs(self) -> dict:
-        # NOTE: `quantization` is passed only when asked for, so the tool runs on engines without it.
-        extra = {} if self.quantization == "none" else {"quantization": self.quantization}
-        return dict(dtype=self.dtype, **extra)
+        return dict(dtype=self.dtype, quantization=self.quantization)
 
     def kind_of(self, model: str):
         if self.quantization in ("int8", "int4"):
             return lambda name: "dense" if name == "norm" else self.quantization
-        if self.quantization == "auto" and model == "smollm2":
+        # auto keeps the GGUF's types only with bf16 activations (hicache.model.build.resolve_quantization)
+        if self.quantization == "auto" and model == "smollm2" and self.dtype == "bfloat16":
             from hicache.model.gguf_loader import smollm2_path
 
             stored = gguf_kinds(smollm2_path())
@@ -244,17 +243,8 @@ def prompt(n: int, salt: int, vocab: int) -> list[int]:
     return [((i * 7919 + salt * 104729) % 30000 + 300) % vocab for i in range(n)]
 
 
-class UnsupportedFormat(Exception):
-    pass
-
-
 def open_engine(model: str, fmt: Format, **flags) -> Engine:
-    try:
-        return Engine(model=model, **fmt.engine_kwargs(), **ENGINE_FLAGS, **flags)
-    except TypeError as exc:
-        if "quantization" in str(exc):
-            raise UnsupportedFormat("this engine has no `quantization` setting yet (issue 16)") from None
-        raise
+    return Engine(model=model, **fmt.engine_kwargs(), **ENGINE_FLAGS, **flags)
 
 
 def measure_throughput(engine: Engine, s: Settings, out: Measured) -> None:
@@ -558,7 +548,7 @@ def where_time_goes(model: str, fmt: Format) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2"])
-    parser.add_argument("--quantizations", nargs="+", default=["none", "int8", "int4"], choices=QUANTIZATIONS)
+    parser.add_argument("--quantizations", nargs="+", default=["none", "auto", "int8", "int4"], choices=QUANTIZATIONS)
     parser.add_argument(
         "--dtypes",
         nargs="+",
@@ -609,11 +599,7 @@ def main(argv: list[str] | None = None) -> None:
     smollm2_limits: dict[str, dict[str, Limits]] = {}
     for model in args.models:
         for fmt in formats:
-            try:
-                m = measure(model, fmt, s)
-            except UnsupportedFormat as exc:
-                print(f"\n### {model}, {fmt.label}\n\nskipped: {exc}.")
-                continue
+            m = measure(model, fmt, s)
             plain = measure(model, fmt, s, invariant=False) if s.plain and fmt.quantization == "none" else None
             w = weight_bytes(m.config, fmt.kind_of(model), fmt.act_bytes)
             print_format_table(model, fmt, w, m, plain, machine, s)

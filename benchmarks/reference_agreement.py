@@ -7,8 +7,8 @@ dequantized: 4 prompts x 16 greedy steps, each with its top-5 logprobs. Every st
 (the prompt plus the reference's own greedy tokens before it), so a near-tie early on does not make
 the later steps describe another text. Per format: top-1 agreement, the mean overlap of the top-5
 sets, the largest and mean |logprob difference| on tokens in both top-5s, and the regret of the
-engine's pick (reference best logprob minus the reference logprob of the engine's top-1; a pick
-outside the reference's top-5 counts as outside).
+engine's pick (reference best logprob minus the reference logprob of the token the engine generated;
+a pick outside the reference's top-5 counts as outside).
 """
 
 from __future__ import annotations
@@ -31,14 +31,16 @@ def agreement(engine: Engine, reference: dict) -> dict[str, float]:
     params = SamplingParams(max_new_tokens=1, logprobs=5, ignore_eos=True)
     for case in reference["cases"]:
         for i, step in enumerate(case["steps"]):
-            got = engine.generate([case["prompt_ids"] + case["greedy_ids"][:i]], params)[0].logprobs[0].top
+            result = engine.generate([case["prompt_ids"] + case["greedy_ids"][:i]], params)[0]
+            # The pick is the generated token: at an exact tie of bf16 logits the top-5 list may
+            # order the tied tokens otherwise than greedy's argmax (lowest id) picks.
+            pick, ours = result.token_ids[0], dict(result.logprobs[0].top)
             ref = dict(zip(step["top_ids"], step["top_logprobs"]))
-            ours = dict(got)
-            top1.append(got[0][0] == step["top_ids"][0])
+            top1.append(pick == step["top_ids"][0])
             overlap.append(len(ref.keys() & ours.keys()) / len(ref))
             diffs += [abs(ours[t] - ref[t]) for t in ref.keys() & ours.keys()]
-            if got[0][0] in ref:
-                regrets.append(step["top_logprobs"][0] - ref[got[0][0]])
+            if pick in ref:
+                regrets.append(step["top_logprobs"][0] - ref[pick])
             else:
                 outside += 1
     return {

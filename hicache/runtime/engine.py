@@ -154,6 +154,7 @@ class Engine:
         loaded = load_engine_model(cfg)
         self.model_name = loaded.name
         self.model_identity = loaded.identity
+        self.weight_format = str(loaded.extra.get("weight_format", "none"))  # what --quantization resolved to
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.context_length = context_length(cfg, loaded.config)
