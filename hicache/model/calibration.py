@@ -5,7 +5,8 @@ of 1 to 16 rows, at two offsets into a 64-row reference call, and the first rows
 odd-sized call give bit for bit the rows of the reference call, on operands built so that any
 change of summation order shows in the output. Candidates are tried in order of speed: oneDNN on a
 reordered weight, then `F.linear`, each with the smallest granule in GRANULES that passes, then
-fixed TILE-row tiles. What was found is kept in a JSON file per platform fingerprint (torch build,
+fixed TILE-row tiles. A quantized weight (int8/int4 codes) is planned on its format's kernel alone,
+with probe codes built the same way (`probe_quantized`): one kernel serves it at every row count. What was found is kept in a JSON file per platform fingerprint (torch build,
 CPU or GPU model, the ISA and reproducibility variables that steer MKL and oneDNN, thread count), so
 a restart does not measure again; the start-up self-check still verifies the assembled model.
 """

@@ -103,9 +103,6 @@ class OneDNNBackend(LinearBackend):
     def run(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, prepared, None, "none", [], "")
 
-    def weight_bytes(self, prepared: Any) -> int:
-        return prepared.numel() * prepared.element_size()  # the blocked layout holds as many elements
-
 
 class AtenBackend(LinearBackend):
     """`F.linear`: MKL on CPU float32, oneDNN or ATen's own kernel for CPU bfloat16, cuBLAS on CUDA."""
