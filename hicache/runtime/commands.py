@@ -12,6 +12,7 @@ from hicache.disagg import roles
 from hicache.disagg.stats import DisaggStats
 from hicache.engine.scheduler import Scheduler
 
+
 def _scratch_bytes(s: Scheduler) -> int:
     """The CP gather's two layer buffers (hicache/model/kv_gather.py); 0 for unsharded attention."""
     return int(getattr(s.runner.model.attention, "scratch_bytes", 0))

@@ -43,6 +43,7 @@ from hicache.runtime.build import build_scheduler, check_topology, context_lengt
 from hicache.runtime.deadlines import DeadlineWatch
 from hicache.runtime.local import LocalRuntime
 from hicache.runtime.rank_front import RankRuntime
+from hicache.runtime.threads import cpu_threads, use_threads
 from hicache.spec.stats import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -166,7 +167,9 @@ class Engine:
         # Only here does the topology pick a runtime; everything else goes through the Runtime protocol.
         self._runtime: Runtime
         if cfg.parallel.world_size == 1:
-            self._runtime = LocalRuntime(build_scheduler(cfg, loaded, ParallelContext()), self._dispatch)
+            threads = cpu_threads(1)
+            use_threads(threads)  # where the model is built and calibrated, as where it runs
+            self._runtime = LocalRuntime(build_scheduler(cfg, loaded, ParallelContext()), self._dispatch, threads)
         else:
             check_topology(cfg, loaded.config)
             del loaded  # every rank loads its own shard; the weights are not kept here meanwhile

@@ -24,6 +24,7 @@ import torch.multiprocessing as mp
 from hicache.config import EngineConfig
 from hicache.errors import UserError
 from hicache.runtime.rank_worker import RankSpec, rank_main
+from hicache.runtime.threads import cpu_threads
 
 logger = logging.getLogger(__name__)
 
@@ -45,15 +46,11 @@ def torchrun_rank() -> int | None:
     return None
 
 
-def _threads_per_rank(ranks_here: int) -> int:
-    return max(1, (os.cpu_count() or 1) // ranks_here)
-
-
 def _torchrun_spec(log_level: int) -> RankSpec:
     """This process's rank as torchrun's environment describes it (env:// rendezvous)."""
     rank = torchrun_rank()
     assert rank is not None
-    threads = _threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    threads = cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return RankSpec(rank, int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]), "env://", threads, log_level)
 
 
@@ -120,7 +117,7 @@ def _spawn(
 ) -> list[tuple[int, Any]]:
     par = cfg.parallel
     per_node = par.ranks_per_node
-    threads = _threads_per_rank(per_node)
+    threads = cpu_threads(per_node)
     processes = []
     for local in range(per_node):
         rank = par.node_rank * per_node + local

@@ -15,6 +15,7 @@ from hicache.engine.request import FinishReason, Request, RequestEvent
 from hicache.engine.scheduler import Scheduler
 from hicache.runtime.base import check_usable
 from hicache.runtime.commands import COMMANDS
+from hicache.runtime.threads import use_threads
 
 logger = logging.getLogger(__name__)
 
@@ -24,8 +25,9 @@ IDLE_POLL_S = 0.002  # while requests wait on a storage prefetch and nothing run
 class LocalRuntime:
     """Satisfies runtime.base.Runtime with the one scheduler on a thread; `call` runs any function there."""
 
-    def __init__(self, scheduler: Scheduler, dispatch: Callable[[RequestEvent], None]) -> None:
+    def __init__(self, scheduler: Scheduler, dispatch: Callable[[RequestEvent], None], threads: int) -> None:
         self.scheduler = scheduler
+        self._threads = threads
         self._dispatch = dispatch
         self._inbox: list[Request] = []
         self._control: list[tuple[Callable[[], object], Future]] = []
@@ -87,6 +89,7 @@ class LocalRuntime:
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
+        use_threads(self._threads)
         scheduler = self.scheduler
         while True:
             with self._wake:

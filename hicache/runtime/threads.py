@@ -1,0 +1,39 @@
+"""How many CPU threads a rank's kernels use.
+
+The CPUs this process may run on (its affinity mask, which containers and `taskset` narrow; not every
+CPU of the machine, which `os.cpu_count()` reports), shared out among the ranks on this machine;
+OMP_NUM_THREADS, when the user set it, is the count per rank. OpenMP keeps the count per calling
+thread, so a rank sets it on the thread that runs its scheduler as well as where its model is built
+(calibration's plans are keyed by the count)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def usable_cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def cpu_threads(ranks_here: int = 1) -> int:
+    """Intra-op threads for each of the `ranks_here` ranks this machine runs."""
+    requested = os.environ.get("OMP_NUM_THREADS", "")
+    if requested.isdigit() and int(requested) > 0:
+        return int(requested)
+    return max(1, usable_cpus() // ranks_here)
+
+
+def use_threads(threads: int) -> None:
+    """This thread's kernels run on `threads` threads."""
+    if torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+    logger.debug("%d intra-op threads on %s (%d CPUs usable)", threads, threading.current_thread().name, usable_cpus())
