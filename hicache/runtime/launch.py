@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import random
 import socket
 import threading
 from typing import Any, Callable
@@ -31,12 +32,23 @@ logger = logging.getLogger(__name__)
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+# Below Linux's default ephemeral range (32768-60999), from which the kernel picks both bind(0)'s
+# port and every outgoing connection's: a port from that range could be taken in the seconds before
+# its server binds it (a P/D server of a full test run found its port in use).
+PORT_RANGE = (10000, 32767)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now (the kernel's pick), for a rendezvous or a server. The one
-    definition for the runtime, the benchmark's servers and the tests."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+    """A TCP port nothing listens on now, for a rendezvous or a server. The one definition for the
+    runtime, the benchmark's servers and the tests."""
+    while True:
+        port = random.SystemRandom().randint(*PORT_RANGE)  # not the seedable global generator
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
 
 
 def torchrun_rank() -> int | None:
