@@ -8,16 +8,9 @@ over tokens or pages. At 1M tokens a full match is ~8 MB of memcmp (well under a
 A query (what `match_prefix` and `insert` get) is packed once into a flat byte view: zero-copy when the
 caller already holds int64s in a buffer (array('q'), a C-contiguous int64 numpy array, a `PackedTokens`
 of a request's prompt), one C-speed conversion otherwise (a list of ints: `np.fromiter`, the fastest
-conversion measured, docs/BENCHMARKS.md section 8). int64 rather than int32 because the arrays callers
-hold are int64 (SGLang's and the benchmark's `array('q')`, numpy's default), so their buffers are used
-as they are; token ids outside int64 are an error, not a silent wrap.
-
-The tree copies what it keeps once (`owned`), into a `bytes`, whose `startswith` is the memcmp above;
-except a run of `HUGE_RUN_BYTES` or more, which goes into a numpy uint8 array instead: numpy asks the
-kernel for transparent huge pages for allocations that large (madvise(MADV_HUGEPAGE)), so a 1M-token
-key (8 MB) costs 4 first-touch page faults instead of the 2,048 a fresh `bytes` of that size takes, and
-those faults, not the copy, were most of a 1M-token insert. Such a key is compared by numpy
-(`!=` and `argmax`, ~2x a memcmp's time), which at that size is still under a millisecond.
+of the conversions measured in docs/BENCHMARKS.md section 8). int64 rather than int32
+because the arrays callers hold are int64 (SGLang's and the benchmark's `array('q')`, numpy's default),
+so their buffers are used as they are; token ids outside int64 are an error, not a silent wrap.
 
 The keys live only in this process (they are never hashed for storage or sent to another rank: storage
 hashes use hicache/storage/keys.py on the unpacked ids), so native byte order is fine. NOTE: Python's
@@ -36,23 +29,20 @@ import numpy as np
 TOKEN_BYTES = 8  # int64
 _INT64_FORMATS = frozenset({"q", "l", "<q", "<l", "=q", "=l", "@q", "@l"})
 _INT64_MAX = np.iinfo(np.int64).max
-# numpy's threshold for asking for huge pages (numpy/_core/src/multiarray/alloc.c): 4 MiB.
-HUGE_RUN_BYTES = 1 << 22
 
 Packed = bytes | memoryview  # a flat byte view ('B') of int64 token ids
-Key = bytes | np.ndarray  # what the tree keeps: packed bytes, or a read-only uint8 array for a huge run
 
 
 class PackedTokens:
     """A token sequence packed once, for a caller that matches the same prompt again and again (a
     waiting request re-tried by admission each step): `view(n)` is its first n tokens, zero-copy."""
 
-    __slots__ = ("_key", "_tokens", "_view")
+    __slots__ = ("_bytes", "_tokens", "_view")
 
     def __init__(self, tokens: Tokens) -> None:
-        self._key = owned(tokens)  # a copy: the caller's buffer may change later
-        self._view = memoryview(self._key).cast("B")
-        self._tokens = len(self._view) // TOKEN_BYTES
+        self._bytes = bytes(_copy_packed(tokens))  # owned: the caller's buffer may change later
+        self._view = memoryview(self._bytes)
+        self._tokens = len(self._bytes) // TOKEN_BYTES
 
     def __len__(self) -> int:
         return self._tokens
@@ -65,7 +55,7 @@ class PackedTokens:
 
     def common_prefix(self, other: PackedTokens) -> int:
         """Length in tokens of the longest common prefix with `other`, at memcmp speed."""
-        return common_pages(self._key, other._view, 0, TOKEN_BYTES)
+        return common_pages(self._bytes, other._view, 0, TOKEN_BYTES)
 
     def prefix_of(self, sequence: Sequence[int] | np.ndarray, n: int) -> memoryview:
         """The first n tokens of `sequence`, which starts with these tokens (a request's prompt, then
@@ -73,46 +63,33 @@ class PackedTokens:
         request's prompt is converted once however often its sequence is cached."""
         if n <= self._tokens:
             return self.view(n)
-        rest = pack(sequence[self._tokens : n])
-        return memoryview(np.concatenate((np.frombuffer(self._view, np.uint8), np.frombuffer(rest, np.uint8))))
+        return memoryview(b"".join((self._bytes, pack(sequence[self._tokens : n]))))
 
 
 # What the tree's match and insert take: token ids in any container, or already packed.
 Tokens = Sequence[int] | np.ndarray | PackedTokens | Packed
 
 
-def _convert(tokens: Tokens) -> np.ndarray:
-    """`tokens` (not already packed int64s) as a new int64 array."""
+def _copy_packed(tokens: Tokens) -> bytes | memoryview:
+    view = _as_buffer(tokens)
+    if view is not None:
+        return view
     if hasattr(tokens, "numpy") and hasattr(tokens, "dtype"):  # a CPU torch tensor, without importing torch
         tokens = tokens.numpy()  # type: ignore[union-attr]
-    if isinstance(tokens, (np.ndarray, array, memoryview)):
-        arr = np.asarray(tokens)  # a buffer keeps its element type ('i': int32, 'Q': uint64)
-        if arr.ndim != 1:
-            raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
-        if arr.size and arr.dtype.kind not in "iu":
-            raise TypeError(f"tokens must be integers, got dtype {arr.dtype}")
-        if arr.size and arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
-            raise OverflowError("token ids must fit in int64")
-        return np.ascontiguousarray(arr, dtype=np.int64)
+    if isinstance(tokens, (np.ndarray, array)):  # an array keeps its element type ('i': int32, 'Q': uint64)
+        return _numpy_int64(np.asarray(tokens)).data.cast("B")
     # Python ints, range-checked (OverflowError). NOTE: numpy would truncate a float; ids are ints.
-    return np.fromiter(tokens, np.int64, len(tokens))  # type: ignore[arg-type]
+    return np.fromiter(tokens, np.int64, len(tokens)).data.cast("B")  # type: ignore[arg-type]
 
 
-def owned(tokens: Tokens) -> Key:
-    """`tokens` packed into memory of their own (the caller's may change later): what the tree keeps.
-    One copy (a conversion is one already); into huge pages for a run of HUGE_RUN_BYTES or more."""
-    view = _as_buffer(tokens)
-    if view is None:
-        ids = _convert(tokens)
-        if ids.nbytes < HUGE_RUN_BYTES:
-            return ids.tobytes()
-        key = ids.view(np.uint8)
-    elif len(view) < HUGE_RUN_BYTES:
-        return bytes(view)
-    else:
-        key = np.array(view, dtype=np.uint8)
-    key.flags.writeable = False
-    return key
+def _numpy_int64(arr: np.ndarray) -> np.ndarray:
+    if arr.ndim != 1:
+        raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.size and arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
+        raise OverflowError("token ids must fit in int64")  # astype would wrap them
+    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 def _as_buffer(tokens: object) -> memoryview | None:
@@ -130,7 +107,7 @@ def _as_buffer(tokens: object) -> memoryview | None:
     elif isinstance(tokens, np.ndarray):
         if tokens.dtype != np.int64 or tokens.ndim != 1 or not tokens.flags.c_contiguous:
             return None
-        view = memoryview(tokens)
+        view = tokens.data
     else:
         return None
     if view.format == "B" and view.ndim == 1:
@@ -143,39 +120,34 @@ def _as_buffer(tokens: object) -> memoryview | None:
 def pack(tokens: Tokens) -> memoryview:
     """`tokens` as a flat byte view of int64 ids. `bytes` and 'B'-format memoryviews are taken to be
     packed already (keys, `PackedTokens.view`)."""
-    view = _as_buffer(tokens)
-    return view if view is not None else memoryview(_convert(tokens)).cast("B")
+    view = _copy_packed(tokens)
+    return view if isinstance(view, memoryview) else memoryview(view)
 
 
-def num_tokens(key: Key | Packed) -> int:
+def num_tokens(key: Packed) -> int:
     return len(key) // TOKEN_BYTES
 
 
-def key_digest(key: Key | Packed) -> int:
+def key_digest(key: Packed) -> int:
     """A digest of a key that is the same in every process (for identities ranks compare)."""
     return zlib.crc32(key) ^ (num_tokens(key) << 32)
 
 
-def unpack(key: Key | Packed) -> array:
+def unpack(key: Packed) -> array:
     """The token ids of a key, as array('q') (a Sequence[int]; numpy reads it without a copy)."""
     out = array("q")
     out.frombytes(key)
     return out
 
 
-def common_pages(key: Key, query: memoryview, pos: int, page_bytes: int) -> int:
-    """How many leading whole pages of `key` equal `query` from byte offset `pos`. For `bytes`, one
-    memcmp when the whole key matches (the common case: a cached prefix); else a bisection of memcmps
-    over pages, each on the half still undecided, so the cost is O(bytes up to the divergence) plus
-    O(log pages) calls. A huge run's array: one vectorised compare, the first difference by `argmax`."""
+def common_pages(key: bytes, query: memoryview, pos: int, page_bytes: int) -> int:
+    """How many leading whole pages of `key` equal `query` from byte offset `pos`. One memcmp when the
+    whole key matches (the common case: a cached prefix); else a bisection of memcmps over pages, each
+    on the half still undecided, so the cost is O(bytes up to the divergence) plus O(log pages) calls."""
     n = min(len(key), len(query) - pos)
     n -= n % page_bytes
     if n <= 0:
         return 0
-    if isinstance(key, np.ndarray):
-        differ = key[:n].view(np.int64) != np.frombuffer(query, np.int64, n // TOKEN_BYTES, pos)
-        first = int(differ.argmax())  # the first True, or 0 when none is
-        return first * TOKEN_BYTES // page_bytes if differ[first] else n // page_bytes
     if key.startswith(query[pos : pos + n]):
         return n // page_bytes
     lo, hi = 0, n // page_bytes  # pages [0, lo) are equal; some page in [lo, hi) differs

@@ -14,10 +14,9 @@ Contracts:
   (with its host-only descendants). Host eviction removes host-only, unlocked leaves. Least recently
   used first in both.
 - `namespace` (a request's cache_salt) selects a separate root: different salts never share pages.
-- Keys are packed int64 bytes (hicache/cache/page_keys.py; a run of 4 MiB or more in a numpy array,
-  for huge pages): a node's run is compared with the query in one memcmp, and a divergence is found
-  by bisecting pages with memcmps, so no step loops over pages or tokens in Python. Children are
-  keyed by their first page's bytes.
+- Keys are packed int64 bytes (hicache/cache/page_keys.py): a node's run is compared with the query in
+  one memcmp, and a divergence is found by bisecting pages with memcmps, so no step loops over pages
+  or tokens in Python. Children are keyed by their first page's bytes.
 - Recency is a logical clock, not wall time, so ranks that apply the same operations in the same order
   make the same eviction choices. The candidates of each eviction are kept across calls
   (radix_lru.py), so an eviction costs O(log tree) per node it takes, not O(tree) per call; every
@@ -34,7 +33,7 @@ import itertools
 from collections import Counter
 from typing import Callable, Iterable, Iterator
 
-from hicache.cache.page_keys import TOKEN_BYTES, Key, Tokens, common_pages, owned, pack
+from hicache.cache.page_keys import TOKEN_BYTES, Tokens, common_pages, pack
 from hicache.cache.radix_lru import LRUCandidates
 from hicache.cache.tree_node import InsertResult, MatchResult, TreeNode
 from hicache.debug.consensus_checker import consensus_checked
@@ -77,7 +76,7 @@ class RadixTree:
             root.lock_ref = 1  # roots are never evicted
         return root
 
-    def _child_key(self, key: Key | memoryview, start: int = 0) -> bytes:
+    def _child_key(self, key: bytes | memoryview, start: int = 0) -> bytes:
         """The children-dict key of the run starting at byte `start` of `key`: its first page."""
         return bytes(key[start : start + self._page_bytes])
 
@@ -135,7 +134,7 @@ class RadixTree:
         n_bytes = k * self._page_bytes
         assert 0 < n_bytes < len(node.key)
         upper = TreeNode(
-            owned(memoryview(node.key)[:n_bytes]),
+            node.key[:n_bytes],
             None if node.device_pages is None else node.device_pages[:k],
             node.parent,
             None if node.host_pages is None else node.host_pages[:k],
@@ -149,7 +148,7 @@ class RadixTree:
         upper.backup_pending = node.backup_pending
         assert node.parent is not None
         node.parent.children[self._child_key(node.key)] = upper
-        node.key = owned(memoryview(node.key)[n_bytes:])
+        node.key = node.key[n_bytes:]
         if node.device_pages is not None:
             node.device_pages = node.device_pages[k:]
         if node.host_pages is not None:
@@ -210,7 +209,7 @@ class RadixTree:
         new_nodes = []
         if len(tree_pages) < len(pages):
             start = len(tree_pages) * self._page_bytes
-            child = TreeNode(owned(query[start:]), list(pages[len(tree_pages) :]), parent, rotation=rotation)
+            child = TreeNode(bytes(query[start:]), list(pages[len(tree_pages) :]), parent, rotation=rotation)
             child.last_access = now
             parent.children[self._child_key(child.key)] = child
             self._account_device(child, +1)
@@ -246,7 +245,7 @@ class RadixTree:
         if covered < total:
             parent = path[-1] if path else self._root(namespace)
             rest = list(host_pages[covered - n_prefix :])
-            child = TreeNode(owned(query[covered * self._page_bytes :]), None, parent, rest, rotation=rotation)
+            child = TreeNode(bytes(query[covered * self._page_bytes :]), None, parent, rest, rotation=rotation)
             child.last_access = next(self._clock)
             parent.children[self._child_key(child.key)] = child
             self._host_lru.offer(child)

@@ -6,8 +6,7 @@ sharded over N ranks (hicache/dist/placement.py): page P of the path from the ro
 (rotation + P) mod N, so every node of a root's subtree carries the same rotation (a split copies it
 to both halves, an insert that would mix two is refused). At N = 1 it is always 0.
 
-`key` is the node's run packed as int64 bytes, of its own (hicache/cache/page_keys.py: `bytes`, or a
-read-only numpy array for a huge run); `tokens` unpacks it.
+`key` is the node's run packed as int64 bytes (hicache/cache/page_keys.py); `tokens` unpacks it.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from array import array
 from dataclasses import dataclass, field
 from itertools import chain
 
-from hicache.cache.page_keys import Key, num_tokens, unpack
+from hicache.cache.page_keys import num_tokens, unpack
 
 
 class TreeNode:
@@ -30,7 +29,7 @@ class TreeNode:
 
     def __init__(
         self,
-        key: Key,
+        key: bytes,
         device_pages: list[int] | None,
         parent: "TreeNode | None",
         host_pages: list[int] | None = None,
