@@ -10,7 +10,9 @@ comparable. `pagehash` runs inside every arm and shows how much the machine's sp
         --arm "hicache|.venv/bin/python|$PWD|benchmarks.radix_adapter:RadixAdapter,pagehash"
 
 An arm is "LABEL|PYTHON|PYTHONPATH|BACKENDS" (PYTHONPATH gets the bench dir appended). Results are keyed
-"LABEL/backend"; ratios are against `--baseline` (default: the first arm's first backend).
+"LABEL/backend"; ratios are against `--baseline` (default: the first arm's first backend): the ratio of
+the medians, and below it the range of the ratios round by round (each round's baseline against the
+same round's backend), which shows how far one round's comparison can be from the median's.
 """
 
 from __future__ import annotations
@@ -71,11 +73,16 @@ def main() -> None:
     print(f"medians over {args.rounds} rounds; ratio = how many times better than {base}")
     print(f"{'backend':48s}" + "".join(f"{f:>26s}" for f in FIGURES))
     for b, m in medians.items():
-        cells = []
-        for f, (_, higher) in FIGURES.items():
+        cells, spans = [], []
+        for f, (get, higher) in FIGURES.items():
             ratio = m[f] / medians[base][f] if higher else medians[base][f] / m[f]
             cells.append(f"{m[f]:12.3g} ({ratio:6.2f}x)".rjust(26))
+            per_round = [
+                get(r) / get(r0) if higher else get(r0) / get(r) for r, r0 in zip(runs[b], runs[base])
+            ]
+            spans.append(f"{min(per_round):.2f}-{max(per_round):.2f}x".rjust(26))
         print(f"{b:48s}" + "".join(cells))
+        print(f"{'  per round':48s}" + "".join(spans))
     if args.output_file:
         with open(args.output_file, "w") as f:
             json.dump({"medians": medians, "runs": runs}, f, indent=1)

@@ -4,7 +4,9 @@ The scheduler tries the first waiting request again every step; admission matche
 last token) in the tree, with a hit counted. This times that match for a prompt held as a Python list,
 as requests hold it, (a) sliced and packed every time (what admission did before the prompt was packed
 once per handle, and all a tree without `PackedTokens` can do) and (b) from the handle's packed
-prompt; and the in-batch prefix check against one running request sharing 90 % of the prompt.
+prompt; the in-batch prefix check against one running request sharing 90 % of the prompt; and the key
+a finished request's release caches (its prompt and 1,000 output tokens): the whole list converted, as
+release did before `PackedTokens.prefix_of`, against the packed prompt with only the output converted.
 Run it with either version of the tree on PYTHONPATH:
 
     PYTHONPATH=. python benchmarks/radix_waiting.py [--tokens 1000000]
@@ -43,7 +45,7 @@ def main() -> None:
         f"| admission match, prompt list sliced and packed each step | {best_ms(lambda: tree.match_prefix(prompt[: len(prompt) - 1], count_hit=True)):.2f} ms |"
     )
     try:
-        from hicache.cache.page_keys import PackedTokens
+        from hicache.cache.page_keys import PackedTokens, pack
     except ImportError:  # the tree before packed keys
         from hicache.engine.scheduler import common_prefix_len
 
@@ -58,6 +60,11 @@ def main() -> None:
     )
     print(f"| packing the prompt (once per request) | {best_ms(lambda: PackedTokens(prompt), repeat=3):.2f} ms |")
     print(f"| in-batch prefix check, packed prompts | {best_ms(lambda: packed.common_prefix(packed_other)):.3f} ms |")
+    sequence = prompt + [rng.randrange(151_000) for _ in range(1000)]
+    n = len(sequence) // args.page_size * args.page_size
+    print(f"| release key, the whole sequence converted | {best_ms(lambda: pack(sequence[:n]), repeat=3):.2f} ms |")
+    if hasattr(packed, "prefix_of"):
+        print(f"| release key, packed prompt + output converted | {best_ms(lambda: packed.prefix_of(sequence, n)):.2f} ms |")
 
 
 if __name__ == "__main__":

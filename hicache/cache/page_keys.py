@@ -7,7 +7,8 @@ over tokens or pages. At 1M tokens a full match is ~8 MB of memcmp (well under a
 
 A query (what `match_prefix` and `insert` get) is packed once into a flat byte view: zero-copy when the
 caller already holds int64s in a buffer (array('q'), a C-contiguous int64 numpy array, a `PackedTokens`
-of a request's prompt), one C-speed conversion otherwise (a list of ints). int64 rather than int32
+of a request's prompt), one C-speed conversion otherwise (a list of ints: `np.fromiter`, the fastest
+of the conversions measured in docs/BENCHMARKS.md section 8). int64 rather than int32
 because the arrays callers hold are int64 (SGLang's and the benchmark's `array('q')`, numpy's default),
 so their buffers are used as they are; token ids outside int64 are an error, not a silent wrap.
 
@@ -27,6 +28,7 @@ import numpy as np
 
 TOKEN_BYTES = 8  # int64
 _INT64_FORMATS = frozenset({"q", "l", "<q", "<l", "=q", "=l", "@q", "@l"})
+_INT64_MAX = np.iinfo(np.int64).max
 
 Packed = bytes | memoryview  # a flat byte view ('B') of int64 token ids
 
@@ -55,6 +57,14 @@ class PackedTokens:
         """Length in tokens of the longest common prefix with `other`, at memcmp speed."""
         return common_pages(self._bytes, other._view, 0, TOKEN_BYTES)
 
+    def prefix_of(self, sequence: Sequence[int] | np.ndarray, n: int) -> memoryview:
+        """The first n tokens of `sequence`, which starts with these tokens (a request's prompt, then
+        its output), packed: these tokens are reused as they are and only the rest is converted, so a
+        request's prompt is converted once however often its sequence is cached."""
+        if n <= self._tokens:
+            return self.view(n)
+        return memoryview(b"".join((self._bytes, pack(sequence[self._tokens : n]))))
+
 
 # What the tree's match and insert take: token ids in any container, or already packed.
 Tokens = Sequence[int] | np.ndarray | PackedTokens | Packed
@@ -64,11 +74,12 @@ def _copy_packed(tokens: Tokens) -> bytes | memoryview:
     view = _as_buffer(tokens)
     if view is not None:
         return view
-    if isinstance(tokens, np.ndarray):
-        return _numpy_int64(tokens).data.cast("B")
     if hasattr(tokens, "numpy") and hasattr(tokens, "dtype"):  # a CPU torch tensor, without importing torch
-        return _numpy_int64(tokens.numpy()).data.cast("B")  # type: ignore[union-attr]
-    return memoryview(array("q", tokens)).cast("B")
+        tokens = tokens.numpy()  # type: ignore[union-attr]
+    if isinstance(tokens, (np.ndarray, array)):  # an array keeps its element type ('i': int32, 'Q': uint64)
+        return _numpy_int64(np.asarray(tokens)).data.cast("B")
+    # Python ints, range-checked (OverflowError). NOTE: numpy would truncate a float; ids are ints.
+    return np.fromiter(tokens, np.int64, len(tokens)).data.cast("B")  # type: ignore[arg-type]
 
 
 def _numpy_int64(arr: np.ndarray) -> np.ndarray:
@@ -76,6 +87,8 @@ def _numpy_int64(arr: np.ndarray) -> np.ndarray:
         raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
         raise TypeError(f"tokens must be integers, got dtype {arr.dtype}")
+    if arr.size and arr.dtype == np.uint64 and int(arr.max()) > _INT64_MAX:
+        raise OverflowError("token ids must fit in int64")  # astype would wrap them
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 

@@ -226,7 +226,9 @@ class PrefixCache:
         n = len(tokens) - len(tokens) % self.page_size
         if not self.enabled or n == 0:
             return
-        key = handle.packed_prompt.view(n) if tokens is handle.prompt else tokens[:n]  # packed once per prompt
+        # `tokens` is the request's sequence, its prompt first: the prompt is packed once per request
+        # and only what follows it (the output, at release) is converted here.
+        key = handle.packed_prompt.prefix_of(tokens, n)
         res = self.device.insert(key, handle.pages[: n // self.page_size], handle.namespace, handle.rotation)
         if res.refused:  # another placement of these tokens is cached: this request keeps its own pages
             return

@@ -18,7 +18,9 @@ Contracts:
   one memcmp, and a divergence is found by bisecting pages with memcmps, so no step loops over pages
   or tokens in Python. Children are keyed by their first page's bytes.
 - Recency is a logical clock, not wall time, so ranks that apply the same operations in the same order
-  make the same eviction choices.
+  make the same eviction choices. The candidates of each eviction are kept across calls
+  (radix_lru.py), so an eviction costs O(log tree) per node it takes, not O(tree) per call; every
+  change below that can make a node a candidate, or touches one, offers it there.
 - Sharded pages (`num_classes` N > 1, hicache/dist/placement.py): every shard rank keeps this same tree
   with the same logical page ids. A root's subtree has one rotation base (tree_node.py); an insert
   whose base differs from the cached path's is refused whole, never grafted. Evictable device pages
@@ -27,12 +29,12 @@ Contracts:
 
 from __future__ import annotations
 
-import heapq
 import itertools
 from collections import Counter
 from typing import Callable, Iterable, Iterator
 
 from hicache.cache.page_keys import TOKEN_BYTES, Tokens, common_pages, pack
+from hicache.cache.radix_lru import LRUCandidates
 from hicache.cache.tree_node import InsertResult, MatchResult, TreeNode
 from hicache.debug.consensus_checker import consensus_checked
 
@@ -51,6 +53,8 @@ class RadixTree:
         self._free_device = on_device_free
         self._free_host = on_host_free
         self._clock = itertools.count(1)
+        self._device_lru = LRUCandidates(self._device_leaf)
+        self._host_lru = LRUCandidates(self._host_leaf)
         self.reset()
 
     def reset(self) -> None:
@@ -60,6 +64,8 @@ class RadixTree:
         self.protected_pages = 0  # device pages of locked nodes
         self.evictable_by_class = [0] * self.num_classes
         self.protected_by_class = [0] * self.num_classes
+        self._device_lru.clear()
+        self._host_lru.clear()
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -96,6 +102,10 @@ class RadixTree:
                 last_device = node
             else:
                 host_nodes.append(node)
+        # Only these two can be candidates: every other node of the path has a child on it.
+        self._device_lru.offer(last_device)
+        if host_nodes:
+            self._host_lru.offer(host_nodes[-1])
         return MatchResult(device_pages, last_device, host_nodes, self.page_size)
 
     def _walk(self, query: memoryview, namespace: str) -> list[TreeNode]:
@@ -206,6 +216,7 @@ class RadixTree:
             tree_pages.extend(child.device_pages)  # type: ignore[arg-type]
             new_nodes.append(child)
             parent = child
+        self._device_lru.offer(parent)  # the path is on the device now: only its end can be a leaf there
         return InsertResult(tree_pages, parent, new_nodes)
 
     def insert_host(self, tokens: Tokens, host_pages: list[int], namespace: str = "", rotation: int = 0) -> list[int]:
@@ -237,6 +248,7 @@ class RadixTree:
             child = TreeNode(bytes(query[covered * self._page_bytes :]), None, parent, rest, rotation=rotation)
             child.last_access = next(self._clock)
             parent.children[self._child_key(child.key)] = child
+            self._host_lru.offer(child)
         return rejected
 
     def attach_device(self, node: TreeNode, device_pages: list[int]) -> None:
@@ -245,6 +257,7 @@ class RadixTree:
         assert node.parent is not None and (node.parent.is_root or node.parent.on_device)
         node.device_pages = list(device_pages)
         self._account_device(node, +1)
+        self._device_lru.offer(node)
 
     def lock(self, node: TreeNode) -> None:
         while node is not None and not node.is_root:
@@ -262,6 +275,8 @@ class RadixTree:
             if node.lock_ref == 0:
                 self._evictable(node, +1)
                 self._protected(node, -1)
+                self._device_lru.offer(node)
+                self._host_lru.offer(node)
             node = node.parent  # type: ignore[assignment]
 
     def detach_device(self, nodes: Iterable[TreeNode]) -> list[int]:
@@ -283,11 +298,14 @@ class RadixTree:
             self._account_device(node, -1)
             taken.extend(node.device_pages or [])
             node.device_pages = None
+            self._host_lru.offer(node)
+            self._device_lru.offer(node.parent)  # type: ignore[arg-type]
         return taken
 
     # ---- eviction ------------------------------------------------------------------------------
 
     def _device_leaf(self, node: TreeNode) -> bool:
+        """A candidate for device eviction."""
         return (
             node.on_device
             and node.lock_ref == 0
@@ -295,29 +313,30 @@ class RadixTree:
             and not any(c.on_device for c in node.children.values())
         )
 
+    @staticmethod
+    def _host_leaf(node: TreeNode) -> bool:
+        """A candidate for host eviction."""
+        return node.host_pages is not None and not node.on_device and node.lock_ref == 0 and not node.children
+
     @consensus_checked(params=("num_pages",), results=("result",))
     def evict(self, num_pages: int, keep_if: Callable[[TreeNode], bool] | None = None) -> int:
         """Free at least `num_pages` device pages, least recently used first. A node whose KV is on the
         host (or that `keep_if` backs up there, for write-back) stays as host-only; others are removed.
         Returns the number of device pages freed (less when not enough is evictable)."""
-        heap = [(n.last_access, n.id, n) for n in self.nodes() if self._device_leaf(n)]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_pages and heap:
-            _, _, node = heapq.heappop(heap)
+        while freed < num_pages and (node := self._device_lru.pop()) is not None:
             pages = node.device_pages or []
             self._account_device(node, -1)
             freed += len(pages)
-            if node.backed_up or (keep_if is not None and keep_if(node)):
-                node.device_pages = None
-                self._free_device(pages)
-            else:
-                node.device_pages = None
-                self._free_device(pages)
-                self._remove_subtree(node)
+            keep = node.backed_up or (keep_if is not None and keep_if(node))
+            node.device_pages = None
+            self._free_device(pages)
             parent = node.parent
-            if parent is not None and self._device_leaf(parent):
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+            if keep:
+                self._host_lru.offer(node)
+            else:
+                self._remove_subtree(node)
+            self._device_lru.offer(parent)  # type: ignore[arg-type]
         return freed
 
     def _remove_subtree(self, node: TreeNode) -> None:
@@ -330,26 +349,18 @@ class RadixTree:
             assert not n.on_device or n is node, "device residency must be a prefix of every path"
             if n.host_pages is not None and self._free_host is not None:
                 self._free_host(n.host_pages)
-                n.host_pages = None
+            n.host_pages = None  # gone from both tiers: a stale candidate entry must never look current
             stack.extend(n.children.values())
 
     @consensus_checked(params=("num_pages",), results=("result",))
     def evict_host(self, num_pages: int) -> int:
         """Free at least `num_pages` host pages from host-only, unlocked leaves, LRU first."""
-
-        def candidate(n: TreeNode) -> bool:
-            return n.host_pages is not None and not n.on_device and n.lock_ref == 0 and not n.children
-
-        heap = [(n.last_access, n.id, n) for n in self.nodes() if candidate(n)]
-        heapq.heapify(heap)
         freed = 0
-        while freed < num_pages and heap:
-            _, _, node = heapq.heappop(heap)
+        while freed < num_pages and (node := self._host_lru.pop()) is not None:
             freed += len(node.host_pages or [])
             parent = node.parent
             self._remove_subtree(node)
-            if parent is not None and not parent.is_root and candidate(parent):
-                heapq.heappush(heap, (parent.last_access, parent.id, parent))
+            self._host_lru.offer(parent)  # type: ignore[arg-type]
         return freed
 
     # ---- inspection ----------------------------------------------------------------------------

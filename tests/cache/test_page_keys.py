@@ -6,6 +6,7 @@ tokens come in and whatever the page size."""
 from array import array
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -40,6 +41,12 @@ def test_pack_is_the_same_bytes_for_every_container(ids, kind):
     assert key_digest(bytes(packed)) == key_digest(packed)
 
 
+def test_out_of_int64_is_an_error():
+    for ids in ([2**63], [-(2**63) - 1], np.array([2**63], dtype=np.uint64), array("Q", [2**63])):
+        with pytest.raises(OverflowError):
+            pack(ids)
+
+
 @given(small, small, st.integers(1, 5), st.integers(0, 6))
 def test_common_pages_equals_page_by_page(key, query, page, skip):
     key = key[: len(key) - len(key) % page]
@@ -59,6 +66,14 @@ def test_common_prefix_of_packed_prompts(a, b):
     while expected < min(len(a), len(b)) and a[expected] == b[expected]:
         expected += 1
     assert PackedTokens(a).common_prefix(PackedTokens(b)) == expected
+
+
+@given(small, small, st.integers(0, 50), st.sampled_from(sorted(set(CONTAINERS) - {"packed"})))
+def test_prefix_of_a_sequence_packs_only_its_rest(prompt, output, n, kind):
+    sequence = prompt + output  # a request's: its prompt, then its output
+    n = min(n, len(sequence))
+    packed = PackedTokens(CONTAINERS[kind](prompt)).prefix_of(CONTAINERS[kind](sequence), n)
+    assert bytes(packed) == bytes(pack(sequence[:n]))
 
 
 def naive_match(inserted: set, ids: list[int], ns: str, page: int) -> int:
