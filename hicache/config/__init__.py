@@ -273,9 +273,11 @@ class EngineConfig(FromArgs):
     context_length: int | None = None
     device: str = "auto"
     dtype: str = "auto"
-    # auto: the checkpoint's quantized tensors stay quantized where the kernels are fast (bf16 on a
-    # CPU); none: every weight dense; int8 / int4: every linear weight in that format.
-    quantization: str = "auto"
+    # none: every weight dense; auto: the checkpoint's quantized tensors stay quantized where the
+    # kernels are fast (bf16 on a CPU); int8 / int4: every linear weight in that format. Dense is the
+    # default because prefill is what a prefix cache serves: on smollm2 `auto` decodes 1.4x faster but
+    # prefills at 0.7x (docs/BENCHMARKS.md section 10).
+    quantization: str = "none"
     disable_radix_cache: bool = False
     default_max_new_tokens: int = 128
     request_timeout: float = 0.0  # seconds from submission; 0: none

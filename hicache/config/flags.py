@@ -22,9 +22,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     g.add_argument("--dtype", default=d.dtype, help="auto, float32 or bfloat16")
     g.add_argument("--quantization", default=d.quantization,
-                   help="weight format of the linear layers: auto keeps a GGUF's quantized tensors quantized "
-                        "(int4 for Q4_1, int8 for Q8_0) with bfloat16 activations, none dequantizes every weight, "
-                        "int8/int4 quantize every linear weight")
+                   help="weight format of the linear layers: none (every weight dense, the default), auto (a GGUF's "
+                        "quantized tensors stay quantized: int4 for Q4_1, int8 for Q8_0, with bfloat16 activations; "
+                        "faster decode, slower prefill), int8 or int4 (every linear weight in that format)")
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse at all")
     g.add_argument("--request-timeout", type=float, default=d.request_timeout,
                    help="fail a request not finished this many seconds after submission (0: never)")

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from benchmarks.reference_agreement import agreement
-from hicache import Engine
+from hicache import Engine, SamplingParams
 from hicache.model import ops
 from tests.fixtures import SMOLLM2_REFERENCE
 
@@ -30,3 +30,23 @@ def test_checkpoint_formats_agree_with_the_reference():
         a = agreement(engine, reference)
     assert a["outside_top5"] == 0, a
     assert a["top1"] >= 0.9 and a["top5_overlap"] >= 0.93 and a["max_regret"] <= 0.3, a
+
+
+@pytest.mark.skipif(not all(ops.BACKENDS[n].available(torch.bfloat16, CPU) for n in ("int4pack", "int8pack")),
+                    reason="no packed int4/int8 CPU kernels for bf16 in this torch build")  # fmt: skip
+def test_a_conversation_with_the_cache_equals_it_without_in_checkpoint_formats():
+    # Turn 2 resends turn 1 and its answer: with the cache their KV comes from decode steps and the
+    # tree, without it from one prefill; the packed kernels must round a row alike in both.
+    reference = json.loads(SMOLLM2_REFERENCE.read_text())
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    flags = dict(model="smollm2", dtype="bfloat16", quantization="auto", max_total_tokens=4096)
+    outputs = []
+    for cache_off in (False, True):
+        with Engine(disable_radix_cache=cache_off, **flags) as engine:
+            turns = []
+            for case in reference["cases"][:2]:
+                first = engine.generate([case["prompt_ids"]], params)[0].token_ids
+                follow = case["prompt_ids"] + first + case["greedy_ids"][:5]
+                turns.append((first, engine.generate([follow], params)[0].token_ids))
+            outputs.append(turns)
+    assert outputs[0] == outputs[1]
