@@ -12,21 +12,10 @@ from hypothesis import strategies as st
 
 from hicache.cache import radix_lru
 from hicache.cache.radix import RadixTree, TreeNode
-from tests.cache.test_radix_tiers import DEVICE_PAGES, HOST_PAGES, PAGE, Tiers, seqs
+from tests.cache.test_radix_tiers import DEVICE_PAGES, HOST_PAGES, OPERATIONS, PAGE, Tiers
 
 ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("insert"), seqs),
-        st.tuples(st.just("insert_host"), seqs),
-        st.tuples(st.just("backup"), st.integers(0, 50)),
-        st.tuples(st.just("match"), seqs),
-        st.tuples(st.just("lock"), seqs),
-        st.tuples(st.just("unlock"), st.integers(0, 10)),
-        st.tuples(st.just("evict"), st.integers(1, 10)),
-        st.tuples(st.just("evict_host"), st.integers(1, 10)),
-        st.tuples(st.just("load"), seqs),
-        st.tuples(st.just("detach"), st.integers(0, 50)),
-    ),
+    st.one_of(*OPERATIONS, st.tuples(st.just("detach"), st.integers(0, 50))),
     max_size=60,
 )
 
@@ -111,20 +100,7 @@ def test_eviction_order_equals_a_full_rebuild(min_compact, operations):
     with mock.patch.object(radix_lru, "_MIN_COMPACT", min_compact):
         t = CheckedTiers()
     for op, arg in operations:
-        if op in ("insert", "insert_host", "backup", "load", "detach"):
-            getattr(t, op)(arg)
-        elif op == "match":
-            t.check_match(arg)
-        elif op == "lock":
-            m = t.check_match(arg)
-            t.tree.lock(m.last_node)
-            t.locks.append((m.last_node, list(arg[: m.num_tokens + m.host_tokens])))
-        elif op == "unlock" and t.locks:
-            t.tree.unlock(t.locks.pop(arg % len(t.locks))[0])
-        elif op == "evict":
-            t.tree.evict(arg)
-        elif op == "evict_host":
-            t.tree.evict_host(arg)
+        t.apply(op, arg)
         t.check_invariants()
     for node, _ in t.locks:
         t.tree.unlock(node)

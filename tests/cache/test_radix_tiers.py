@@ -13,20 +13,18 @@ DEVICE_PAGES = 24
 HOST_PAGES = 32
 
 seqs = st.lists(st.integers(0, 2), min_size=0, max_size=6 * PAGE)
-ops = st.lists(
-    st.one_of(
-        st.tuples(st.just("insert"), seqs),
-        st.tuples(st.just("insert_host"), seqs),
-        st.tuples(st.just("backup"), st.integers(0, 50)),
-        st.tuples(st.just("match"), seqs),
-        st.tuples(st.just("lock"), seqs),
-        st.tuples(st.just("unlock"), st.integers(0, 10)),
-        st.tuples(st.just("evict"), st.integers(1, 10)),
-        st.tuples(st.just("evict_host"), st.integers(1, 10)),
-        st.tuples(st.just("load"), seqs),
-    ),
-    max_size=40,
+OPERATIONS = (  # what `Tiers.apply` runs
+    st.tuples(st.just("insert"), seqs),
+    st.tuples(st.just("insert_host"), seqs),
+    st.tuples(st.just("backup"), st.integers(0, 50)),
+    st.tuples(st.just("match"), seqs),
+    st.tuples(st.just("lock"), seqs),
+    st.tuples(st.just("unlock"), st.integers(0, 10)),
+    st.tuples(st.just("evict"), st.integers(1, 10)),
+    st.tuples(st.just("evict_host"), st.integers(1, 10)),
+    st.tuples(st.just("load"), seqs),
 )
+ops = st.lists(st.one_of(*OPERATIONS), max_size=40)
 
 
 class Tiers:
@@ -124,6 +122,24 @@ class Tiers:
             assert self.host_content[p] == tuple(tokens[: (base + i + 1) * PAGE])
         return m
 
+    def apply(self, op, arg):
+        """One operation of the `ops` strategy (methods of this class or of a subclass, like detach)."""
+        if op == "match":
+            self.check_match(arg)
+        elif op == "lock":
+            m = self.check_match(arg)
+            self.tree.lock(m.last_node)
+            self.locks.append((m.last_node, list(arg[: m.num_tokens + m.host_tokens])))
+        elif op == "unlock":
+            if self.locks:
+                self.tree.unlock(self.locks.pop(arg % len(self.locks))[0])
+        elif op == "evict":
+            self.tree.evict(arg)
+        elif op == "evict_host":
+            self.tree.evict_host(arg)
+        else:
+            getattr(self, op)(arg)
+
     def check_invariants(self):
         for node in self.tree.nodes():
             assert node.on_device or node.host_pages is not None, "a node on neither tier must be gone"
@@ -138,20 +154,7 @@ class Tiers:
 def test_tiers_against_content_oracle(operations):
     t = Tiers()
     for op, arg in operations:
-        if op in ("insert", "insert_host", "backup", "load"):
-            getattr(t, op)(arg)
-        elif op == "match":
-            t.check_match(arg)
-        elif op == "lock":
-            m = t.check_match(arg)
-            t.tree.lock(m.last_node)
-            t.locks.append((m.last_node, list(arg[: m.num_tokens + m.host_tokens])))
-        elif op == "unlock" and t.locks:
-            t.tree.unlock(t.locks.pop(arg % len(t.locks))[0])
-        elif op == "evict":
-            t.tree.evict(arg)
-        elif op == "evict_host":
-            t.tree.evict_host(arg)
+        t.apply(op, arg)
         t.check_invariants()
         for _, tokens in t.locks:
             m = t.check_match(tokens)
