@@ -31,14 +31,14 @@ from hicache.model.shift import TokenShiftModel
 ARCHITECTURES: dict[str, type[LlamaModel]] = {"llama": LlamaModel, TOKEN_SHIFT: TokenShiftModel}
 from hicache.model.mla import MLAConfig, MLAModel
 
-
 logger = logging.getLogger(__name__)
 
 QUANTIZATIONS = ("auto", "none", "int8", "int4")
 CHECKPOINT = "checkpoint"  # each weight in its checkpoint's own format: Q4_1 -> int4, Q8_0 -> int8, else dense
 
 
-def _kernel_available(fmt: str, dtype: torch.dtype, device: torch.device) -> bool:
+def kernel_available(fmt: str, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether some backend runs weights of format `fmt` with `dtype` activations on `device`."""
     return any(b.weight_format == fmt and b.available(dtype, device) for b in ops.BACKENDS.values())
 
 
@@ -53,13 +53,13 @@ def resolve_quantization(requested: str, loaded: LoadedModel, dtype: torch.dtype
     if requested == "none":
         return "none"
     if requested in quant.FORMATS:
-        if not _kernel_available(requested, dtype, device):
+        if not kernel_available(requested, dtype, device):
             raise UserError(f"--quantization {requested}: no {requested} weight-only kernel for "
                             f"{str(dtype).removeprefix('torch.')} on {device.type} in this torch build")  # fmt: skip
         return requested
     formats = {w.bits for w in loaded.quantized.values()}
     if not formats or dtype != torch.bfloat16 or not all(
-        _kernel_available("int4" if bits == 4 else "int8", dtype, device) for bits in formats
+        kernel_available("int4" if bits == 4 else "int8", dtype, device) for bits in formats
     ):
         return "none"
     return CHECKPOINT

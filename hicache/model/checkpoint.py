@@ -13,8 +13,8 @@ from typing import Iterable, Sequence
 import torch
 
 from hicache.errors import UserError
-from hicache.model.quant import QuantizedWeight
 from hicache.model.config import LoadedModel, ModelConfig
+from hicache.model.quant import QuantizedWeight
 from hicache.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -19,11 +19,12 @@ import torch
 
 from hicache.dist.parallel import ParallelContext
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.model import ops, quant
+from hicache.model import ops
 from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.build import CHECKPOINT, build_decoder, with_weight_format
 from hicache.model.invariance import feed, probe_inputs
 from hicache.model.loader import load_model
+from tests.model.test_quant import BF16_KERNELS
 
 VARIANT_ENV = "HICACHE_INVARIANCE_VARIANT"
 VARIANTS = {
@@ -51,8 +52,7 @@ def model(request, loaded):
     fmt = fmt or "none"
     if fmt not in FORMATS[loaded.name]:
         pytest.skip(f"{loaded.name} is not run with {fmt} weights")
-    if fmt != "none" and not all(b.available(torch.bfloat16, torch.device("cpu"))
-                                 for b in ops.BACKENDS.values() if b.weight_format in quant.FORMATS):  # fmt: skip
+    if fmt != "none" and not BF16_KERNELS:
         pytest.skip("no int8/int4 kernels for bf16 activations in this torch build")
     m = build_decoder(with_weight_format(loaded, fmt), ParallelContext(), getattr(torch, dtype), torch.device("cpu"))
     assert m.invariance.verified, m.invariance.detail

@@ -9,12 +9,12 @@ from hypothesis import strategies as st
 
 from hicache.errors import UserError
 from hicache.model import ops, quant
-from hicache.model.build import CHECKPOINT, LinearFactory, resolve_quantization, with_weight_format
+from hicache.model.build import CHECKPOINT, LinearFactory, kernel_available, resolve_quantization, with_weight_format
 from hicache.model.calibration import LinearPlanner, plan_passes
 from hicache.model.loader import load_model
 
 CPU = torch.device("cpu")
-BF16_KERNELS = all(ops.BACKENDS[n].available(torch.bfloat16, CPU) for n in ("int4pack", "int8pack"))
+BF16_KERNELS = all(kernel_available(fmt, torch.bfloat16, CPU) for fmt in quant.FORMATS)
 needs_kernels = pytest.mark.skipif(not BF16_KERNELS, reason="no packed int4/int8 CPU kernels in this torch build")
 
 

@@ -10,19 +10,13 @@ scrambled nibble order or a dropped zero point puts most picks outside the top-5
 
 import json
 
-import pytest
-import torch
-
 from benchmarks.reference_agreement import agreement
 from hicache import Engine, SamplingParams
-from hicache.model import ops
 from tests.fixtures import SMOLLM2_REFERENCE
+from tests.model.test_quant import needs_kernels
 
-CPU = torch.device("cpu")
 
-
-@pytest.mark.skipif(not all(ops.BACKENDS[n].available(torch.bfloat16, CPU) for n in ("int4pack", "int8pack")),
-                    reason="no packed int4/int8 CPU kernels for bf16 in this torch build")  # fmt: skip
+@needs_kernels
 def test_checkpoint_formats_agree_with_the_reference():
     reference = json.loads(SMOLLM2_REFERENCE.read_text())
     with Engine(model="smollm2", dtype="bfloat16", quantization="auto", max_total_tokens=4096) as engine:
@@ -32,8 +26,7 @@ def test_checkpoint_formats_agree_with_the_reference():
     assert a["top1"] >= 0.9 and a["top5_overlap"] >= 0.93 and a["max_regret"] <= 0.3, a
 
 
-@pytest.mark.skipif(not all(ops.BACKENDS[n].available(torch.bfloat16, CPU) for n in ("int4pack", "int8pack")),
-                    reason="no packed int4/int8 CPU kernels for bf16 in this torch build")  # fmt: skip
+@needs_kernels
 def test_a_conversation_with_the_cache_equals_it_without_in_checkpoint_formats():
     # Turn 2 resends turn 1 and its answer: with the cache their KV comes from decode steps and the
     # tree, without it from one prefill; the packed kernels must round a row alike in both.
