@@ -10,7 +10,9 @@ from hicache.model.config import LoadedModel
 BUILTIN = ("tiny", "smollm2", "tiny-mla")
 
 
-def load_model(name: str) -> LoadedModel:
+def load_model(name: str, keep_codes: bool = True) -> LoadedModel:
+    """`keep_codes`: a quantized checkpoint's integer codes too (`LoadedModel.quantized`), for
+    `--quantization` other than none."""
     if name == "tiny":
         from hicache.model.tiny import load_tiny
 
@@ -22,7 +24,7 @@ def load_model(name: str) -> LoadedModel:
     if name == "smollm2":
         from hicache.model.gguf_loader import load_gguf, smollm2_path
 
-        return load_gguf(smollm2_path(), name)
+        return load_gguf(smollm2_path(), name, keep_codes)
     if os.path.isdir(name):
         from hicache.model.hf_loader import load_hf_dir
 
@@ -30,7 +32,7 @@ def load_model(name: str) -> LoadedModel:
     if name.endswith(".gguf") and os.path.isfile(name):
         from hicache.model.gguf_loader import load_gguf
 
-        return load_gguf(name, name)
+        return load_gguf(name, name, keep_codes)
     raise UserError(
         f"unknown model {name!r}: use tiny, tiny-mla, smollm2, a .gguf file or a Hugging Face model directory"
     )

@@ -117,7 +117,7 @@ def check_invariance(cfg: EngineConfig, report: InvarianceReport) -> None:
 
 def load_engine_model(cfg: EngineConfig) -> LoadedModel:
     """The model `cfg` names, to be built in the weight format its `--quantization` resolves to here."""
-    loaded = load_model(cfg.model)
+    loaded = load_model(cfg.model, keep_codes=cfg.quantization != "none")
     resolved = resolve_quantization(cfg.quantization, loaded, cfg.resolved_dtype(), cfg.resolved_device())
     logger.info("weights of %s: quantization %s -> %s", loaded.name, cfg.quantization, resolved)
     return with_weight_format(loaded, resolved)
