@@ -353,8 +353,8 @@ def _settle_and_check(url: str, report: SoakReport) -> None:
 
 def _server_faults(url: str) -> dict[str, int]:
     """What the server counted of the faults: corrupt objects read, failed loads recomputed, and so on."""
-    wanted = ("storage_corrupt", "storage_errors", "load_failed_pages", "load_timed_out_pages", "load_failed_requests",
-              "transfer_failures")  # fmt: skip
+    wanted = ("storage_corrupt", "storage_errors", "storage_put_failed_pages", "storage_put_retried_pages",
+              "load_failed_pages", "load_timed_out_pages", "load_failed_requests", "transfer_failures")  # fmt: skip
     counts = {}
     for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
         value = int(float(line.rsplit(" ", 1)[-1])) if line and not line.startswith("#") else 0

@@ -88,7 +88,10 @@ class HierarchicalCache(PrefixCache):
 
     def _on_admitted(self, handle: KVHandle) -> None:
         assert handle.lock is not None
-        self.host.on_hit(self.tree.path_to_root(handle.lock))
+        path = self.tree.path_to_root(handle.lock)
+        self.host.on_hit(path)
+        if self.storage is not None:
+            self.storage.retry_failed_puts(path)
 
     def _on_new_nodes(self, nodes: list[TreeNode]) -> None:
         self.host.on_new_nodes(nodes)

@@ -66,6 +66,8 @@ class PrefetchStats:
 @dataclass
 class StorageTierStats:
     put_pages: int = 0  # pages queued for storage (content addressing may skip some)
+    put_failed_pages: int = 0  # queued pages whose put found the store unavailable
+    put_retried_pages: int = 0  # of those, put again when a request reused them and the store was back
     prefetch: PrefetchStats = field(default_factory=PrefetchStats)
     store: StorageStats = field(default_factory=StorageStats)  # what the store itself saw
 

@@ -24,9 +24,11 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hicache.disagg.upstreams import Pairing, Upstream
 from hicache.errors import error_body
+from hicache.server.errors import client_gone
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +195,7 @@ def create_router_app(pairing: Pairing, client: httpx.AsyncClient) -> FastAPI:
         return _error(500, f"internal router error: {type(exc).__name__}")
 
     app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnect, client_gone)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, unexpected)
 
     @app.post("/v1/completions")

@@ -12,12 +12,13 @@ from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hicache.errors import UserError, error_body
 
-__all__ = ["APIError", "error_body", "error_response", "install_error_handlers"]
+__all__ = ["APIError", "client_gone", "error_body", "error_response", "install_error_handlers"]
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +36,13 @@ class APIError(Exception):
 def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
     headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
+
+
+async def client_gone(request: Request, _: ClientDisconnect) -> Response:
+    """A client that closed its connection before its body arrived (a router that cancelled its copy of a
+    request, a killed curl) made no request to answer: nothing ran, so there is nothing to report."""
+    logger.info("client left while sending %s %s", request.method, request.url.path)
+    return Response(status_code=499)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -80,4 +88,5 @@ def install_error_handlers(app: FastAPI, on_rejected: Callable[[Request], None])
     app.add_exception_handler(UserError, user_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnect, client_gone)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, unexpected)

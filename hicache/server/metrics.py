@@ -75,7 +75,8 @@ def _tier_counters(stats: CacheStats) -> Iterator[Metric]:
         if part is not None:
             counts.update(dataclasses.asdict(part))
     if stats.storage is not None:
-        counts["storage_put_pages"] = stats.storage.put_pages
+        tier = dataclasses.asdict(stats.storage)  # its own counters (the nested ones come below)
+        counts.update({f"storage_{name}": n for name, n in tier.items() if isinstance(n, int)})
         counts.update({f"storage_{name}": n for name, n in dataclasses.asdict(stats.storage.store).items()})
         prefetch = stats.storage.prefetch
         for stage in sorted(PREFETCH_STAGES):

@@ -68,6 +68,12 @@ class VerifiedStore:
         self._available = True  # only to log outage transitions once, not once per call
 
     @property
+    def available(self) -> bool:
+        """Whether the last call reached the backend (a write that failed waits for this to retry)."""
+        with self._lock:
+            return self._available
+
+    @property
     def stats(self) -> StorageStats:
         objects, nbytes = self.backend.evictions()
         with self._lock:

@@ -186,3 +186,55 @@ def test_content_addressing_writes_a_page_once(backend):
     tier.put(settle(tier.host)).done.wait()
     assert tier.store.stats.puts == 0, "storage tier: wrote again what the store had"
     assert tier.stats.put_pages == 6
+
+
+def test_a_put_during_an_outage_is_put_again_once_the_store_answers(redis_server):  # noqa: F811
+    """Pages whose put found Redis down (a restart) are remembered; while it is down a request that
+    reuses them tries again at most once a second; once the store answers, they are put again, once,
+    and a new server reads them back."""
+    backend = {"hicache_storage_backend": "redis", "hicache_storage_url": redis_server.url}
+    tier, device = storage_tier(backend)
+    tier.host.on_new_nodes(compute(device, STORED))
+    backed_up = settle(tier.host)
+    path = tier.tree.path_to_root(tier.tree.match_prefix(STORED).last_device_node)
+    redis_server.stop()
+    tier.put(backed_up).done.wait()
+    probe = tier.retry_failed_puts(path)
+    assert probe is not None, "storage tier: a put that failed was never tried again"
+    probe.done.wait()
+    assert tier.retry_failed_puts(path) is None, "storage tier: retried at once while the store was down"
+    assert (tier.stats.put_failed_pages, tier.stats.put_retried_pages, tier.store.stats.puts) == (12, 6, 0)
+    redis_server.start()  # empty: what was put before the outage is gone too
+    # A request that goes beyond the cached prefix looks storage up: that call finds the store back.
+    prefetch(tier, rid=2, prompt=STORED + list(range(500, 500 + 2 * PAGE + 1)))
+    tier.cancel(2)
+    retry = tier.retry_failed_puts(path)
+    assert retry is not None, "storage tier: the failed put was not retried once the store answered"
+    retry.done.wait()
+    assert (tier.stats.put_retried_pages, tier.store.stats.puts) == (12, 6)
+    assert tier.retry_failed_puts(path) is None, "storage tier: put the same pages again"
+    assert_read_back(backend)
+
+
+def test_shutdown_puts_what_an_outage_kept_out(redis_server):  # noqa: F811
+    backend = {"hicache_storage_backend": "redis", "hicache_storage_url": redis_server.url}
+    tier, device = storage_tier(backend)
+    tier.host.on_new_nodes(compute(device, STORED))
+    backed_up = settle(tier.host)
+    redis_server.stop()
+    tier.put(backed_up).done.wait()
+    redis_server.start()
+    _opened.remove(tier)
+    tier.host.shutdown()
+    tier.shutdown()
+    assert tier.store.stats.puts == 6, "storage tier: shutdown left out what the outage kept out"
+    assert_read_back(backend)
+
+
+def assert_read_back(backend: dict) -> None:
+    """A new server (an empty tree) finds the six pages in storage and reads their bytes back."""
+    fresh, _ = storage_tier(backend)
+    prefetch(fresh)
+    read_all(fresh)
+    assert fresh.consume(1, PROMPT, "").inserted == 6, "storage tier: a new server did not find the pages"
+    assert_host_kv(fresh.host.host, fresh.tree.match_prefix(STORED).host_pages, STORED, "storage")

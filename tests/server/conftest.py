@@ -10,17 +10,23 @@ from fastapi.testclient import TestClient
 
 from hicache import Engine
 from hicache.server.app import create_app
-from tests.server.server_harness import running_servers
+from tests.server.server_harness import ServerProcess, running_servers
 
 
 @pytest.fixture(scope="session")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """Base URLs of two servers shared by the end-to-end tests: `cache` (radix cache on) and `nocache`."""
+def server_processes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, ServerProcess]]:
+    """Two servers shared by the end-to-end tests: `cache` (radix cache on) and `nocache`."""
     log_dir = tmp_path_factory.mktemp("servers")
     with running_servers(log_dir, (), ("--disable-radix-cache",)) as (cache, nocache):
-        yield {"cache": cache.url, "nocache": nocache.url}
+        yield {"cache": cache, "nocache": nocache}
     for server in (cache, nocache):
         assert "Traceback" not in server.log.read_text(), f"the server logged an error:\n{server.log_tail()}"
+
+
+@pytest.fixture(scope="session")
+def servers(server_processes: dict[str, ServerProcess]) -> dict[str, str]:
+    """Base URLs of the shared servers."""
+    return {name: server.url for name, server in server_processes.items()}
 
 
 @pytest.fixture(scope="session")

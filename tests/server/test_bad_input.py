@@ -5,7 +5,10 @@ input by hand, then a few hundred random malformed bodies."""
 from __future__ import annotations
 
 import json
+import socket
+import time
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
@@ -13,6 +16,7 @@ from hypothesis import strategies as st
 
 from hicache import Engine
 from hicache.server.app import create_app
+from tests.server.server_harness import ServerProcess
 
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
@@ -278,3 +282,24 @@ def test_a_timed_out_request_is_a_504_and_the_server_keeps_serving():
             events = [line for line in stream.iter_lines() if line.startswith("data: ")]
         assert '"code": "timeout"' in events[-2] and events[-1] == "data: [DONE]"
         assert client.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
+
+
+def test_a_client_gone_while_sending_its_body_is_not_an_error(server_processes: dict[str, ServerProcess]) -> None:
+    """A router cancelling its copy of a request, or a killed curl, leaves a body half sent: the server
+    logs a line, not a traceback, and keeps serving."""
+    server = server_processes["cache"]
+    host, port = server.url.removeprefix("http://").split(":")
+    for _ in range(3):
+        with socket.create_connection((host, int(port))) as conn:
+            conn.sendall(
+                f"POST {COMPLETIONS} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                'Content-Length: 1000\r\n\r\n{"model": "tiny", "prompt": '.encode()
+            )
+    deadline = time.monotonic() + 10
+    while server.log.read_text().count("client left while sending") < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = server.log.read_text()
+    assert log.count(f"client left while sending POST {COMPLETIONS}") == 3, server.log_tail()
+    assert "Traceback" not in log, server.log_tail()
+    r = httpx.post(f"{server.url}{COMPLETIONS}", json={"model": "tiny", "prompt": "hi", "max_tokens": 2}, timeout=30)
+    assert r.status_code == 200, r.text
