@@ -91,7 +91,7 @@ class HierarchicalCache(PrefixCache):
         path = self.tree.path_to_root(handle.lock)
         self.host.on_hit(path)
         if self.storage is not None:
-            self.storage.retry_failed_puts(path)
+            self.storage.puts.retry(path)
 
     def _on_new_nodes(self, nodes: list[TreeNode]) -> None:
         self.host.on_new_nodes(nodes)
@@ -112,7 +112,7 @@ class HierarchicalCache(PrefixCache):
 
     def _put(self, nodes: list[TreeNode]) -> None:
         if self.storage is not None:
-            self.storage.put(nodes)
+            self.storage.puts.put(nodes)
 
     def before_layer(self) -> Callable[[int], None] | None:
         return self.host.before_layer()

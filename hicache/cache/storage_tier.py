@@ -1,11 +1,7 @@
 """The storage tier (DESIGN.md, "tiers"): content-addressed pages below host memory.
 
-- Puts: a node backed up to the host is queued for storage (batched, on the storage worker); pages the
-  store already holds are not written again. A put that finds the store unavailable (a Redis restart,
-  a full disk) is not lost for good: its page hashes are remembered (at most as many as the host pool
-  has pages) and put again while their host copy lasts: when a request reuses them (at once if the
-  store answers again, else at most once a second, as the probe that finds out), and at shutdown.
-  Otherwise a prefix every request shares, written once during an outage, would never reach storage.
+- Puts (storage_puts.py): a node backed up to the host is queued for storage; a put that found the
+  store down is put again.
 - Prefetch lifecycle (`Prefetch`): on arrival, the part of a prompt beyond the tree's match is looked up
   in storage (queried); if at least --hicache-storage-prefetch-threshold tokens are there, host pages
   are taken, only then (allocated), and the pages are read in the background (read). At admission the
@@ -34,14 +30,14 @@ import enum
 import logging
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Sequence
 
 from hicache.cache.controller import SupervisedWorker, TransferOp
 from hicache.cache.host_tier import HostTier
-from hicache.cache.radix import RadixTree, TreeNode
+from hicache.cache.radix import RadixTree
 from hicache.cache.stats import PrefetchLoss, StorageTierStats
+from hicache.cache.storage_puts import StoragePuts
 from hicache.cache.stores import part_store
 from hicache.config import HiCacheConfig
 from hicache.debug.consensus_checker import consensus_checked
@@ -51,7 +47,6 @@ from hicache.storage import StorageStats, VerifiedStore, page_hashes
 logger = logging.getLogger(__name__)
 
 PREFETCH_BATCH_PAGES = 8  # pages per storage read call: the unit at which a prefetch can be stopped
-RETRY_PROBE_INTERVAL_S = 1.0  # while the store is down, how often a retried put may find out it is back
 
 
 class PrefetchPolicy(str, enum.Enum):
@@ -112,7 +107,6 @@ class StorageTier:
         """`writes`: this rank is the elected writer of its pages' bytes (not a replica's)."""
         self.store = store
         self.host = host
-        self.writes = writes
         self.placement = host.host.placement
         # (store, host part) per object of a page, the target's first (host_group.py).
         parts = host.host.parts
@@ -129,97 +123,7 @@ class StorageTier:
         )
         self.prefetches: dict[int, Prefetch] = {}
         self.stats = StorageTierStats()
-        # Hashes of the pages whose put failed: appended by the worker, taken in by the scheduler into
-        # `unstored` (insertion-ordered, the oldest dropped beyond the host pool's pages).
-        self._failed_puts: deque[list[bytes]] = deque()
-        self.unstored: dict[bytes, None] = {}
-        self._last_retry = 0.0
-
-    # ---- puts ----------------------------------------------------------------------------------
-
-    def _node_hashes(self, node: TreeNode) -> list[bytes]:
-        """Chained storage hashes of a node's pages, computed once per node from its parent's."""
-        if node.hashes is None:
-            parent = node.parent
-            prior = None
-            if parent is not None and not parent.is_root:
-                prior = self._node_hashes(parent)[-1]
-            node.hashes = page_hashes(node.tokens, self.page_size, prior)
-        return node.hashes
-
-    def _own_pages(self, node: TreeNode) -> Iterator[tuple[bytes, int]]:
-        """(hash, host page) of the node's pages this rank writes: its own, once per distinct copy."""
-        if not self.writes:
-            return
-        pool = self.host.host
-        for digest, page in zip(self._node_hashes(node), node.host_pages or []):
-            if pool.owns(page):
-                yield digest, page
-
-    def put(self, nodes: list[TreeNode]) -> TransferOp | None:
-        """Queue the host copies of `nodes` for storage (the put, to wait for; None: nothing to put)."""
-        pages = [page for node in nodes for page in self._own_pages(node)]
-        self.stats.put_pages += len(pages)
-        return self._submit_put(pages)
-
-    def retry_failed_puts(self, path: list[TreeNode]) -> TransferOp | None:
-        """Put again the pages of `path` (a request's matched prefix) whose put found the store
-        unavailable (the put; None: nothing to retry, or the store is down and was tried just now)."""
-        self._take_in_failed_puts()
-        if not self.unstored:
-            return None
-        now = time.monotonic()
-        if not self.store.available and now - self._last_retry < RETRY_PROBE_INTERVAL_S:
-            return None
-        self._last_retry = now
-        pages = self._unstored_pages(path)
-        self.stats.put_retried_pages += len(pages)
-        return self._submit_put(pages)
-
-    def _unstored_pages(self, nodes: Iterable[TreeNode]) -> list[tuple[bytes, int]]:
-        """This rank's pages of `nodes` whose put failed, taken out of `unstored` (a retry that fails
-        too comes back in)."""
-        pages = []
-        for node in nodes:
-            if node.hashes is None or not node.backed_up:  # never put: a put needs both
-                continue
-            for digest, page in self._own_pages(node):
-                if digest in self.unstored:
-                    del self.unstored[digest]
-                    pages.append((digest, page))
-        return pages
-
-    def _take_in_failed_puts(self) -> None:
-        while self._failed_puts:
-            hashes = self._failed_puts.popleft()
-            self.stats.put_failed_pages += len(hashes)
-            self.unstored.update(dict.fromkeys(hashes))
-        # Beyond this many, the oldest can no longer have a host copy to put again.
-        for _ in range(len(self.unstored) - self.host.host.allocator.num_pages):
-            del self.unstored[next(iter(self.unstored))]
-
-    def _submit_put(self, pages: list[tuple[bytes, int]]) -> TransferOp | None:
-        op = self._put_op(pages)
-        return None if op is None else self.worker.submit(op)
-
-    def _put_op(self, pages: list[tuple[bytes, int]]) -> TransferOp | None:
-        if not pages:
-            return None
-        hashes = [digest for digest, _ in pages]
-        # A copy now: the host pages may be evicted and reused before the put runs.
-        payloads = [[part.payload(page) for _, page in pages] for _, part in self.parts]
-        parts, failed = self.parts, self._failed_puts
-
-        def run(_: TransferOp) -> None:
-            stored = True
-            for (store, _), part_payloads in zip(parts, payloads):
-                # Content-addressed: what another server (or an earlier run) stored need not be written again.
-                present = store.exists_prefix(hashes)
-                stored &= store.put_pages(hashes[present:], part_payloads[present:])
-            if not stored:
-                failed.append(hashes)
-
-        return TransferOp("storage_put", run)
+        self.puts = StoragePuts(self.parts, host, self.worker, self.stats, writes)
 
     # ---- prefetch: queried -> allocated -> read ------------------------------------------------
 
@@ -436,12 +340,7 @@ class StorageTier:
 
     def shutdown(self) -> None:
         self.worker.stop()  # the queued puts run first
-        # What an outage kept out of storage, while the host still has it: a server restarted after a
-        # store restart finds its prefixes there.
-        self._take_in_failed_puts()
-        last = self._put_op(self._unstored_pages(self.tree.nodes())) if self.unstored else None
-        if last is not None:
-            last.run(last)
+        self.puts.put_unstored()
         self.store.backend.close()
 
 

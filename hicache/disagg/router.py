@@ -28,7 +28,6 @@ from starlette.requests import ClientDisconnect
 
 from hicache.disagg.upstreams import Pairing, Upstream
 from hicache.errors import error_body
-from hicache.server.errors import client_gone
 
 logger = logging.getLogger(__name__)
 
@@ -193,6 +192,11 @@ def create_router_app(pairing: Pairing, client: httpx.AsyncClient) -> FastAPI:
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("router: unhandled error serving %s %s", request.method, request.url.path)
         return _error(500, f"internal router error: {type(exc).__name__}")
+
+    async def client_gone(request: Request, _: ClientDisconnect) -> Response:
+        # As the server's (hicache/server/errors.py): a client gone before its body arrived made no request.
+        logger.info("router: client left while sending %s %s", request.method, request.url.path)
+        return Response(status_code=499)
 
     app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
     app.add_exception_handler(ClientDisconnect, client_gone)  # type: ignore[arg-type]

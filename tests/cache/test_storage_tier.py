@@ -56,7 +56,7 @@ def store_pages(backend: dict, tokens: list[int]) -> None:
     """Compute `tokens`, back them up to the host and put them in storage, as a first server would."""
     tier, device = storage_tier(backend)
     tier.host.on_new_nodes(compute(device, tokens))
-    op = tier.put(settle(tier.host))
+    op = tier.puts.put(settle(tier.host))
     assert op is not None
     op.done.wait()
     assert not op.failed and tier.store.stats.puts == len(tokens) // PAGE, "storage tier: the put did not land"
@@ -183,7 +183,7 @@ def test_content_addressing_writes_a_page_once(backend):
     store_pages(backend, STORED)
     tier, device = storage_tier(backend)
     tier.host.on_new_nodes(compute(device, STORED))
-    tier.put(settle(tier.host)).done.wait()
+    tier.puts.put(settle(tier.host)).done.wait()
     assert tier.store.stats.puts == 0, "storage tier: wrote again what the store had"
     assert tier.stats.put_pages == 6
 
@@ -198,21 +198,21 @@ def test_a_put_during_an_outage_is_put_again_once_the_store_answers(redis_server
     backed_up = settle(tier.host)
     path = tier.tree.path_to_root(tier.tree.match_prefix(STORED).last_device_node)
     redis_server.stop()
-    tier.put(backed_up).done.wait()
-    probe = tier.retry_failed_puts(path)
+    tier.puts.put(backed_up).done.wait()
+    probe = tier.puts.retry(path)
     assert probe is not None, "storage tier: a put that failed was never tried again"
     probe.done.wait()
-    assert tier.retry_failed_puts(path) is None, "storage tier: retried at once while the store was down"
+    assert tier.puts.retry(path) is None, "storage tier: retried at once while the store was down"
     assert (tier.stats.put_failed_pages, tier.stats.put_retried_pages, tier.store.stats.puts) == (12, 6, 0)
     redis_server.start()  # empty: what was put before the outage is gone too
     # A request that goes beyond the cached prefix looks storage up: that call finds the store back.
     prefetch(tier, rid=2, prompt=STORED + list(range(500, 500 + 2 * PAGE + 1)))
     tier.cancel(2)
-    retry = tier.retry_failed_puts(path)
+    retry = tier.puts.retry(path)
     assert retry is not None, "storage tier: the failed put was not retried once the store answered"
     retry.done.wait()
     assert (tier.stats.put_retried_pages, tier.store.stats.puts) == (12, 6)
-    assert tier.retry_failed_puts(path) is None, "storage tier: put the same pages again"
+    assert tier.puts.retry(path) is None, "storage tier: put the same pages again"
     assert_read_back(backend)
 
 
@@ -222,7 +222,7 @@ def test_shutdown_puts_what_an_outage_kept_out(redis_server):  # noqa: F811
     tier.host.on_new_nodes(compute(device, STORED))
     backed_up = settle(tier.host)
     redis_server.stop()
-    tier.put(backed_up).done.wait()
+    tier.puts.put(backed_up).done.wait()
     redis_server.start()
     _opened.remove(tier)
     tier.host.shutdown()

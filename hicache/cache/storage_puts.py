@@ -1,0 +1,142 @@
+"""The storage tier's puts (DESIGN.md, "tiers"): a node backed up to the host is queued for storage
+(batched, on the storage worker) under its chained page hashes; pages the store already holds are not
+written again (content addressing: another server, or an earlier run, may have written them).
+
+A put that finds the store unavailable (a Redis restart, a full disk) is not lost for good: the worker
+hands back its page hashes, remembered here (`unstored`, at most as many as the host pool has pages:
+beyond that the oldest can have no host copy left), and put again from the host copy while it lasts:
+when a request reuses them (at once if the store answered its last call, else at most once a second, a
+try that is also the probe that finds out), and at shutdown. Otherwise a prefix every request shares,
+first written during an outage, would never reach storage: its node stays in host and is never put
+again, and every lookup after the outage misses at its first page.
+
+Each rank puts only its own pages (`HostKVPool.owns`), and only if it is the elected writer of their
+bytes (`writes`); with a speculative draft every page is put once per part (the target's and the
+draft's objects together). Retries are this rank's alone: no agreement, the tree does not change.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Iterable, Iterator, Sequence
+
+from hicache.cache.controller import SupervisedWorker, TransferOp
+from hicache.cache.host_tier import HostTier
+from hicache.cache.radix import TreeNode
+from hicache.cache.stats import StorageTierStats
+from hicache.mem.host_pool import PagePart
+from hicache.storage import VerifiedStore, page_hashes
+
+RETRY_PROBE_INTERVAL_S = 1.0  # while the store is down, how often a retried put may find out it is back
+
+
+class StoragePuts:
+    def __init__(
+        self,
+        parts: Sequence[tuple[VerifiedStore, PagePart]],
+        host: HostTier,
+        worker: SupervisedWorker,
+        stats: StorageTierStats,
+        writes: bool,
+    ) -> None:
+        """`parts`: (store, host part) per object of a page, the target's first; `writes`: this rank is
+        the elected writer of its pages' bytes (not a replica's)."""
+        self.parts = list(parts)
+        self.pool = host.host
+        self.tree = host.tree
+        self.page_size = host.pool.page_size
+        self.worker = worker
+        self.stats = stats
+        self.writes = writes
+        # Hashes of pages whose put failed: appended by the worker, taken in by the scheduler.
+        self._failed: deque[list[bytes]] = deque()
+        self.unstored: dict[bytes, None] = {}  # insertion-ordered: the oldest is dropped first
+        self._last_retry = 0.0
+
+    def put(self, nodes: list[TreeNode]) -> TransferOp | None:
+        """Queue the host copies of `nodes` for storage (the put, to wait for; None: nothing to put)."""
+        pages = [page for node in nodes for page in self._own_pages(node)]
+        self.stats.put_pages += len(pages)
+        return self._submit(pages)
+
+    def retry(self, path: list[TreeNode]) -> TransferOp | None:
+        """Put again the pages of `path` (a request's matched prefix) whose put found the store
+        unavailable (the put; None: nothing to retry, or the store is down and was tried just now)."""
+        self._take_in_failed()
+        if not self.unstored:
+            return None
+        now = time.monotonic()
+        if not self.parts[0][0].available and now - self._last_retry < RETRY_PROBE_INTERVAL_S:
+            return None
+        self._last_retry = now
+        pages = self._unstored_pages(path)
+        self.stats.put_retried_pages += len(pages)
+        return self._submit(pages)
+
+    def put_unstored(self) -> None:
+        """At shutdown, on the calling thread, after the worker has stopped: put what an outage kept
+        out while the host still has it, so a server started after a store restart finds it."""
+        self._take_in_failed()
+        if self.unstored and (last := self._op(self._unstored_pages(self.tree.nodes()))) is not None:
+            last.run(last)
+
+    def _node_hashes(self, node: TreeNode) -> list[bytes]:
+        """Chained storage hashes of a node's pages, computed once per node from its parent's."""
+        if node.hashes is None:
+            parent = node.parent
+            prior = None
+            if parent is not None and not parent.is_root:
+                prior = self._node_hashes(parent)[-1]
+            node.hashes = page_hashes(node.tokens, self.page_size, prior)
+        return node.hashes
+
+    def _own_pages(self, node: TreeNode) -> Iterator[tuple[bytes, int]]:
+        """(hash, host page) of the node's pages this rank writes: its own, once per distinct copy."""
+        if not self.writes:
+            return
+        for digest, page in zip(self._node_hashes(node), node.host_pages or []):
+            if self.pool.owns(page):
+                yield digest, page
+
+    def _unstored_pages(self, nodes: Iterable[TreeNode]) -> list[tuple[bytes, int]]:
+        """This rank's pages of `nodes` whose put failed, taken out of `unstored` (a retry that fails
+        too comes back in)."""
+        pages = []
+        for node in nodes:
+            if node.hashes is None or not node.backed_up:  # never put: a put needs both
+                continue
+            for digest, page in self._own_pages(node):
+                if digest in self.unstored:
+                    del self.unstored[digest]
+                    pages.append((digest, page))
+        return pages
+
+    def _take_in_failed(self) -> None:
+        while self._failed:
+            hashes = self._failed.popleft()
+            self.stats.put_failed_pages += len(hashes)
+            self.unstored.update(dict.fromkeys(hashes))
+        for _ in range(len(self.unstored) - self.pool.allocator.num_pages):
+            del self.unstored[next(iter(self.unstored))]
+
+    def _submit(self, pages: list[tuple[bytes, int]]) -> TransferOp | None:
+        return None if (op := self._op(pages)) is None else self.worker.submit(op)
+
+    def _op(self, pages: list[tuple[bytes, int]]) -> TransferOp | None:
+        if not pages:
+            return None
+        hashes = [digest for digest, _ in pages]
+        # A copy now: the host pages may be evicted and reused before the put runs.
+        payloads = [[part.payload(page) for _, page in pages] for _, part in self.parts]
+        parts, failed = self.parts, self._failed
+
+        def run(_: TransferOp) -> None:
+            stored = True
+            for (store, _), part_payloads in zip(parts, payloads):
+                present = store.exists_prefix(hashes)
+                stored &= store.put_pages(hashes[present:], part_payloads[present:])
+            if not stored:
+                failed.append(hashes)
+
+        return TransferOp("storage_put", run)
