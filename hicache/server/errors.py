@@ -18,7 +18,7 @@ from starlette.requests import ClientDisconnect
 
 from hicache.errors import UserError, error_body
 
-__all__ = ["APIError", "client_gone", "error_body", "error_response", "install_error_handlers"]
+__all__ = ["APIError", "error_body", "error_response", "install_error_handlers"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def error_response(status: int, message: str, code: str | None = None, param: st
     return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
 
 
-async def client_gone(request: Request, _: ClientDisconnect) -> Response:
+async def _client_gone(request: Request, _: ClientDisconnect) -> Response:
     """A client that closed its connection before its body arrived (a router that cancelled its copy of a
     request, a killed curl) made no request to answer: nothing ran, so there is nothing to report."""
     logger.info("client left while sending %s %s", request.method, request.url.path)
@@ -88,5 +88,5 @@ def install_error_handlers(app: FastAPI, on_rejected: Callable[[Request], None])
     app.add_exception_handler(UserError, user_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
     app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
-    app.add_exception_handler(ClientDisconnect, client_gone)  # type: ignore[arg-type]
+    app.add_exception_handler(ClientDisconnect, _client_gone)  # type: ignore[arg-type]
     app.add_exception_handler(Exception, unexpected)

@@ -49,5 +49,7 @@ def test_hits_are_reported_by_tier(tmp_path: pathlib.Path) -> None:
         assert metric(samples, "hicache_prefetch_pages_total", stage="inserted") == full_pages // 16
         assert metric(samples, "hicache_cache_events_total", event="storage_hits") == full_pages // 16
         assert metric(samples, "hicache_cache_events_total", event="storage_corrupt") == 0
+        for event in ("storage_put_failed_pages", "storage_put_retried_pages"):  # a store that stayed up
+            assert metric(samples, "hicache_cache_events_total", event=event) == 0
         assert_no_leaks(server.url)
         assert metric(scrape(server.url), "hicache_pool_used_tokens", tier="host") == 0
