@@ -40,7 +40,7 @@ class PackedTokens:
     __slots__ = ("_bytes", "_tokens", "_view")
 
     def __init__(self, tokens: Tokens) -> None:
-        self._bytes = bytes(_copy_packed(tokens))  # owned: the caller's buffer may change later
+        self._bytes = bytes(pack(tokens))  # owned: the caller's buffer may change later
         self._view = memoryview(self._bytes)
         self._tokens = len(self._bytes) // TOKEN_BYTES
 
@@ -68,18 +68,6 @@ class PackedTokens:
 
 # What the tree's match and insert take: token ids in any container, or already packed.
 Tokens = Sequence[int] | np.ndarray | PackedTokens | Packed
-
-
-def _copy_packed(tokens: Tokens) -> bytes | memoryview:
-    view = _as_buffer(tokens)
-    if view is not None:
-        return view
-    if hasattr(tokens, "numpy") and hasattr(tokens, "dtype"):  # a CPU torch tensor, without importing torch
-        tokens = tokens.numpy()  # type: ignore[union-attr]
-    if isinstance(tokens, (np.ndarray, array)):  # an array keeps its element type ('i': int32, 'Q': uint64)
-        return _numpy_int64(np.asarray(tokens)).data.cast("B")
-    # Python ints, range-checked (OverflowError). NOTE: numpy would truncate a float; ids are ints.
-    return np.fromiter(tokens, np.int64, len(tokens)).data.cast("B")  # type: ignore[arg-type]
 
 
 def _numpy_int64(arr: np.ndarray) -> np.ndarray:
@@ -118,10 +106,17 @@ def _as_buffer(tokens: object) -> memoryview | None:
 
 
 def pack(tokens: Tokens) -> memoryview:
-    """`tokens` as a flat byte view of int64 ids. `bytes` and 'B'-format memoryviews are taken to be
-    packed already (keys, `PackedTokens.view`)."""
-    view = _copy_packed(tokens)
-    return view if isinstance(view, memoryview) else memoryview(view)
+    """`tokens` as a flat byte view of int64 ids: zero-copy when they already are (`bytes` and 'B'-format
+    memoryviews are taken to be packed: keys, `PackedTokens.view`), else one C-speed conversion."""
+    view = _as_buffer(tokens)
+    if view is not None:
+        return view
+    if hasattr(tokens, "numpy") and hasattr(tokens, "dtype"):  # a CPU torch tensor, without importing torch
+        tokens = tokens.numpy()  # type: ignore[union-attr]
+    if isinstance(tokens, (np.ndarray, array)):  # an array keeps its element type ('i': int32, 'Q': uint64)
+        return _numpy_int64(np.asarray(tokens)).data.cast("B")
+    # Python ints, range-checked (OverflowError). NOTE: numpy would truncate a float; ids are ints.
+    return np.fromiter(tokens, np.int64, len(tokens)).data.cast("B")  # type: ignore[arg-type]
 
 
 def num_tokens(key: Packed) -> int:
