@@ -57,10 +57,8 @@ def resolve_quantization(requested: str, loaded: LoadedModel, dtype: torch.dtype
             raise UserError(f"--quantization {requested}: no {requested} weight-only kernel for "
                             f"{str(dtype).removeprefix('torch.')} on {device.type} in this torch build")  # fmt: skip
         return requested
-    formats = {w.bits for w in loaded.quantized.values()}
-    if not formats or dtype != torch.bfloat16 or not all(
-        kernel_available("int4" if bits == 4 else "int8", dtype, device) for bits in formats
-    ):
+    formats = {w.kernel_format for w in loaded.quantized.values()}
+    if not formats or dtype != torch.bfloat16 or not all(kernel_available(f, dtype, device) for f in formats):
         return "none"
     return CHECKPOINT
 
@@ -88,7 +86,7 @@ class LinearFactory:
         if self.resolved == CHECKPOINT:
             if not isinstance(weight, quant.QuantizedWeight):
                 return "dense"
-            fmt = "int4" if weight.bits == 4 else "int8"
+            fmt = weight.kernel_format
         else:
             fmt = self.resolved
         shape = tuple(weight.shape)

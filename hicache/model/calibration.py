@@ -6,8 +6,8 @@ odd-sized call give bit for bit the rows of the reference call, on operands buil
 change of summation order shows in the output. Candidates are tried in order of speed: oneDNN on a
 reordered weight, then `F.linear`, each with the smallest granule in GRANULES that passes, then
 fixed TILE-row tiles. A quantized weight (int8/int4 codes) is planned on its format's kernel alone,
-with probe codes built the same way (`probe_quantized`): one kernel serves it at every row count. What was found is kept in a JSON file per platform fingerprint (torch build,
-CPU or GPU model, the ISA and reproducibility variables that steer MKL and oneDNN, thread count), so
+with probe codes built the same way (`probe_quantized`): one kernel serves it at every row count.
+What was found is kept in a JSON file per platform fingerprint (torch build, CPU or GPU model, the ISA and reproducibility variables that steer MKL and oneDNN, thread count), so
 a restart does not measure again; the start-up self-check still verifies the assembled model.
 """
 
@@ -162,12 +162,15 @@ def plan_passes(shape: tuple[int, int], dtype: torch.dtype, device: torch.device
 def candidate_plans(dtype: torch.dtype, device: torch.device, weight_format: str = "dense") -> list[LinearPlan]:
     """Backends reading `weight_format`, each with every granule, then fixed tiles (on ATen's dense
     kernel, or on the format's first backend)."""
-    plans, tile_backend = [], "aten"
-    for name, backend in BACKENDS.items():
-        if backend.weight_format == weight_format and backend.available(dtype, device):
-            plans += [LinearPlan(name, g) for g in GRANULES]
-            tile_backend = name if weight_format != "dense" else tile_backend
-    return plans + [LinearPlan(tile_backend, tile=TILE)] if plans or weight_format == "dense" else []
+    plans = [
+        LinearPlan(name, g)
+        for name, backend in BACKENDS.items()
+        if backend.weight_format == weight_format and backend.available(dtype, device)
+        for g in GRANULES
+    ]
+    if weight_format == "dense":
+        return plans + [LinearPlan("aten", tile=TILE)]
+    return plans + [LinearPlan(plans[0].backend, tile=TILE)] if plans else []
 
 
 class LinearPlanner:

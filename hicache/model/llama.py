@@ -116,13 +116,12 @@ class LlamaModel:
         def cast(t: torch.Tensor) -> torch.Tensor:  # what stays dense: norms, the embedding table
             return t.to(device=device, dtype=dtype).contiguous()
 
-        linear = make_linear
-        self.layers = [self._build_layer(cfg, weights, f"model.layers.{i}.", cast, linear)
+        self.layers = [self._build_layer(cfg, weights, f"model.layers.{i}.", cast, make_linear)
                        for i in range(*self.layer_range)]  # fmt: skip
         self.embed = cast(weights["model.embed_tokens.weight"]) if pctx.is_first_stage else None
         if pctx.is_last_stage:
             self.norm = cast(weights["model.norm.weight"])
-            self.lm_head = linear(weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
+            self.lm_head = make_linear(weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
         self.rope = RotaryEmbedding(self._rope_dim(), cfg.rope_theta, cfg.max_position, dtype, device)
         backend = "gathered" if self.kv_sharding.size > 1 else "local"
         make = ATTENTION_BACKENDS[backend]

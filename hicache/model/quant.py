@@ -47,6 +47,12 @@ class QuantizedWeight:
             return "int8"
         return ""
 
+    @property
+    def kernel_format(self) -> str:
+        """The kernel format nearest these codes: int4 for 4-bit ones (Q4_1 as it is), int8 for 8-bit
+        ones (Q8_0 with a scale per row instead of per 32)."""
+        return "int4" if self.bits == 4 else "int8"
+
     def dequantize(self) -> torch.Tensor:
         """The float32 values [N, K] (bitwise what llama.cpp's and gguf's dequantization give)."""
         n, k = self.shape
