@@ -46,6 +46,7 @@ from benchmarks.common import (
 )
 from hicache import Engine, SamplingParams
 from hicache.config import EngineConfig
+from hicache.model import quant
 from hicache.model.config import ModelConfig
 
 __all__ = ["cpu_name", "main"]  # spec_bench imports cpu_name from here
@@ -54,7 +55,6 @@ PREFILLS = (512, 2048)
 DECODE_BATCHES = (1, 8, 32)
 DECODE_PROMPT = 128
 HISTORY, TURN = 2048, 64
-QUANTIZATIONS = ("none", "int8", "int4", "auto")
 # One chunk per prompt: a prefill reads the weights once.
 ENGINE_FLAGS = {"max_total_tokens": 65536, "chunked_prefill_size": 4096}
 GGUF_TYPES = {"Q4_1": "q4_1", "Q4_0": "q4_0", "Q8_0": "q8_0", "F32": "f32", "F16": "f16", "BF16": "bf16"}
@@ -547,7 +547,7 @@ def where_time_goes(model: str, fmt: Format) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2"])
-    parser.add_argument("--quantizations", nargs="+", default=["none", "auto", "int8", "int4"], choices=QUANTIZATIONS)
+    parser.add_argument("--quantizations", nargs="+", default=["none", "auto", "int8", "int4"], choices=quant.QUANTIZATIONS)
     parser.add_argument(
         "--dtypes",
         nargs="+",

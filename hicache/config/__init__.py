@@ -14,6 +14,7 @@ import torch
 
 from hicache.errors import UserError
 from hicache.mem.host_pool import LAYOUTS
+from hicache.model.quant import QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
 
@@ -306,8 +307,8 @@ class EngineConfig(FromArgs):
             raise UserError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
-        if self.quantization not in ("auto", "none", "int8", "int4"):
-            raise UserError(f"--quantization must be auto, none, int8 or int4, got {self.quantization!r}")
+        if self.quantization not in QUANTIZATIONS:
+            raise UserError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.hicache.enable_hierarchical_cache and self.disable_radix_cache:
             raise UserError("--enable-hierarchical-cache needs the radix cache; drop --disable-radix-cache")
         if self.device == "cuda" and not torch.cuda.is_available():

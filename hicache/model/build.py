@@ -33,7 +33,6 @@ from hicache.model.mla import MLAConfig, MLAModel
 
 logger = logging.getLogger(__name__)
 
-QUANTIZATIONS = ("auto", "none", "int8", "int4")
 CHECKPOINT = "checkpoint"  # each weight in its checkpoint's own format: Q4_1 -> int4, Q8_0 -> int8, else dense
 
 
@@ -48,8 +47,8 @@ def resolve_quantization(requested: str, loaded: LoadedModel, dtype: torch.dtype
     auto keeps the checkpoint's quantized tensors quantized where the kernels are fast: on a CPU with
     bfloat16 activations. With float32 activations (where bf16 is not native, e.g. AVX2-only CPUs) the
     packed kernels measured 3-40x slower than a dense float32 matmul, so auto stays dense there."""
-    if requested not in QUANTIZATIONS:
-        raise UserError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {requested!r}")
+    if requested not in quant.QUANTIZATIONS:
+        raise UserError(f"--quantization must be one of {', '.join(quant.QUANTIZATIONS)}, got {requested!r}")
     if requested == "none":
         return "none"
     if requested in quant.FORMATS:

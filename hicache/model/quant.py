@@ -23,6 +23,7 @@ import torch
 
 INT4_GROUP = 32
 FORMATS = ("int4", "int8")
+QUANTIZATIONS = ("auto", "none", *FORMATS)  # what --quantization takes (hicache/model/build.py resolves it)
 
 
 @dataclass(frozen=True)
