@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import os
+import platform
+import re
+import subprocess
+import tempfile
 import time
 from typing import Self
 
+import httpx
 import torch
+
+from hicache.runtime.launch import free_port
 
 
 def best_time(fn, repeat: int = 5, warmup: int = 1) -> float:
@@ -41,8 +48,6 @@ def copy_gbps_read_write(nbytes: int = 1 << 29) -> float:
 
 def cpu_name() -> str:
     """The CPU's model name, the vector ISA /proc/cpuinfo reports and the one torch dispatches to."""
-    import platform
-
     name, flags = platform.processor() or "cpu", set()
     with open("/proc/cpuinfo") as f:
         for line in f:
@@ -74,8 +79,6 @@ class LlamaCppCompletion:
     (from the `llama_perf_context_print` lines its verbose server writes to stderr; None if absent)."""
 
     def __init__(self, seconds: float, body: dict, log: str) -> None:
-        import re
-
         self.seconds = seconds
         self.prompt_tokens = int(body["usage"]["prompt_tokens"])
         self.completion_tokens = int(body["usage"]["completion_tokens"])
@@ -105,15 +108,7 @@ class LlamaCppServer:
         self.proc = None
 
     def __enter__(self) -> Self:
-        import socket
-        import subprocess
-        import tempfile
-
-        import httpx
-
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-cpp-server-", suffix=".log", delete=False)
         self.args = [
@@ -190,8 +185,6 @@ class LlamaCppServer:
         return self._log_since(max(0, self._log_size() - n)).strip()
 
     def __exit__(self, *exc) -> None:
-        import subprocess
-
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:
