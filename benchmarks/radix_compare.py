@@ -52,6 +52,11 @@ def run_arm(bench_dir: str, arm: str, extra: list[str]) -> list[dict]:
     return results
 
 
+def times_better(value: float, base: float, higher: bool) -> float:
+    """How many times better `value` is than `base`, for a figure where higher (or lower) is better."""
+    return value / base if higher else base / value
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--bench-dir", required=True)
@@ -75,11 +80,9 @@ def main() -> None:
     for b, m in medians.items():
         cells, spans = [], []
         for f, (get, higher) in FIGURES.items():
-            ratio = m[f] / medians[base][f] if higher else medians[base][f] / m[f]
+            ratio = times_better(m[f], medians[base][f], higher)
             cells.append(f"{m[f]:12.3g} ({ratio:6.2f}x)".rjust(26))
-            per_round = [
-                get(r) / get(r0) if higher else get(r0) / get(r) for r, r0 in zip(runs[b], runs[base])
-            ]
+            per_round = [times_better(get(r), get(r0), higher) for r, r0 in zip(runs[b], runs[base])]
             spans.append(f"{min(per_round):.2f}-{max(per_round):.2f}x".rjust(26))
         print(f"{b:48s}" + "".join(cells))
         print(f"{'  per round':48s}" + "".join(spans))
