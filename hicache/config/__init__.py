@@ -327,6 +327,12 @@ class EngineConfig(FromArgs):
     def num_pages(self) -> int:
         return self.max_total_tokens // self.page_size
 
+    @property
+    def cp_gather_pages(self) -> int | None:
+        """--cp-gather-tokens in pages per owner class (None: unbounded, a whole layer of the pool)."""
+        tokens = self.parallel.cp_gather_tokens
+        return -(-tokens // self.page_size) if tokens else None
+
     def resolved_device(self) -> torch.device:
         if self.device == "auto":
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -54,11 +54,33 @@ def check_request_fits(cfg: EngineConfig, context_length: int, prompt_len: int, 
             f"length of {context_length} tokens"
         )
     need = _pages_for(prompt_len + max_new_tokens, cfg.page_size)
-    if need > cfg.num_pages:
-        raise RequestTooLargeError(
-            f"prompt ({prompt_len} tokens) plus max new tokens ({max_new_tokens}) needs {need} KV pages but the "
-            f"pool has {cfg.num_pages} (raise --max-total-tokens)"
-        )
+    what = f"prompt ({prompt_len} tokens) plus max new tokens ({max_new_tokens})"
+    shards = cfg.parallel.cp_size
+    if shards == 1:
+        if need > cfg.num_pages:
+            raise RequestTooLargeError(
+                f"{what} needs {need} KV pages but the pool has {cfg.num_pages} (raise --max-total-tokens)"
+            )
+        return
+    # With CP each rank holds only its owner class of the request's pages, and admission counts class
+    # by class (hicache/cache/device_tier.py): the tightest class must fit one rank's pool, not the total.
+    per_rank = _most_pages_per_rank(need, shards)
+    figures = f"{what} needs up to {per_rank} KV pages on each of the {shards} CP ranks ({need} in all)"
+    pool = cfg.num_pages - 1  # a rank's local page 0 is its padding page (hicache/dist/placement.py)
+    if per_rank > pool:
+        raise RequestTooLargeError(f"{figures} but each rank's pool has {pool} (raise --max-total-tokens)")
+    # A request whose pages outgrow the gather's scratch alone could never be admitted
+    # (hicache/cache/gather_budget.py): refused here instead of waiting forever.
+    gather = cfg.cp_gather_pages
+    if gather is not None and per_rank > gather:
+        raise RequestTooLargeError(f"{figures} but the CP gather holds {gather} per rank (raise --cp-gather-tokens)")
+
+
+def _most_pages_per_rank(pages: int, shards: int) -> int:
+    """The most of a request's `pages` logical pages that any one of `shards` ranks holds. Its pages
+    cycle over the owner classes from a rotation base (page i on class (base + i) mod N), so whatever
+    the base, the tightest class gets ceil(pages / N) of them."""
+    return -(-pages // shards)
 
 
 def _work_summary(namespace) -> list[tuple[int, int, int]]:

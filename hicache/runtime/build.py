@@ -41,13 +41,6 @@ def check_topology(cfg: EngineConfig, model: ModelConfig) -> None:
         raise UserError("--cp-size with --pp-size > 1 is not supported yet")
     if cp > 1 and cfg.num_pages < 2:
         raise UserError("--cp-size needs a device pool of at least two pages per rank (a padding page and one)")
-    gather = cfg.parallel.cp_gather_tokens
-    if gather and cp > 1:
-        # The largest request the pool accepts must fit alone (its pages cycle over the N classes).
-        largest = min(-(-context_length(cfg, model) // cfg.page_size), cfg.num_pages)
-        if gather_pages(cfg) < -(-largest // cp):
-            raise UserError(f"--cp-gather-tokens {gather} is less than the longest request needs per rank "
-                            f"({-(-largest // cp) * cfg.page_size} tokens)")  # fmt: skip
     for what, count in (("KV heads", model.num_kv_heads), ("MLP columns", model.intermediate_size)):
         if count % tp:
             raise UserError(f"--tp-size {tp} does not divide the model's {count} {what}")
@@ -98,12 +91,6 @@ def storage_layout(cfg: EngineConfig, model: ModelConfig, identity: str) -> dict
     }
 
 
-def gather_pages(cfg: EngineConfig) -> int | None:
-    """--cp-gather-tokens in pages (None: unbounded)."""
-    tokens = cfg.parallel.cp_gather_tokens
-    return -(-tokens // cfg.page_size) if tokens else None
-
-
 def check_invariance(cfg: EngineConfig, report: InvarianceReport) -> None:
     """A prefix cache is refused where the self-check failed: it could change answers there. Without
     one, every token is computed the same way in every run, so there is nothing to protect."""
@@ -128,7 +115,7 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
     model = build_decoder(loaded, pctx, dtype, device, invariant=cfg.batch_invariant_ops)
     check_invariance(cfg, model.invariance)
     sharding = model.kv_sharding  # each rank's pool holds its own pages of the logical pool
-    gathered = gather_pages(cfg) if sharding.size > 1 else None
+    gathered = cfg.cp_gather_pages if sharding.size > 1 else None
     pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device,
                         sharding.size, sharding.rank, gathered)  # fmt: skip
     draft = build_draft(cfg, loaded, pool) if cfg.speculative.enabled else None

@@ -1,15 +1,22 @@
 """CP memory per rank: each CP rank holds about 1/N of a cached prefix's KV bytes on the device and host
 tiers (per-rank figures, as /metrics exports them), so at a fixed pool size per rank N times as many
-tokens fit; and the gather's scratch is part of the admission budget: with --cp-gather-tokens no
-layer's gather ever holds more, and the answers do not change."""
+tokens fit, and a request larger than one rank's pool is admitted when its share fits every rank's
+(refused, with per-rank figures, when it does not); and the gather's scratch is part of the admission
+budget: with --cp-gather-tokens no layer's gather ever holds more, and the answers do not change."""
+
+import pytest
 
 from hicache import Engine, SamplingParams
 from hicache.config import HiCacheConfig, ParallelConfig
+from hicache.errors import RequestTooLargeError
 from tests.conversations import make_conversations, run_turns
 
 POOL_TOKENS = 1024  # per rank
 PAGE = 16
 PROMPT = [40 + i % 80 for i in range(PAGE * 20)] + [7]  # 20 full pages and one token
+# 1.86x one rank's pool: with 16 new tokens 120 pages, 60 on each CP2 rank, whose pools have 63 each.
+LONG_PROMPT = [40 + (i * 7) % 80 for i in range(1900)]
+LONG_PARAMS = SamplingParams(max_new_tokens=16, ignore_eos=True)
 
 
 def cached_prefix_bytes(cp: int) -> tuple[dict[str, dict[str, int]], dict[str, tuple[int, int]]]:
@@ -55,3 +62,31 @@ def test_admission_keeps_every_gather_within_the_scratch_budget():
         assert 0 < s.most_per_owner <= budget // PAGE, (rank, s)
     # Two buffers of N ranks x the budget's pages of one layer (tiny's bf16/fp32 row of 128 elements).
     assert len(set(scratch.values())) == 1 and next(iter(scratch.values())) in {2 * 2 * budget * 128 * n for n in (2, 4)}
+
+
+@pytest.fixture(scope="module")
+def cp2_small_pools():
+    with Engine(model="tiny", max_total_tokens=POOL_TOKENS, parallel=ParallelConfig(cp_size=2)) as engine:
+        yield engine
+
+
+def test_a_prompt_larger_than_one_ranks_pool_runs_on_two_cp_ranks(cp2_small_pools):
+    with Engine(model="tiny", disable_radix_cache=True) as engine:  # one rank, a pool of 32768 tokens
+        (reference,) = engine.generate([LONG_PROMPT], LONG_PARAMS)
+    (got,) = cp2_small_pools.generate([LONG_PROMPT], LONG_PARAMS)
+    assert got.error is None and got.finish_reason == "length"
+    assert got.token_ids == reference.token_ids
+    assert cp2_small_pools.flush_cache() and cp2_small_pools.leak_report() == []
+
+
+def test_a_request_too_large_for_every_cp_rank_is_refused_with_per_rank_figures(cp2_small_pools):
+    too_long = LONG_PROMPT + LONG_PROMPT[:200]  # 2116 tokens with the new ones: 133 pages, 67 on a rank
+    expected = (
+        "prompt (2100 tokens) plus max new tokens (16) needs up to 67 KV pages on each of the 2 CP ranks "
+        "(133 in all) but each rank's pool has 63 (raise --max-total-tokens)"
+    )
+    with pytest.raises(RequestTooLargeError) as refused:
+        cp2_small_pools.submit(too_long, LONG_PARAMS)
+    assert str(refused.value) == expected
+    # The engine still serves after refusing.
+    assert cp2_small_pools.generate([PROMPT], LONG_PARAMS)[0].finish_reason == "length"
