@@ -19,6 +19,12 @@ from hicache.storage import Namespace, UnifiedStore, VerifiedStore, make_backend
 from hicache.storage.unified import Grid, KVGeometry, Shard, UnifiedNamespace
 
 
+# The meaning of a stored page's bytes changed without any namespace field changing: since the TP sums
+# are cut into fixed groups (hicache/model/tp_groups.py) every topology computes other bits than
+# before, so pages written by an earlier version are another namespace's, never served.
+KV_SCHEMA_VERSION = 2
+
+
 @dataclass(frozen=True)
 class UnifiedPlacement:
     """What the unified layout needs of a rank: the model's KV geometry and the rank's global shard."""
@@ -35,7 +41,7 @@ def unified_namespace(cfg: HiCacheConfig, geometry: KVGeometry, model_identity: 
         cfg.hicache_storage_layer_partition or geometry.num_layers,
         cfg.hicache_storage_head_partition or 1,
     )
-    return UnifiedNamespace(model_identity, kv_dtype, page_size, grid)
+    return UnifiedNamespace(model_identity, kv_dtype, page_size, grid, schema_version=KV_SCHEMA_VERSION)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +58,7 @@ def open_store(
         page_size=pool.page_size,
         layout=f"page_rows:{pool.layout.row_numel}x{pool.num_layers}",
         rank=rank_suffix,
+        schema_version=KV_SCHEMA_VERSION,
     )
     backend = make_backend(
         cfg.hicache_storage_backend, cfg.hicache_storage_dir, cfg.hicache_storage_url, cfg.hicache_storage_max_bytes
@@ -99,7 +106,7 @@ def unified_part_store(target: UnifiedStore, part: PagePart) -> UnifiedStore:
         groups, per, dim = shape
         geometry = KVGeometry(layers, groups * per, dim)
     ns = UnifiedNamespace(part.identity or target.unified.model, part.dtype_name, target.unified.page_size,
-                          Grid(geometry, layers, per), part=part.name)  # fmt: skip
+                          Grid(geometry, layers, per), schema_version=KV_SCHEMA_VERSION, part=part.name)  # fmt: skip
     shard = Shard(range(layers), range(geometry.num_kv_heads))
     store = UnifiedStore(target.backend, ns, shard, part.host.dtype.itemsize, writer=target.writer)
     if store.payload_bytes != part.payload_bytes:

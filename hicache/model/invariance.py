@@ -9,6 +9,12 @@ and compares the outputs bit for bit. It runs in well under a second for the emb
 
 With several ranks every rank probes its own shard at once (the TP sums are collectives); a later
 pipeline stage feeds random hidden states instead of token ids.
+
+Every TP size runs the same GEMM calls and sums (tp_groups.py); what differs between topologies is the
+threads a rank's kernels run on (the machine's CPUs shared among its ranks). So the whole sequence is
+also fed at one thread: a rank whose kernels round alike at its thread count and at one computes what
+a rank of any other TP size computes. Every rank runs it, whatever its count: the sums inside are
+collectives every TP rank must enter.
 """
 
 from __future__ import annotations
@@ -97,6 +103,7 @@ def mechanisms(model: DecoderModel) -> dict[str, str]:
     return {
         **{f"linear {name}": plan for name, plan in model.linear_plans().items()},
         "attention": f"keys padded to a multiple of {ops.KV_ALIGN} (masked), queries to {ops.Q_ALIGN} rows",
+        "tp groups": f"{model.tp_groups} per projection at every TP size, partials summed pairwise in float32",
     }
 
 
@@ -112,7 +119,14 @@ def self_check(model: DecoderModel) -> InvarianceReport:
     other = probe_inputs(model, 1, seed=1)
     cuts = list(torch.tensor(PROBE_CHUNKS).cumsum(0).tolist())
     whole = feed(model, pool, inputs, [PROBE_LEN], 0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one_thread = feed(model, pool, inputs, [PROBE_LEN], 0)
+    finally:
+        torch.set_num_threads(threads)
     runs = {
+        f"the whole sequence at one thread instead of {threads}": one_thread,
         "chunks of 1-10 rows": feed(model, pool, inputs, cuts, REGION),
         "decode steps batched with another sequence": feed(
             model, pool, inputs, [PROBE_LEN - 2, PROBE_LEN - 1, PROBE_LEN], REGION, extra=(other, 2 * REGION)

@@ -2,8 +2,9 @@
 
 Pipeline parallelism gives a rank a contiguous layer range; tensor parallelism gives it a contiguous
 range of KV heads (with the query heads that share them) and of MLP columns, with a sum over the TP
-ranks after the attention output and MLP down projections. At tp_size = pp_size = 1 it is the whole
-model.
+ranks after the attention output and MLP down projections. Every projection is cut into the same fixed
+groups at every TP size, and the sums added in one fixed order, so any TP size computes the bits TP1
+computes (tp_groups.py). At tp_size = pp_size = 1 it is the whole model.
 
 The forward pass is varlen: requests' new tokens are concatenated, linear layers run once over all of
 them, and the attention backend attends each request over the KV slots it owns in the pool. Every
@@ -29,10 +30,12 @@ from hicache.model.attention import ATTENTION_BACKENDS, AttentionBackend
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
 from hicache.model.invariance import InvarianceReport
+from hicache.model.tp_groups import ColumnGroups, RowGroups, group_slices, tp_group_count
 
 # Turns a checkpoint weight (a float32 tensor or a QuantizedWeight, sliced for this rank) into a
 # batch-invariant matmul in the engine's weight format, dtype and device (build.LinearFactory).
 MakeLinear = Callable[[Any], ops.Linear]
+Planned = ops.Linear | ColumnGroups | RowGroups  # what names a linear plan for logs and /health
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -56,34 +59,44 @@ class RotaryEmbedding:
 
 
 class DecoderLayer:
-    """What every layer of the family has: the norms and this rank's columns of the SwiGLU MLP."""
+    """What every layer of the family has: the norms and this rank's groups of the SwiGLU MLP's
+    columns, the same groups at every TP size (tp_groups.py)."""
 
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, pctx: ParallelContext, cast, linear):
-        f0, f1 = pctx.shard_range(cfg.intermediate_size, "intermediate_size")
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, pctx: ParallelContext, cast, linear,
+                 groups: int):  # fmt: skip
+        pctx.shard_range(cfg.intermediate_size, "intermediate_size")  # refuses a TP size that cannot split it
+        self.group_range = pctx.shard_range(groups, "TP groups")
+        columns = group_slices(cfg.intermediate_size, groups, *self.group_range)
         m = prefix + "mlp."
         self.input_norm = cast(w[prefix + "input_layernorm.weight"])
         self.post_norm = cast(w[prefix + "post_attention_layernorm.weight"])
-        # gate and up share the input: one matmul instead of two.
-        self.gate_up = linear(torch.cat([w[m + "gate_proj.weight"][f0:f1], w[m + "up_proj.weight"][f0:f1]]))
-        self.down_proj = linear(w[m + "down_proj.weight"][:, f0:f1])
+        # gate and up share the input: one matmul per group instead of two.
+        self.gate_up = ColumnGroups([torch.cat([w[m + "gate_proj.weight"][c], w[m + "up_proj.weight"][c]])
+                                     for c in columns], linear)  # fmt: skip
+        self.down_proj = RowGroups([w[m + "down_proj.weight"][:, c] for c in columns], linear, pctx)
 
 
 class LlamaLayer(DecoderLayer):
-    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, pctx: ParallelContext, cast, linear):
-        super().__init__(cfg, w, prefix, pctx, cast, linear)
+    def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, pctx: ParallelContext, cast, linear,
+                 groups: int):  # fmt: skip
+        super().__init__(cfg, w, prefix, pctx, cast, linear, groups)
         kv0, kv1 = pctx.shard_range(cfg.num_kv_heads, "num_kv_heads")
         group = cfg.num_heads // cfg.num_kv_heads
-        q0, q1 = kv0 * group, kv1 * group
         d = cfg.head_dim
         a = prefix + "self_attn."
-        self.num_heads = q1 - q0
+        self.num_heads = (kv1 - kv0) * group
         self.num_kv_heads = kv1 - kv0
         self.head_dim = d
-        # q, k and v share the input: one matmul; its output's columns are q | k | v.
-        self.qkv_proj = linear(torch.cat([w[a + "q_proj.weight"][q0 * d : q1 * d],
-                                          w[a + "k_proj.weight"][kv0 * d : kv1 * d],
-                                          w[a + "v_proj.weight"][kv0 * d : kv1 * d]]))  # fmt: skip
-        self.o_proj = linear(w[a + "o_proj.weight"][:, q0 * d : q1 * d])
+        self.kv_per_group = cfg.num_kv_heads // groups
+        self.q_per_group = self.kv_per_group * group
+        g0, g1 = self.group_range
+        qs = group_slices(cfg.num_heads * d, groups, g0, g1)
+        kvs = group_slices(cfg.num_kv_heads * d, groups, g0, g1)
+        # q, k and v share the input: one matmul per group; its output's columns are q | k | v.
+        self.qkv_proj = ColumnGroups([torch.cat([w[a + "q_proj.weight"][q], w[a + "k_proj.weight"][kv],
+                                                 w[a + "v_proj.weight"][kv]])
+                                      for q, kv in zip(qs, kvs)], linear)  # fmt: skip
+        self.o_proj = RowGroups([w[a + "o_proj.weight"][:, q] for q in qs], linear, pctx)
 
 
 class LlamaModel:
@@ -116,6 +129,7 @@ class LlamaModel:
         def cast(t: torch.Tensor) -> torch.Tensor:  # what stays dense: norms, the embedding table
             return t.to(device=device, dtype=dtype).contiguous()
 
+        self.tp_groups = tp_group_count(self._tp_split_heads(), cfg.intermediate_size)
         self.layers = [self._build_layer(cfg, weights, f"model.layers.{i}.", cast, make_linear)
                        for i in range(*self.layer_range)]  # fmt: skip
         self.embed = cast(weights["model.embed_tokens.weight"]) if pctx.is_first_stage else None
@@ -134,7 +148,11 @@ class LlamaModel:
     # ---- what a model of the family chooses ----------------------------------------------------
 
     def _build_layer(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, cast, linear) -> DecoderLayer:
-        return LlamaLayer(cfg, w, prefix, self.pctx, cast, linear)
+        return LlamaLayer(cfg, w, prefix, self.pctx, cast, linear, self.tp_groups)
+
+    def _tp_split_heads(self) -> int:
+        """The heads TP splits: each rank holds whole KV heads with the query heads that share them."""
+        return self.cfg.num_kv_heads
 
     def _rope_dim(self) -> int:
         return self.cfg.head_dim
@@ -142,16 +160,19 @@ class LlamaModel:
     def _kv_layout(self) -> KVLayout:
         return KVLayout.mha(self.kv_head_range[1] - self.kv_head_range[0], self.cfg.head_dim)
 
-    def _named_linears(self, layer) -> dict[str, ops.Linear]:
+    def _named_linears(self, layer) -> dict[str, Planned]:
         return {"qkv_proj": layer.qkv_proj, "o_proj": layer.o_proj}
 
     def _attention(self, local: int, layer, x: torch.Tensor, positions: torch.Tensor, meta, pool) -> torch.Tensor:
         """This rank's heads' attention output [T, heads * dv] for normed inputs x [T, hidden]."""
         T, d, h = x.shape[0], layer.head_dim, layer.num_heads
-        qkv = layer.qkv_proj(x).view(T, h + 2 * layer.num_kv_heads, d)
+        nq, nkv = layer.q_per_group, layer.kv_per_group
+        qkv = layer.qkv_proj(x).view(T, -1, nq + 2 * nkv, d)  # [T, groups, q | k | v heads, d]
         # RoPE is elementwise per head: one call rotates q's and k's heads alike.
-        qk = self.rope(qkv[:, : h + layer.num_kv_heads], positions)
-        q, k, v = qk[:, :h], qk[:, h:], qkv[:, h + layer.num_kv_heads :]
+        qk = self.rope(qkv[:, :, : nq + nkv].reshape(T, -1, d), positions).view(T, -1, nq + nkv, d)
+        q = qk[:, :, :nq].reshape(T, h, d)
+        k = qk[:, :, nq:].reshape(T, layer.num_kv_heads, d)
+        v = qkv[:, :, nq + nkv :].reshape(T, layer.num_kv_heads, d)
         kv = self.attention_layout.pack({"k": k, "v": v})
         return self.attention.forward(local, q, kv, meta, pool, self._expand).reshape(T, -1)
 
@@ -198,10 +219,9 @@ class LlamaModel:
         self, local: int, layer: DecoderLayer, hidden: torch.Tensor, positions: torch.Tensor, meta, pool: DeviceKVPool
     ) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
-        tp = self.pctx
         x = ops.rms_norm(hidden, layer.input_norm, eps)
         attn = self._attention(local, layer, x, positions, meta, pool)
-        hidden = hidden + ops.tp_sum(layer.o_proj(attn), tp.tp_size, tp.tp_group)
+        hidden = hidden + layer.o_proj(attn)
         x = ops.rms_norm(hidden, layer.post_norm, eps)
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)
-        return hidden + ops.tp_sum(layer.down_proj(F.silu(gate) * up), tp.tp_size, tp.tp_group)
+        gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, groups, columns] each
+        return hidden + layer.down_proj((F.silu(gate) * up).reshape(x.shape[0], -1))

@@ -22,7 +22,8 @@ from hicache.dist.parallel import ParallelContext
 from hicache.mem.kv_layout import KVLayout
 from hicache.model import ops
 from hicache.model.config import ModelConfig
-from hicache.model.llama import DecoderLayer, LlamaModel
+from hicache.model.llama import DecoderLayer, LlamaModel, Planned
+from hicache.model.tp_groups import ColumnGroups, RowGroups, group_slices
 
 
 @dataclass(frozen=True)
@@ -38,17 +39,20 @@ class MLAConfig(ModelConfig):
 
 
 class MLALayer(DecoderLayer):
-    def __init__(self, cfg: MLAConfig, w: dict[str, torch.Tensor], prefix: str, pctx: ParallelContext, cast, linear):
-        super().__init__(cfg, w, prefix, pctx, cast, linear)
+    def __init__(self, cfg: MLAConfig, w: dict[str, torch.Tensor], prefix: str, pctx: ParallelContext, cast, linear,
+                 groups: int):  # fmt: skip
+        super().__init__(cfg, w, prefix, pctx, cast, linear, groups)
         h0, h1 = pctx.shard_range(cfg.num_heads, "num_heads")
         d, nope = cfg.head_dim, cfg.qk_nope_head_dim
         a = prefix + "self_attn."
         self.num_heads = h1 - h0
-        self.q_proj = linear(w[a + "q_proj.weight"][h0 * d : h1 * d])
+        qs = group_slices(cfg.num_heads * d, groups, *self.group_range)
+        kvbs = group_slices(cfg.num_heads * (nope + d), groups, *self.group_range)
+        self.q_proj = ColumnGroups([w[a + "q_proj.weight"][q] for q in qs], linear)
         self.kv_a = linear(w[a + "kv_a_proj_with_mqa.weight"])  # replicated: every TP rank, every head
         self.kv_norm = cast(w[a + "kv_a_layernorm.weight"])
-        self.kv_b = linear(w[a + "kv_b_proj.weight"][h0 * (nope + d) : h1 * (nope + d)])
-        self.o_proj = linear(w[a + "o_proj.weight"][:, h0 * d : h1 * d])
+        self.kv_b = ColumnGroups([w[a + "kv_b_proj.weight"][kvb] for kvb in kvbs], linear)
+        self.o_proj = RowGroups([w[a + "o_proj.weight"][:, q] for q in qs], linear, pctx)
 
 
 class MLAModel(LlamaModel):
@@ -59,7 +63,10 @@ class MLAModel(LlamaModel):
 
     def _build_layer(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, cast, linear) -> MLALayer:
         assert isinstance(cfg, MLAConfig)
-        return MLALayer(cfg, w, prefix, self.pctx, cast, linear)
+        return MLALayer(cfg, w, prefix, self.pctx, cast, linear, self.tp_groups)
+
+    def _tp_split_heads(self) -> int:
+        return self.cfg.num_heads
 
     def _rope_dim(self) -> int:
         return self.cfg.qk_rope_head_dim
@@ -67,13 +74,13 @@ class MLAModel(LlamaModel):
     def _kv_layout(self) -> KVLayout:
         return KVLayout.mla(self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim)
 
-    def _named_linears(self, layer) -> dict[str, ops.Linear]:
+    def _named_linears(self, layer) -> dict[str, Planned]:
         return {"q_proj": layer.q_proj, "kv_a_proj": layer.kv_a, "kv_b_proj": layer.kv_b, "o_proj": layer.o_proj}
 
     def _attention(self, local: int, layer, x: torch.Tensor, positions: torch.Tensor, meta, pool) -> torch.Tensor:
         cfg = self.cfg
         T, r, nope = x.shape[0], cfg.kv_lora_rank, cfg.qk_nope_head_dim
-        q = layer.q_proj(x).view(T, layer.num_heads, cfg.head_dim)
+        q = layer.q_proj(x).view(T, layer.num_heads, cfg.head_dim)  # the groups' heads in order
         q = torch.cat([q[..., :nope], self.rope(q[..., nope:], positions)], dim=-1)
         kv_a = layer.kv_a(x)
         latent = ops.rms_norm(kv_a[:, :r], layer.kv_norm, cfg.rms_norm_eps)

@@ -267,7 +267,7 @@ def attention(
     return out[:, :, :n]
 
 
-# ---- per-row reductions and collectives ----------------------------------------------------------------
+# ---- per-row reductions ------------------------------------------------------------------------------------
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -277,21 +277,3 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
-
-
-def tp_sum(x: torch.Tensor, tp_size: int, group: Any) -> torch.Tensor:
-    """Sum of the tensor-parallel ranks' partial results.
-    Mechanism: with two ranks an all-reduce adds a + b, which is b + a in IEEE arithmetic whatever
-    the algorithm's chunking; with more, a ring all-reduce's summation order for an element depends
-    on which chunk the tensor's size puts it in, so the partials are gathered and added in rank order."""
-    if tp_size == 1:
-        return x
-    if tp_size == 2:
-        torch.distributed.all_reduce(x, group=group)
-        return x
-    parts = [torch.empty_like(x) for _ in range(tp_size)]
-    torch.distributed.all_gather(parts, x.contiguous(), group=group)
-    total = parts[0]
-    for part in parts[1:]:
-        total = total + part
-    return total

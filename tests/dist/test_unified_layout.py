@@ -3,10 +3,10 @@ written by TP2xPP2 is read after a restart by TP1xPP1, TP2xPP1 and TP1xPP2, whic
 of the shared prefix from storage and generate what the single-rank cache-off run generates, for the
 file and the Redis backend and for `tiny` and `tiny-mla` (each store written once, module-scoped).
 
-float32, not bf16: a TP2 writer's KV comes from sums split over two ranks, which in bf16 differ from
-TP1's in the last bits often enough to flip a greedy token of `tiny` (tests/dist/test_parallel_tiers.py
-measures it); in float32 the difference stays far below any logit gap of these prompts. The storage
-layout itself is exact: what a reader restores is byte for byte what the writer's ranks computed.
+In the default dtype (bfloat16 on a CPU with native bf16): every TP size computes the KV's bits
+(hicache/model/tp_groups.py), and the storage layout is exact, so what a reader restores is byte for
+byte what it would have computed itself. tests/dist/test_tp_invariance.py checks the log-probabilities
+too, in bfloat16 and float32.
 """
 
 from __future__ import annotations
@@ -46,13 +46,13 @@ def tiers(backend: str, where: str, **kw) -> HiCacheConfig:
 def engine(
     model: str, backend: str, where: str, tp: int = 1, pp: int = 1, page_size: int = PAGE, cp: int = 1, **kw
 ) -> Engine:
-    return Engine(model=model, dtype="float32", page_size=page_size, hicache=tiers(backend, where, **kw),
+    return Engine(model=model, page_size=page_size, hicache=tiers(backend, where, **kw),
                   parallel=ParallelConfig(tp_size=tp, pp_size=pp, cp_size=cp))  # fmt: skip
 
 
 @functools.cache
 def reference(model: str) -> list[list[int]]:
-    with Engine(model=model, dtype="float32", disable_radix_cache=True) as e:
+    with Engine(model=model, disable_radix_cache=True) as e:
         return [r.token_ids for r in e.generate(PROMPTS, PARAMS)]
 
 

@@ -64,9 +64,3 @@ def tier_totals(turns) -> dict[str, int]:
             for tier, n in r.cached_tokens_by_tier.items():
                 totals[tier] += n
     return totals
-
-
-def first_token_logprobs(turns) -> list[list[tuple[int, float]]]:
-    """Top alternatives of the first generated token of each first-turn request: prompts that are the
-    same whatever the topology generated before."""
-    return [list(r.logprobs[0].top) for r in turns[0]]
