@@ -124,7 +124,7 @@ class HierarchicalCache(PrefixCache):
     def drop_failed_loads(self, failed: FailedLoads, requests: int) -> None:
         # Not only the failed loads' pages come back: below their nodes hang those of loads that landed
         # in the same step, which cannot be served under a prefix that was never written either.
-        taken = self.tree.detach_device(node for load in failed.loads for node in load.nodes)
+        taken = self.tree.detach_device(failed.holders)
         self.device.free(self.host.ledger.hold_still_copying(failed, taken))
         self.host.stats.load_failed_requests += requests
 

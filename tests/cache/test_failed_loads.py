@@ -1,7 +1,8 @@
 """A host -> device load that fails or times out degrades to a recompute (hicache/cache/failed_loads.py):
 the batch goes on, the requests that needed the load recompute from the last good page, outputs equal
 the cache-off run token for token, the failure is counted, and nothing leaks: a flush gives every
-device page back, whatever else the step that needed the load loaded below it."""
+device page back, whatever else the step that needed the load loaded below it. No page the load never
+wrote is served later, not even from the part of its node a later match split off."""
 
 import itertools
 import time
@@ -110,6 +111,7 @@ def test_a_flush_after_failed_loads_leaves_no_device_page_held(tp):
 SYSTEM = list(range(10, 10 + 2 * PAGE))  # two pages two agents share
 FIRST = SYSTEM + list(range(100, 100 + 2 * PAGE)) + [1]
 SECOND = SYSTEM + list(range(200, 200 + 2 * PAGE)) + [1]
+THIRD = SYSTEM + list(range(300, 300 + 2 * PAGE)) + [1]
 
 
 def small_cache() -> HierarchicalCache:
@@ -170,6 +172,19 @@ def test_a_load_that_lands_below_a_failed_one_gives_its_pages_back(monkeypatch: 
     fail_the_next_load(monkeypatch)
     step_recomputing(cache, [FIRST, SECOND])
     serve(cache, 2, SECOND)  # from the host again, its KV checked
+    assert_flushed_clean(cache)
+
+
+def test_the_part_of_a_failed_load_a_later_match_split_off_is_not_served(monkeypatch: pytest.MonkeyPatch):
+    """The first request loads one node (the shared prefix and its history); the second shares only the
+    prefix, so its match splits that node. The load fails: a third request sharing the prefix later
+    must not read the split-off part's pages, which hold another prompt's KV."""
+    cache = small_cache()
+    only_host(cache, FIRST)
+    only_host(cache, list(range(500, 500 + 4 * PAGE)) + [1])  # its KV stays in the pages the load will get
+    fail_the_next_load(monkeypatch)
+    step_recomputing(cache, [FIRST, SECOND])
+    serve(cache, 2, THIRD)  # its cached prefix's KV checked
     assert_flushed_clean(cache)
 
 
