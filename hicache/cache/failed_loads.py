@@ -17,9 +17,11 @@ KV being its own), and then, on every rank at once:
    page: the device prefix before the failed load);
 3. `FailedLoads` is dropped by the cache: the nodes the loads gave device pages lose them again (host-
    only, their host copies intact), deepest first with their device-resident descendants, so no later
-   match reads pages that were never written. Pages of a load still running (timed out) cannot be
-   reused until its copy stops writing into them: they are quarantined until the load's completion is
-   acknowledged by every rank, then freed.
+   match reads pages that were never written. Those nodes include the upper parts a later match of the
+   step split off them, and the descendants include the nodes of loads that landed below them (a
+   request of the same step continuing the same prefix): every page taken goes back to the pool. Pages
+   of a load still running (timed out) cannot be reused until its copy stops writing into them: they
+   are quarantined until the load's completion is acknowledged by every rank, then freed.
 
 Counted: `load_failed_pages` and `load_timed_out_pages` (HostStats), and the requests recomputed.
 """
@@ -48,6 +50,21 @@ class IssuedLoad:
         """Every layer's copy finished here (the op's own completion may trail its last layer)."""
         return not self.timed_out and not self.op.failed and all(e.is_set() for e in self.layer_done)
 
+    def holders(self) -> list[TreeNode]:
+        """The nodes its pages are on now: those it filled, and the upper parts a match split off them
+        since (a split puts a new node above the one recorded, holding its first pages)."""
+        pages = set(self.device_pages)
+        holders = {node.id: node for node in self.nodes}
+        for node in self.nodes:
+            above = node.parent
+            while (
+                above is not None and above.id not in holders  # a node recorded walks up by itself
+                and above.device_pages and pages.issuperset(above.device_pages)  # the root holds no page
+            ):  # fmt: skip
+                holders[above.id] = above
+                above = above.parent
+        return list(holders.values())
+
 
 @dataclass(frozen=True)
 class FailedLoads:
@@ -61,6 +78,10 @@ class FailedLoads:
     @property
     def pages(self) -> frozenset[int]:
         return frozenset(p for load in self.loads for p in load.device_pages)
+
+    @property
+    def holders(self) -> list[TreeNode]:
+        return [node for load in self.loads for node in load.holders()]
 
 
 @dataclass
@@ -99,9 +120,17 @@ class LoadLedger:
                 load.op.error = RuntimeError("the load failed on another rank")
         return FailedLoads(failed)
 
-    def hold(self, load: IssuedLoad) -> None:
-        """Keep a failed load's device pages out of the pool until its copy has stopped."""
-        self.quarantine.append(load)
+    def hold_still_copying(self, failed: FailedLoads, taken: list[int]) -> list[int]:
+        """Of the device pages `taken` back from the failed loads' holders and the nodes below them,
+        those to free now: a load still copying keeps its own out of the pool until its copy has
+        stopped (`release`)."""
+        taken_set, held = set(taken), set()
+        for load in failed.loads:
+            if not load.op.done.is_set():
+                load.device_pages = [p for p in load.device_pages if p in taken_set]  # the rest stay with their nodes
+                self.quarantine.append(load)
+                held.update(load.device_pages)
+        return [p for p in taken if p not in held]
 
     def release(self, finished: list[TransferOp] | None = None) -> list[int]:
         """Pages of quarantined loads whose ops are in `finished` (acknowledged everywhere; None: all,

@@ -122,13 +122,10 @@ class HierarchicalCache(PrefixCache):
         return self.host.settle_loads()
 
     def drop_failed_loads(self, failed: FailedLoads, requests: int) -> None:
-        taken = set(self.tree.detach_device(node for load in failed.loads for node in load.nodes))
-        for load in failed.loads:
-            load.device_pages = [p for p in load.device_pages if p in taken]
-            if load.op.done.is_set():
-                self.device.free(load.device_pages)
-            else:  # still copying into them: freed once every rank acknowledged its end
-                self.host.ledger.hold(load)
+        # Not only the failed loads' pages come back: below their nodes hang those of loads that landed
+        # in the same step, which cannot be served under a prefix that was never written either.
+        taken = self.tree.detach_device(failed.holders)
+        self.device.free(self.host.ledger.hold_still_copying(failed, taken))
         self.host.stats.load_failed_requests += requests
 
     def check(self) -> None:
