@@ -14,7 +14,8 @@ Every TP size runs the same GEMM calls and sums (tp_groups.py); what differs bet
 threads a rank's kernels run on (the machine's CPUs shared among its ranks). So the whole sequence is
 also fed at one thread: a rank whose kernels round alike at its thread count and at one computes what
 a rank of any other TP size computes. Every rank runs it, whatever its count: the sums inside are
-collectives every TP rank must enter.
+collectives every TP rank must enter. A difference there does not refuse the cache (it is exact at
+this topology); it keeps the rank's stored pages apart from other thread counts' (runtime/build.py).
 """
 
 from __future__ import annotations
@@ -43,9 +44,12 @@ class InvarianceReport:
     mechanisms: dict[str, str] = field(default_factory=dict)
     detail: str = ""  # what differed, when something did
     seconds: float = 0.0
+    # The whole probe gave the same bits at one thread: any TP size, any thread count computes these.
+    thread_count_invariant: bool = True
 
     def to_json(self) -> dict:
-        return {"verified": self.verified, "mechanisms": self.mechanisms, "detail": self.detail}
+        return {"verified": self.verified, "mechanisms": self.mechanisms, "detail": self.detail,
+                "thread_count_invariant": self.thread_count_invariant}  # fmt: skip
 
 
 def feed(
@@ -126,7 +130,6 @@ def self_check(model: DecoderModel) -> InvarianceReport:
     finally:
         torch.set_num_threads(threads)
     runs = {
-        f"the whole sequence at one thread instead of {threads}": one_thread,
         "chunks of 1-10 rows": feed(model, pool, inputs, cuts, REGION),
         "decode steps batched with another sequence": feed(
             model, pool, inputs, [PROBE_LEN - 2, PROBE_LEN - 1, PROBE_LEN], REGION, extra=(other, 2 * REGION)
@@ -137,7 +140,15 @@ def self_check(model: DecoderModel) -> InvarianceReport:
         for name, got in runs.items()
         if not torch.equal(got, whole)
     ]
-    report = InvarianceReport(not failed, mechanisms(model), "; ".join(failed), time.perf_counter() - started)
+    seconds = time.perf_counter() - started
+    same_at_one_thread = torch.equal(one_thread, whole)
+    report = InvarianceReport(not failed, mechanisms(model), "; ".join(failed), seconds, same_at_one_thread)
+    if not same_at_one_thread:
+        logger.warning(
+            "kernels round differently at %d threads than at one here (max |diff| %.3g): other TP sizes and "
+            "thread counts compute other bits, so this rank's stored pages are kept apart from theirs",
+            threads, float((one_thread.float() - whole.float()).abs().max()),
+        )  # fmt: skip
     if report.verified:
         logger.info("batch invariance verified in %.2f s (%s)", report.seconds, report.mechanisms)
     else:

@@ -4,7 +4,10 @@ of a TP/PP deployment build it here, so both run the same code."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+
+import torch
 
 from hicache.cache.hierarchical import HierarchicalCache
 from hicache.cache.prefix_cache import PrefixCache
@@ -102,6 +105,16 @@ def check_invariance(cfg: EngineConfig, report: InvarianceReport) -> None:
     )
 
 
+def storage_identity(identity: str, report: InvarianceReport | None) -> str:
+    """The model identity stored pages are namespaced by. Every topology reads every other's pages only
+    where they compute the same bits: where this rank's kernels round otherwise at one thread than at
+    its count (the self-check's one-thread probe), its pages carry the count, so a server of another
+    TP size or thread count finds them a miss instead of other bits."""
+    if report is None or report.thread_count_invariant:
+        return identity
+    return hashlib.sha256(f"{identity}:threads-{torch.get_num_threads()}".encode()).hexdigest()
+
+
 def load_engine_model(cfg: EngineConfig) -> LoadedModel:
     """The model `cfg` names, to be built in the weight format its `--quantization` resolves to here."""
     loaded = load_model(cfg.model, keep_codes=cfg.quantization != "none")
@@ -131,7 +144,7 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
             heads = range(geometry.num_kv_heads) if geometry.latent else range(*model.kv_head_range)
             unified = UnifiedPlacement(geometry, Shard(range(*model.layer_range), heads))
         cache = HierarchicalCache(
-            pool, cfg.hicache, consensus, loaded.identity, shard.suffix, cfg.debug,
+            pool, cfg.hicache, consensus, storage_identity(loaded.identity, model.invariance), shard.suffix, cfg.debug,
             draft.pools if draft else None, storage_writer=shard.writes, unified=unified,
         )
     else:

@@ -22,6 +22,7 @@ def test_models_and_health(server: str) -> None:
     health = httpx.get(f"{server}/health").json()
     assert health["status"] == "ok"
     assert health["batch_invariance"]["verified"] is True, health  # the start-up self-check passed here
+    assert health["batch_invariance"]["thread_count_invariant"] is True, health  # any TP size computes these bits
 
 
 def test_completion(server: str) -> None:
