@@ -115,7 +115,8 @@ def test_engine_refuses_a_cache_where_the_self_check_fails(monkeypatch):
         Engine(model="tiny")
     # Without a cache there is nothing to protect: it serves, and says what it found.
     with Engine(model="tiny", disable_radix_cache=True) as engine:
-        assert engine.invariance == {"verified": False, "mechanisms": {}, "detail": failed.detail}
+        assert engine.invariance == {"verified": False, "mechanisms": {}, "detail": failed.detail,
+                                     "thread_count_invariant": True}
         assert engine.generate([[5, 6, 7]])[0].token_ids
 
 
