@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from hicache.cache.controller import TransferOp
 from hicache.cache.radix import TreeNode
-from hicache.dist.consensus import Consensus
+from hicache.parallel.consensus import Consensus
 
 
 @dataclass(eq=False)

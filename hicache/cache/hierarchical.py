@@ -20,9 +20,9 @@ from hicache.cache.storage_tier import StorageTier
 from hicache.cache.stores import UnifiedPlacement, open_store
 from hicache.config import DebugConfig, HiCacheConfig
 from hicache.debug.consensus_checker import consensus_checked
-from hicache.dist.consensus import Consensus
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_group import DraftPools, make_host_pool
+from hicache.parallel.consensus import Consensus
 
 logger = logging.getLogger(__name__)
 

@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from hicache.dist.parallel import ParallelContext
-from hicache.dist.placement import KVSharding
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVComponent, KVLayout
 from hicache.model import ops
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
 from hicache.model.llama import LlamaLayer, LlamaModel, MakeLinear
+from hicache.parallel.parallel import ParallelContext
+from hicache.parallel.placement import KVSharding
 
 SHIFT = "shift"
 ARCHITECTURE = "token_shift"  # LoadedModel.extra["architecture"] of a model with these weights

@@ -26,7 +26,6 @@ from hicache.cache.api import TIERS
 from hicache.cache.stats import CacheStats
 from hicache.config import EngineConfig
 from hicache.disagg.stats import DisaggStats
-from hicache.dist.parallel import ParallelContext
 from hicache.engine.request import (
     Bootstrap,
     DisaggUsage,
@@ -38,6 +37,7 @@ from hicache.engine.request import (
 )
 from hicache.engine.scheduler import check_request_fits
 from hicache.errors import UserError
+from hicache.parallel.parallel import ParallelContext
 from hicache.runtime.base import Runtime, check_usable
 from hicache.runtime.build import build_scheduler, check_topology, context_length, load_engine_model, storage_layout
 from hicache.runtime.deadlines import DeadlineWatch

@@ -29,11 +29,11 @@ import torch
 import torch.distributed as dist
 
 from hicache.config import EngineConfig
-from hicache.dist.divergence import RankDivergenceError
-from hicache.dist.parallel import Mesh, ParallelContext
 from hicache.engine.request import FinishReason, RequestEvent
 from hicache.engine.scheduler import Scheduler
 from hicache.errors import UserError
+from hicache.parallel.divergence import RankDivergenceError
+from hicache.parallel.parallel import Mesh, ParallelContext
 from hicache.runtime.build import build_scheduler, load_engine_model
 from hicache.runtime.commands import COMMANDS, combine
 

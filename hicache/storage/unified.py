@@ -26,8 +26,8 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-from hicache.dist.parallel import split_range
 from hicache.errors import UserError
+from hicache.parallel.parallel import split_range
 from hicache.storage.keys import HASH_BYTES, NAMESPACE_DIGEST_HEX
 
 SCHEMA_VERSION = 1
@@ -199,7 +199,7 @@ class UnifiedNamespace:
 
 
 def shard_of(geometry: KVGeometry, tp_size: int, tp_rank: int, pp_size: int, pp_rank: int) -> Shard:
-    """A rank's shard as hicache/dist/parallel.py splits the model: layers as evenly as possible over
+    """A rank's shard as hicache/parallel/parallel.py splits the model: layers as evenly as possible over
     PP (earlier stages take the remainder), KV heads in equal contiguous blocks over TP (MLA: all)."""
     a, b = split_range(geometry.num_layers, pp_size, pp_rank)
     if geometry.latent:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.dist.parallel import ParallelContext
+from hicache.parallel.parallel import ParallelContext
 
 
 @dataclass(frozen=True)

@@ -32,8 +32,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from hicache.dist.divergence import RankDivergenceError, consensus_checked
-from hicache.dist.parallel import ParallelContext
+from hicache.parallel.divergence import RankDivergenceError, consensus_checked
+from hicache.parallel.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
 
