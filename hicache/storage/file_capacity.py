@@ -82,10 +82,6 @@ class FileCapacity:
             logger.info("file storage %s: %.1f MB stored, cap %.1f MB", root, self._estimate / 1e6, max_bytes / 1e6)
             self._evict_if_over()
 
-    @property
-    def estimated_bytes(self) -> int:
-        return self._estimate
-
     def on_put(self, size: int) -> None:
         if not self.max_bytes:
             return

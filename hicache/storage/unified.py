@@ -102,10 +102,6 @@ class Grid:
                 f"--hicache-storage-head-partition {self.head_partition} must divide the model's {g.num_kv_heads} KV heads"
             )
 
-    @property
-    def heads_per_group(self) -> int:
-        return self.geometry.num_kv_heads if self.geometry.latent else self.head_partition
-
     @cached_property
     def layer_ranges(self) -> tuple[range, ...]:
         n, step = self.geometry.num_layers, self.layer_partition
