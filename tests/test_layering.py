@@ -1,7 +1,7 @@
-"""The parts import downward only (DESIGN.md: server / bench → runtime → engine → cache → mem, storage,
-model → parallel primitives): read from the source, every import of one hicache part by another goes to a
-lower layer, so no part imports the one above it and there is no cycle between parts. And no module
-grows past the size of one concept."""
+"""The parts import downward only (docs/DESIGN.md, "Layering": server / bench → runtime → engine → cache
+→ mem, storage, model → parallel primitives): read from the source, every import of one hicache part by
+another goes to a lower layer, so no part imports the one above it and there is no cycle between parts.
+And no module grows past the size of one concept."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The device tier (DESIGN.md, "tiers"): the device KV pool's pages as the radix tree hands them out.
+"""The device tier (docs/DESIGN.md, "tiers"): the device KV pool's pages as the radix tree hands them out.
 
 It allocates device pages (evicting unlocked cache, least recently used first, when the free list is
 short), inserts computed pages into the tree (returning a duplicate when another request cached the

@@ -1,4 +1,4 @@
-"""The hierarchical cache (DESIGN.md, "tiers"): the radix prefix cache over the device tier, with the
+"""The hierarchical cache (docs/DESIGN.md, "tiers"): the radix prefix cache over the device tier, with the
 host tier (host_tier.py) behind it and, when a backend is configured, the storage tier
 (storage_tier.py) below that. This module only wires them into the prefix cache's hooks and runs the
 one agreement per scheduler check that every asynchronous result of either tier passes through.

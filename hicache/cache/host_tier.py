@@ -1,4 +1,4 @@
-"""The host tier (DESIGN.md, "tiers"): host memory behind the device pool.
+"""The host tier (docs/DESIGN.md, "tiers"): host memory behind the device pool.
 
 - Backups: the write policy (`WritePolicy`) decides when a device node is copied to the host: at
   creation, at its second hit, or when it is evicted from the device. An asynchronous backup locks its

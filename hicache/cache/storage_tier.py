@@ -1,4 +1,4 @@
-"""The storage tier (DESIGN.md, "tiers"): content-addressed pages below host memory.
+"""The storage tier (docs/DESIGN.md, "tiers"): content-addressed pages below host memory.
 
 - Puts (storage_puts.py): a node backed up to the host is queued for storage; a put that found the
   store down is put again.

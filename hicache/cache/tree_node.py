@@ -1,4 +1,4 @@
-"""The radix tree's records (DESIGN.md, "radix tree"): a node, and what a match and an insert return.
+"""The radix tree's records (docs/DESIGN.md, "radix tree"): a node, and what a match and an insert return.
 
 A node is a page-aligned run of tokens with its KV on the device (`device_pages`), on the host
 (`host_pages`), or both. `rotation` is the owner class of its prefix's first page when pages are

@@ -1,4 +1,4 @@
-"""Rank consensus checker (DESIGN.md, "debugging"): finds the first cache or scheduling decision on
+"""Rank consensus checker (docs/DESIGN.md, "debugging"): finds the first cache or scheduling decision on
 which ranks disagree, before it surfaces as a shape mismatch or a hung collective.
 
 - `@consensus_checked(params=..., results=...)` (defined in hicache/parallel/divergence.py, re-exported

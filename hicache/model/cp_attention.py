@@ -1,6 +1,6 @@
-"""The CP-gathered attention backend (DESIGN.md, "attention backends"; the report's section 1.2): attention
-over KV pages sharded across a group of ranks (hicache/parallel/placement.py), for context parallelism and
-for MLA's latent KV over attention-TP ranks.
+"""The CP-gathered attention backend (docs/DESIGN.md, "attention backends" and "CP page sharding"):
+attention over KV pages sharded across a group of ranks (hicache/parallel/placement.py), for context
+parallelism and for MLA's latent KV over attention-TP ranks.
 
 Token assignment (CP): **interleaved**: row i of the step's flattened batch is computed by CP rank
 i mod N. Zigzag (2N blocks, rank r taking blocks r and 2N-1-r) exists to balance causal attention

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DESIGN.md, "model family": `tiny-mla`), DeepSeek-V2 style, as a decoder
+"""Multi-head latent attention (docs/DESIGN.md, "model family": `tiny-mla`), DeepSeek-V2 style, as a decoder
 of the Llama family with another attention block and KV layout.
 
 Per token and layer the cache holds one latent vector: the compressed KV c = norm(W_kva x)[:r] and the

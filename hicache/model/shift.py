@@ -1,4 +1,4 @@
-"""A Llama decoder with per-token state beside its KV (DESIGN.md, "model family": drafts), the shape of
+"""A Llama decoder with per-token state beside its KV (docs/DESIGN.md, "model family": drafts), the shape of
 `tiny-draft-sidecar`.
 
 Each layer keeps a small token-shift vector s_t = W_in · norm(h_t) in its pool row, as a KV component

@@ -1,4 +1,4 @@
-"""Rank agreement's contract (DESIGN.md, "rank agreement" and "debugging"): which calls must give equal
+"""Rank agreement's contract (docs/DESIGN.md, "rank agreement" and "debugging"): which calls must give equal
 arguments and results on every rank, and the error raised when ranks are found to disagree.
 
 Both sides of the contract import this module and nothing above it: the agreement code in parallel/

@@ -1,4 +1,4 @@
-"""Parallel axes (DESIGN.md, "parallel axes"): which layers and which KV heads a rank holds, and the process
+"""Parallel axes (docs/DESIGN.md, "parallel axes"): which layers and which KV heads a rank holds, and the process
 groups it talks on, over three named axes: pipeline (pp), context (cp) and tensor (tp) parallelism.
 
 `Mesh` holds the axis sizes and the one rank formula; `ParallelContext` is one rank's place in it and its

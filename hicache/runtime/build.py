@@ -1,4 +1,4 @@
-"""Build (DESIGN.md, "runtime"): one rank's scheduler (model shard, device pool, cache tiers, consensus,
+"""Build (docs/DESIGN.md, "runtime"): one rank's scheduler (model shard, device pool, cache tiers, consensus,
 checker) from the configuration and a ParallelContext. The single-rank engine and every rank process
 of a TP/PP deployment build it here, so both run the same code."""
 

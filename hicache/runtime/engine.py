@@ -1,4 +1,4 @@
-"""`Engine`: the offline and serving front of hicache (DESIGN.md, "runtime").
+"""`Engine`: the offline and serving front of hicache (docs/DESIGN.md, "runtime").
 
 It loads the tokenizer and model configuration and starts a runtime (base.Runtime): at one rank, the
 scheduler loop on a background thread of this process (local.py); with --tp-size x --pp-size > 1, one

@@ -1,4 +1,4 @@
-"""The rank worker (DESIGN.md, "runtime"): one rank's process. It joins the job (the process groups of its
+"""The rank worker (docs/DESIGN.md, "runtime"): one rank's process. It joins the job (the process groups of its
 ParallelContext, each with a finite timeout, --dist-timeout, so a rank that never arrives makes its
 peers fail instead of waiting forever), builds this rank's scheduler (its layers, its KV heads, its own
 radix tree, pools and transfer workers) and runs the SPMD loop.

@@ -1,4 +1,4 @@
-"""Speculative decoding (DESIGN.md, "speculative decoding"): a draft model proposes tokens, the target
+"""Speculative decoding (docs/DESIGN.md, "speculative decoding"): a draft model proposes tokens, the target
 verifies them in one forward pass, and the draft's state is kept by the cache beside the target's.
 
 - draft_state.py: where the draft's state lives (packed into the target's host pool, or a sidecar),

@@ -1,4 +1,4 @@
-"""Build (DESIGN.md, "speculative decoding"): the draft model, its device pool and where its state
+"""Build (docs/DESIGN.md, "speculative decoding"): the draft model, its device pool and where its state
 lives, from `--speculative-*` and `--hicache-draft-layout`; then the decoder over the target's runner.
 
 The draft's device pool has the target's page count and page size: it is indexed by the target's

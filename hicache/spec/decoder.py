@@ -1,4 +1,4 @@
-"""One speculative step for the scheduler (DESIGN.md, "speculative decoding": draft runner, verify,
+"""One speculative step for the scheduler (docs/DESIGN.md, "speculative decoding": draft runner, verify,
 rollback through the KV handle). It is the scheduler's `StepCompute` when speculation is on.
 
 A step, for the scheduler's work (prefill chunks, and one decode row per running request):

@@ -1,4 +1,4 @@
-"""Counters of speculative decoding (DESIGN.md, "speculative decoding"), exported as
+"""Counters of speculative decoding (docs/DESIGN.md, "speculative decoding"), exported as
 `hicache_spec_*` metrics (hicache/server/metrics.py).
 
 `draft_recomputed_tokens` counts the draft's rows over prompt tokens the target did not compute:

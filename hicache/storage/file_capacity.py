@@ -1,4 +1,4 @@
-"""A size cap for the file backend (DESIGN.md, "storage"): `--hicache-storage-max-bytes`.
+"""A size cap for the file backend (docs/DESIGN.md, "storage"): `--hicache-storage-max-bytes`.
 
 The directory itself is the index. An object's last use is its mtime: a put writes it, and a read of a
 capped store touches it (`os.utime`), so it works on file systems mounted noatime and across several

@@ -1,5 +1,5 @@
-"""The unified KV storage layout (seed report, section 4): one stored representation shared by every
-compatible topology, so a TP4xPP2 writer and a TP2xPP1 reader use the same objects.
+"""The unified KV storage layout (docs/DESIGN.md, "Unified layout"): one stored representation shared by
+every compatible topology, so a TP4xPP2 writer and a TP2xPP1 reader use the same objects.
 
 Pure arithmetic, no I/O. A page is cut on a fixed `Grid` of layer ranges (`layer_partition` layers
 each, the last one ragged) x head groups (`head_partition` KV heads each; none for MLA, whose latent

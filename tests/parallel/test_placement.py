@@ -1,5 +1,6 @@
 """Page placement arithmetic (hicache/parallel/placement.py): a bijection between logical slots and (owner,
-local row), the report's figure 1a through the cache API, and which ranks shard and write pages."""
+local row), the worked example of docs/DESIGN.md, "CP page sharding" (figure 1a) through the cache API, and
+which ranks shard and write pages."""
 
 import torch
 from hypothesis import given, settings
