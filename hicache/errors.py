@@ -8,10 +8,6 @@ class UserError(ValueError):
     status = 400
 
 
-class NotFoundError(UserError):
-    status = 404
-
-
 class RequestTooLargeError(UserError):
     """A prompt (plus its output budget) that can never fit the context or the KV pool."""
 

@@ -1,7 +1,7 @@
-"""The parts import downward only (DESIGN.md: server / bench → runtime → engine → cache → mem, storage,
-model → dist primitives): read from the source, every import of one hicache part by another goes to a
-lower layer, so no part imports the one above it and there is no cycle between parts. And no module
-grows past the size of one concept."""
+"""The parts import downward only (docs/DESIGN.md, "Layering": server / bench → runtime → engine → cache
+→ mem, storage, model → parallel primitives): read from the source, every import of one hicache part by
+another goes to a lower layer, so no part imports the one above it and there is no cycle between parts.
+And no module grows past the size of one concept."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
     frozenset(layer.split())
     for layer in (
         "errors",
-        "dist",  # collectives, placement, consensus: imports no other part
+        "parallel",  # collectives, placement, consensus: imports no other part
         "mem storage",
         "model",  # reads the KV layout from mem
         "config debug",  # debug: the consensus checker and fault injection, below what they instrument

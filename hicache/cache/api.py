@@ -1,4 +1,4 @@
-"""The cache API (DESIGN.md, "cache API"): everything the scheduler sees of the KV cache.
+"""The cache API (docs/DESIGN.md, "cache API"): everything the scheduler sees of the KV cache.
 
 The scheduler speaks to a `KVCache` and holds one `KVHandle` per request; it never touches the tree,
 the pools or the tiers. Shaped after vLLM's `KVCacheManager` (the interface object) and

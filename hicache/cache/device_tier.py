@@ -1,11 +1,11 @@
-"""The device tier (DESIGN.md, "tiers"): the device KV pool's pages as the radix tree hands them out.
+"""The device tier (docs/DESIGN.md, "tiers"): the device KV pool's pages as the radix tree hands them out.
 
 It allocates device pages (evicting unlocked cache, least recently used first, when the free list is
 short), inserts computed pages into the tree (returning a duplicate when another request cached the
 same tokens first), and reports what it holds. The tree itself is shared with the host tier, whose
 pages live in the same nodes.
 
-Sharded pages (hicache/dist/placement.py): page P of a prefix comes from owner class (b + P) mod N,
+Sharded pages (hicache/parallel/placement.py): page P of a prefix comes from owner class (b + P) mod N,
 b the prefix's rotation base, kept on its tree nodes; a new prefix starts on the class with the most
 free pages (`new_rotation`). Room is counted per class (`room`: the tightest class decides, not the
 total), and eviction repeats until every class asked for has room. Every input of these decisions

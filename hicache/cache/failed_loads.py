@@ -1,5 +1,5 @@
-"""Host -> device loads that fail or time out degrade to a recompute (DESIGN.md, "a cache never changes
-an answer"; issue 15).
+"""Host -> device loads that fail or time out degrade to a recompute (docs/DESIGN.md, "A cache never
+changes an answer"; issue 15).
 
 A load runs layer by layer on the load worker while the step that needs it computes; each layer's
 attention waits (bounded, --hicache-transfer-timeout) for that layer's copy. A copy that fails or does
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from hicache.cache.controller import TransferOp
 from hicache.cache.radix import TreeNode
-from hicache.dist.consensus import Consensus
+from hicache.parallel.consensus import Consensus
 
 
 @dataclass(eq=False)

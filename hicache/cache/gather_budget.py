@@ -1,7 +1,7 @@
-"""The CP gather's scratch in the admission budget (DESIGN.md, "CP page sharding"; the report's 1.2):
-with pages sharded over N ranks, each layer's attention first gathers the prefix pages of every
-running request into a scratch buffer (hicache/model/kv_gather.py) holding at most `capacity` pages
-per owner class (`--cp-gather-tokens`). Admission keeps every step's gather within it.
+"""The CP gather's scratch in the admission budget (docs/DESIGN.md, "CP page sharding"): with pages
+sharded over N ranks, each layer's attention first gathers the prefix pages of every running request
+into a scratch buffer (hicache/model/kv_gather.py) holding at most `capacity` pages per owner class
+(`--cp-gather-tokens`). Admission keeps every step's gather within it.
 
 What a step gathers is, per owner class, distinct pages of READY requests: tree pages they hold locked
 (counted by the tree, `protected_by_class`) or pages of their own not shared yet (`private_by_class`,

@@ -1,4 +1,4 @@
-"""The hierarchical cache (DESIGN.md, "tiers"): the radix prefix cache over the device tier, with the
+"""The hierarchical cache (docs/DESIGN.md, "tiers"): the radix prefix cache over the device tier, with the
 host tier (host_tier.py) behind it and, when a backend is configured, the storage tier
 (storage_tier.py) below that. This module only wires them into the prefix cache's hooks and runs the
 one agreement per scheduler check that every asynchronous result of either tier passes through.
@@ -20,9 +20,9 @@ from hicache.cache.storage_tier import StorageTier
 from hicache.cache.stores import UnifiedPlacement, open_store
 from hicache.config import DebugConfig, HiCacheConfig
 from hicache.debug.consensus_checker import consensus_checked
-from hicache.dist.consensus import Consensus
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_group import DraftPools, make_host_pool
+from hicache.parallel.consensus import Consensus
 
 logger = logging.getLogger(__name__)
 

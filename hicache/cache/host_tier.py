@@ -1,4 +1,4 @@
-"""The host tier (DESIGN.md, "tiers"): host memory behind the device pool.
+"""The host tier (docs/DESIGN.md, "tiers"): host memory behind the device pool.
 
 - Backups: the write policy (`WritePolicy`) decides when a device node is copied to the host: at
   creation, at its second hit, or when it is evicted from the device. An asynchronous backup locks its
@@ -9,7 +9,7 @@
 - Every consumption of a completed copy goes through `Consensus` (identity at one rank): ranks agree
   on how many ACKs to consume, then fold the identities of what they consumed into the chain the next
   agreement compares.
-- Sharded pages (hicache/dist/placement.py): a host page takes the owner class of the device page it
+- Sharded pages (hicache/parallel/placement.py): a host page takes the owner class of the device page it
   backs up, and a load-back allocates device pages through the nodes' rotation base, so every page
   returns to its owner whatever its new physical page; each rank copies only its own pairs (the host
   pool's copy boundary), about 1/N of the bytes. The tree, the queues and the ACKs stay logical.
@@ -35,10 +35,10 @@ from hicache.cache.stats import HostStats
 from hicache.config import HiCacheConfig
 from hicache.debug.consensus_checker import consensus_checked
 from hicache.debug.faults import InjectedFault, LoadFaults
-from hicache.dist.consensus import Consensus
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_group import DraftPools, make_host_pool
 from hicache.mem.host_pool import HostKVPool
+from hicache.parallel.consensus import Consensus
 
 logger = logging.getLogger(__name__)
 

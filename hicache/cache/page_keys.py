@@ -1,4 +1,4 @@
-"""Radix-tree keys as packed bytes (DESIGN.md, "radix tree": keys compared at C speed).
+"""Radix-tree keys as packed bytes (docs/DESIGN.md, "radix tree": keys compared at C speed).
 
 A key is a run of token ids stored as native-endian int64s in one `bytes` object, so comparing two runs
 is one `memcmp` and finding where they diverge is a bisection over pages of `memcmp`s, not a Python loop

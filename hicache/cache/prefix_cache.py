@@ -1,4 +1,4 @@
-"""The radix prefix cache behind the cache API (DESIGN.md, "cache API"): it owns the requests' KV
+"""The radix prefix cache behind the cache API (docs/DESIGN.md, "cache API"): it owns the requests' KV
 handles and the reservations, and runs admission over the device tier. `HierarchicalCache`
 (hierarchical.py) adds the host and storage tiers through the hooks marked below.
 

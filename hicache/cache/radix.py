@@ -21,7 +21,7 @@ Contracts:
   make the same eviction choices. The candidates of each eviction are kept across calls
   (radix_lru.py), so an eviction costs O(log tree) per node it takes, not O(tree) per call; every
   change below that can make a node a candidate, or touches one, offers it there.
-- Sharded pages (`num_classes` N > 1, hicache/dist/placement.py): every shard rank keeps this same tree
+- Sharded pages (`num_classes` N > 1, hicache/parallel/placement.py): every shard rank keeps this same tree
   with the same logical page ids. A root's subtree has one rotation base (tree_node.py); an insert
   whose base differs from the cached path's is refused whole, never grafted. Evictable device pages
   are counted per owner class (page q in class q mod N), so admission can count the tightest class.

@@ -1,4 +1,4 @@
-"""Typed counters of the cache tiers (DESIGN.md, "tiers": typed stats). Each tier owns one record and
+"""Typed counters of the cache tiers (docs/DESIGN.md, "tiers": typed stats). Each tier owns one record and
 counts into it; `KVCache.stats()` returns them together as a `CacheStats` snapshot, which the server
 exports (hicache/server/metrics.py) and the tests read by field.
 

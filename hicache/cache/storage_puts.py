@@ -1,4 +1,4 @@
-"""The storage tier's puts (DESIGN.md, "tiers"): a node backed up to the host is queued for storage
+"""The storage tier's puts (docs/DESIGN.md, "tiers"): a node backed up to the host is queued for storage
 (batched, on the storage worker) under its chained page hashes; pages the store already holds are not
 written again (content addressing: another server, or an earlier run, may have written them).
 

@@ -1,4 +1,4 @@
-"""The storage tier (DESIGN.md, "tiers"): content-addressed pages below host memory.
+"""The storage tier (docs/DESIGN.md, "tiers"): content-addressed pages below host memory.
 
 - Puts (storage_puts.py): a node backed up to the host is queued for storage; a put that found the
   store down is put again.
@@ -14,7 +14,7 @@
   draft uses) and the draft's (under keys of its own, `Namespace.part`). Both are put together, and a
   hit is the MIN over the parts: a page whose draft object is missing or bad is not used (counted as
   `draft_missing`, or as a failed read), so a prefix is never restored for one model and not the other.
-- Sharded pages (hicache/dist/placement.py): keys carry the shard rank, each shard rank puts, looks up
+- Sharded pages (hicache/parallel/placement.py): keys carry the shard rank, each shard rank puts, looks up
   and reads only its own pages (`writes`: the elected writer of replicated bytes), so a rank's hit is
   the pages before the first of its own that is missing, and the MIN over the shard group is the
   common prefix. A prompt the tree does not know yet may have been stored from any rotation base: the
@@ -41,7 +41,7 @@ from hicache.cache.storage_puts import StoragePuts
 from hicache.cache.stores import part_store
 from hicache.config import HiCacheConfig
 from hicache.debug.consensus_checker import consensus_checked
-from hicache.dist.consensus import Consensus
+from hicache.parallel.consensus import Consensus
 from hicache.storage import StorageStats, VerifiedStore, page_hashes
 
 logger = logging.getLogger(__name__)

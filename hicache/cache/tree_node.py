@@ -1,8 +1,8 @@
-"""The radix tree's records (DESIGN.md, "radix tree"): a node, and what a match and an insert return.
+"""The radix tree's records (docs/DESIGN.md, "radix tree"): a node, and what a match and an insert return.
 
 A node is a page-aligned run of tokens with its KV on the device (`device_pages`), on the host
 (`host_pages`), or both. `rotation` is the owner class of its prefix's first page when pages are
-sharded over N ranks (hicache/dist/placement.py): page P of the path from the root lives on class
+sharded over N ranks (hicache/parallel/placement.py): page P of the path from the root lives on class
 (rotation + P) mod N, so every node of a root's subtree carries the same rotation (a split copies it
 to both halves, an insert that would mix two is refused). At N = 1 it is always 0.
 

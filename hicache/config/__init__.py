@@ -1,4 +1,4 @@
-"""Configuration (DESIGN.md, "configuration, CLI flags"): one dataclass per concern, validated at start-up,
+"""Configuration (docs/DESIGN.md, "configuration, CLI flags"): one dataclass per concern, validated at start-up,
 flags named as SGLang names them where the concept is the same. `add_engine_args` and
 `EngineConfig.from_args` (one generic `from_args` over the dataclass fields) are the only bridge between
 the CLI and the engine, so `generate`, `serve` and the benchmark's launcher share them."""

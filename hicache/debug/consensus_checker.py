@@ -1,7 +1,7 @@
-"""Rank consensus checker (DESIGN.md, "debugging"): finds the first cache or scheduling decision on
+"""Rank consensus checker (docs/DESIGN.md, "debugging"): finds the first cache or scheduling decision on
 which ranks disagree, before it surfaces as a shape mismatch or a hung collective.
 
-- `@consensus_checked(params=..., results=...)` (defined in hicache/dist/divergence.py, re-exported
+- `@consensus_checked(params=..., results=...)` (defined in hicache/parallel/divergence.py, re-exported
   here) marks a scheduler or cache method and selects which of its arguments (before the call) and
   results (after it) must be equal on every rank. The mark is an attribute on the function, which the
   decorator returns unchanged: an unchecked engine runs exactly the code it would run without the
@@ -32,10 +32,10 @@ from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
-# The marks and the error live below dist/ so that agreement code can raise and mark without importing
+# The marks and the error live below parallel/ so that agreement code can raise and mark without importing
 # the checker; they are re-exported here, the checker's public face for the scheduler and the cache.
-from hicache.dist.divergence import SPEC_ATTR, CheckSpec, RankDivergenceError, consensus_checked
-from hicache.dist.parallel import ParallelContext
+from hicache.parallel.divergence import SPEC_ATTR, CheckSpec, RankDivergenceError, consensus_checked
+from hicache.parallel.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
 

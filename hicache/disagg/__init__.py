@@ -1,4 +1,4 @@
-"""Prefill-decode disaggregation (DESIGN.md, "P/D disaggregation"; section 5 of the seed report).
+"""Prefill-decode disaggregation (docs/DESIGN.md, "P/D disaggregation" and "P/D decode reuse").
 
 A prefill server computes a request's prompt (skipping what its own prefix cache holds) and its first
 token; a decode server generates the rest. Between them the KV of the prompt moves page by page over a

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
-from hicache.dist.divergence import RankDivergenceError
-from hicache.dist.parallel import ParallelContext
+from hicache.parallel.divergence import RankDivergenceError
+from hicache.parallel.parallel import ParallelContext
 
 
 def agree_min(pctx: ParallelContext, values: Sequence[int], equal: Sequence[int] = ()) -> list[int]:

@@ -1,5 +1,5 @@
-"""P/D disaggregation: decode-side admission, the decode server's use of its own radix tree (section 5
-of the seed report, Figure 5) through the request's KV handle.
+"""P/D disaggregation: decode-side admission, the decode server's use of its own radix tree
+(docs/DESIGN.md, "P/D decode reuse", and its worked example, Figure 5) through the request's KV handle.
 
     reserve:  WAITING ─match─▶ MATCHED ─lock─▶ LOCKED ─budget re-checked─▶ RESERVED  (or back to WAITING)
     complete: RESERVED ─suffix landed and host part restored─▶ READY

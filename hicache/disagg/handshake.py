@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from hicache.dist.parallel import ParallelContext
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.base import DecoderModel
+from hicache.parallel.parallel import ParallelContext
 
 HANDSHAKE_VERSION = 1
 

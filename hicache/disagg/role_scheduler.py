@@ -9,8 +9,8 @@ from typing import Any
 from hicache.disagg.handshake import Handshake
 from hicache.disagg.stats import DisaggStats
 from hicache.disagg.transfer import KVTransferBackend
-from hicache.dist.parallel import ParallelContext
 from hicache.engine.scheduler import Scheduler
+from hicache.parallel.parallel import ParallelContext
 
 
 class RoleScheduler(Scheduler):

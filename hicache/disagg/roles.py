@@ -21,10 +21,10 @@ from hicache.disagg.role_scheduler import RoleScheduler
 from hicache.disagg.stats import DisaggStats
 from hicache.disagg.zmq_decode import ZmqDecodeBackend
 from hicache.disagg.zmq_prefill import ZmqPrefillBackend
-from hicache.dist.parallel import ParallelContext
 from hicache.engine.model_runner import ModelRunner
 from hicache.engine.scheduler import Scheduler
 from hicache.errors import UserError
+from hicache.parallel.parallel import ParallelContext
 
 PREFILL, DECODE = "prefill", "decode"
 

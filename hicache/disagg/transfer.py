@@ -71,10 +71,6 @@ class StagedKV:
     end: int
     layers: list[torch.Tensor]
 
-    @property
-    def num_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.layers)
-
 
 class KVSender(Protocol):
     """Prefill side of one request's transfer."""

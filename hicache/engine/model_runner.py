@@ -1,6 +1,6 @@
 """Turns one step's work items (request, token range) into a ForwardBatch, runs this rank's part of the
 model on it (receiving and sending hidden states between pipeline stages), and samples next tokens
-on the sampling rank, which shares them with every rank (hicache/dist/pipeline.py).
+on the sampling rank, which shares them with every rank (hicache/parallel/pipeline.py).
 
 `ModelRunner.step` is the scheduler's plain way of computing a step (`StepCompute`); speculative
 decoding (hicache/spec/) is the other, built on the same runner for the target and for its draft.
@@ -13,12 +13,12 @@ from typing import Callable, Protocol
 
 import torch
 
-from hicache.dist.pipeline import StageLink
 from hicache.engine.request import Request, TokenLogprob
 from hicache.engine.sampler import sample
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.llama import LlamaModel
+from hicache.parallel.pipeline import StageLink
 
 
 @dataclass(frozen=True)

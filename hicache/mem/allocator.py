@@ -1,7 +1,7 @@
 """Page-granular allocation of logical KV slots, one free list per owner class.
 
 Slot x belongs to page x // page_size. Everything above the pools (tree, scheduler, requests) speaks
-logical pages and slots; only pools translate them into memory rows (hicache/dist/placement.py).
+logical pages and slots; only pools translate them into memory rows (hicache/parallel/placement.py).
 
 With pages sharded over N ranks (context parallelism, MLA over attention TP), logical page q is owned
 by rank q mod N, so the pages of one owner form a class and each class has its own free list. Every
@@ -18,7 +18,7 @@ from typing import Sequence
 
 import torch
 
-from hicache.dist.placement import Placement
+from hicache.parallel.placement import Placement
 
 
 class PageAllocator:

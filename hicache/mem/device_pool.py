@@ -1,7 +1,7 @@
 """Device KV pool: per-layer buffers of token rows, indexed by logical slot.
 
 Only this class (and the host pool's copy boundary) maps slots to memory. At one rank a logical slot
-is its row. With pages sharded over N ranks (hicache/dist/placement.py) each rank's buffers hold only
+is its row. With pages sharded over N ranks (hicache/parallel/placement.py) each rank's buffers hold only
 the pages it owns, `num_pages` local pages (local page 0 its padding page); a write keeps the slots
 this rank owns and translates them to local rows, and the attention backend reads other ranks' pages
 through an all-gather of local pages (`pages_of_layer`).

@@ -1,8 +1,8 @@
-"""Host memory for pools that share logical page ids (DESIGN.md, "host pool": target + draft grouped).
+"""Host memory for pools that share logical page ids (docs/DESIGN.md, "host pool": target + draft grouped).
 
 A speculative draft keeps its own device pool, indexed by the target's logical pages, so a prefix's
-pages hold both models' state at the same ids. Its host state is laid out one of two ways (seed
-report, section 3):
+pages hold both models' state at the same ids. Its host state is laid out one of two ways
+(docs/DESIGN.md, "Speculative decoding: the draft's state"):
 
 - packed: the draft's layers are appended to the target's host pool (one buffer, one slot mapping),
   which needs the same row shape, dtype and token indexing (hicache/spec/draft_state.py checks);

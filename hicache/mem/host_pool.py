@@ -15,7 +15,7 @@ Copies between tiers go through `backup` (device -> host) and `load_layer` (host
 a time, so a forward pass can start on layer 0 while later layers are still loading). On CUDA the buffer
 is pinned so the copies can run asynchronously on a side stream.
 
-With pages sharded over N ranks (hicache/dist/placement.py) the host pool is sharded the same way: a
+With pages sharded over N ranks (hicache/parallel/placement.py) the host pool is sharded the same way: a
 host page's owner class is that of the device page it backs up (the host tier allocates it so), and
 each rank holds, copies and serves only its own pages, about 1/N of the bytes. The copy boundary is
 here: callers pass logical page ids, this rank keeps its own (device, host) pairs and translates both

@@ -17,10 +17,10 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-from hicache.dist.placement import KVSharding
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model import ops
 from hicache.model.batch import ForwardBatch
+from hicache.parallel.placement import KVSharding
 
 # Packed KV rows [L, row] -> keys [L, Hkv, d] and values [L, Hkv, dv] of this rank's heads.
 Expand = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from hicache.dist.placement import KVSharding
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
+from hicache.parallel.placement import KVSharding
 
 if TYPE_CHECKING:  # invariance.py probes a DecoderModel
     from hicache.model.invariance import InvarianceReport
@@ -27,7 +27,7 @@ class DecoderModel(Protocol):
     kv_layout: KVLayout  # one token's KV row per local layer
     layer_range: tuple[int, int]  # [start, end) of this rank's layers, model-global
     kv_head_range: tuple[int, int]  # [start, end) of this rank's KV heads, model-global
-    kv_sharding: KVSharding  # the ranks this rank's KV pages are sharded over (hicache/dist/placement.py)
+    kv_sharding: KVSharding  # the ranks this rank's KV pages are sharded over (hicache/parallel/placement.py)
     replicated_over_tp: bool  # every attention-TP rank computes the same KV bytes (MLA's latent)
     tp_groups: int  # the fixed groups every TP size cuts each projection into (hicache/model/tp_groups.py)
     invariance: InvarianceReport | None  # the start-up self-check's verdict (hicache/model/build.py)

@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 
-from hicache.dist.parallel import ParallelContext
-from hicache.dist.placement import kv_sharding
 from hicache.errors import UserError
 from hicache.model import ops, quant
 from hicache.model.calibration import LinearPlanner, NoInvariantPlan
@@ -30,6 +28,8 @@ from hicache.model.shift import TokenShiftModel
 # LoadedModel.extra["architecture"] -> the decoder class (a Llama unless a loader says otherwise).
 ARCHITECTURES: dict[str, type[LlamaModel]] = {"llama": LlamaModel, TOKEN_SHIFT: TokenShiftModel}
 from hicache.model.mla import MLAConfig, MLAModel
+from hicache.parallel.parallel import ParallelContext
+from hicache.parallel.placement import kv_sharding
 
 logger = logging.getLogger(__name__)
 

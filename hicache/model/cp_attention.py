@@ -1,6 +1,6 @@
-"""The CP-gathered attention backend (DESIGN.md, "attention backends"; the report's section 1.2): attention
-over KV pages sharded across a group of ranks (hicache/dist/placement.py), for context parallelism and
-for MLA's latent KV over attention-TP ranks.
+"""The CP-gathered attention backend (docs/DESIGN.md, "attention backends" and "CP page sharding"):
+attention over KV pages sharded across a group of ranks (hicache/parallel/placement.py), for context
+parallelism and for MLA's latent KV over attention-TP ranks.
 
 Token assignment (CP): **interleaved**: row i of the step's flattened batch is computed by CP rank
 i mod N. Zigzag (2N blocks, rank r taking blocks r and 2N-1-r) exists to balance causal attention
@@ -33,12 +33,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hicache.dist.parallel import ParallelContext
-from hicache.dist.placement import KVSharding
 from hicache.mem.device_pool import DeviceKVPool, OwnedSlots
 from hicache.model.attention import Q_PIECE, Expand, Piece, _padded, attend_piece
 from hicache.model.batch import ForwardBatch
 from hicache.model.kv_gather import GatherPlan, GatherStats, PrefixGather, ScratchBuffers
+from hicache.parallel.parallel import ParallelContext
+from hicache.parallel.placement import KVSharding
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Draft models for speculative decoding (DESIGN.md, "model family": drafts), resolved from
+"""Draft models for speculative decoding (docs/DESIGN.md, "model family": drafts), resolved from
 `--speculative-draft-model NAME|PATH`. The built-in drafts are a target's own first layers with its
 final norm and output head (an early exit), so they need no weights of their own and nothing is
 downloaded:

@@ -1,4 +1,4 @@
-"""Reading sharded KV (DESIGN.md, "attention backends", CP-gathered; the report's section 1.2): before a
+"""Reading sharded KV (docs/DESIGN.md, "CP page sharding"; the CP-gathered attention backend): before a
 layer reads its cached prefix, the shard ranks all-gather their owned pages of it into one of two
 alternating scratch buffers, and a page table maps that owner-ordered buffer to logical order.
 

@@ -21,8 +21,6 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from hicache.dist.parallel import ParallelContext
-from hicache.dist.placement import KVSharding
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
 from hicache.model import ops
@@ -31,6 +29,8 @@ from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
 from hicache.model.invariance import InvarianceReport
 from hicache.model.tp_groups import ColumnGroups, RowGroups, group_slices, tp_group_count
+from hicache.parallel.parallel import ParallelContext
+from hicache.parallel.placement import KVSharding
 
 # Turns a checkpoint weight (a float32 tensor or a QuantizedWeight, sliced for this rank) into a
 # batch-invariant matmul in the engine's weight format, dtype and device (build.LinearFactory).
@@ -105,7 +105,7 @@ class LlamaModel:
     `batch.logit_rows` on the last stage, hidden states otherwise."""
 
     # Whether every attention-TP rank would hold the same KV bytes (MLA's latent), so the pages can be
-    # sharded over TP (hicache/dist/placement.py).
+    # sharded over TP (hicache/parallel/placement.py).
     replicated_over_tp = False
 
     def __init__(

@@ -1,4 +1,4 @@
-"""Multi-head latent attention (DESIGN.md, "model family": `tiny-mla`), DeepSeek-V2 style, as a decoder
+"""Multi-head latent attention (docs/DESIGN.md, "model family": `tiny-mla`), DeepSeek-V2 style, as a decoder
 of the Llama family with another attention block and KV layout.
 
 Per token and layer the cache holds one latent vector: the compressed KV c = norm(W_kva x)[:r] and the
@@ -6,7 +6,7 @@ rotary key part k_pe shared by every head (KVLayout.mla). Attention expands the 
 per-head keys [k_nope(c), k_pe] and values v(c) with W_kvb (`_expand`), for this rank's heads only.
 Tensor parallelism splits the heads (q, W_kvb, o_proj) and the MLP; W_kva is not split, so every
 attention-TP rank computes the same latent rows: the KV is replicated over TP, which is why it can be
-page-sharded over the TP ranks when CP is off (`replicated_over_tp`, hicache/dist/placement.py).
+page-sharded over the TP ranks when CP is off (`replicated_over_tp`, hicache/parallel/placement.py).
 
 Every projection, of new rows or of the latent rows read back, goes through the batch-invariant ops,
 so a token's keys and values do not depend on how many rows were expanded with it.
@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.dist.parallel import ParallelContext
 from hicache.mem.kv_layout import KVLayout
 from hicache.model import ops
 from hicache.model.config import ModelConfig
 from hicache.model.llama import DecoderLayer, LlamaModel, Planned
 from hicache.model.tp_groups import ColumnGroups, RowGroups, group_slices
+from hicache.parallel.parallel import ParallelContext
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A Llama decoder with per-token state beside its KV (DESIGN.md, "model family": drafts), the shape of
+"""A Llama decoder with per-token state beside its KV (docs/DESIGN.md, "model family": drafts), the shape of
 `tiny-draft-sidecar`.
 
 Each layer keeps a small token-shift vector s_t = W_in · norm(h_t) in its pool row, as a KV component
@@ -14,14 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from hicache.dist.parallel import ParallelContext
-from hicache.dist.placement import KVSharding
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVComponent, KVLayout
 from hicache.model import ops
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
 from hicache.model.llama import LlamaLayer, LlamaModel, MakeLinear
+from hicache.parallel.parallel import ParallelContext
+from hicache.parallel.placement import KVSharding
 
 SHIFT = "shift"
 ARCHITECTURE = "token_shift"  # LoadedModel.extra["architecture"] of a model with these weights

@@ -29,8 +29,8 @@ from typing import Any, Callable, Sequence
 import torch
 import torch.distributed
 
-from hicache.dist.parallel import ParallelContext
 from hicache.model import ops
+from hicache.parallel.parallel import ParallelContext
 
 MakeLinear = Callable[[Any], ops.Linear]
 

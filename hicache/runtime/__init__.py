@@ -1,4 +1,4 @@
-"""The process runtime (DESIGN.md, "runtime"): where a rank's scheduler runs and how the engine front talks
+"""The process runtime (docs/DESIGN.md, "runtime"): where a rank's scheduler runs and how the engine front talks
 to it, above the engine's scheduler and below the server and the benchmark.
 
 - `engine`: `Engine`, the offline and serving front (tokenize, validate, request handles); it picks a

@@ -1,4 +1,4 @@
-"""The runtime protocol (DESIGN.md, "runtime"): what `Engine` needs from whatever runs the schedulers,
+"""The runtime protocol (docs/DESIGN.md, "runtime"): what `Engine` needs from whatever runs the schedulers,
 whether one scheduler on a thread of this process (`local.LocalRuntime`) or one per rank process in
 lockstep (`rank_front.RankRuntime`). Events flow the other way, through the `dispatch` callback each
 runtime is given when it starts.

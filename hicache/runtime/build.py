@@ -1,4 +1,4 @@
-"""Build (DESIGN.md, "runtime"): one rank's scheduler (model shard, device pool, cache tiers, consensus,
+"""Build (docs/DESIGN.md, "runtime"): one rank's scheduler (model shard, device pool, cache tiers, consensus,
 checker) from the configuration and a ParallelContext. The single-rank engine and every rank process
 of a TP/PP deployment build it here, so both run the same code."""
 
@@ -15,9 +15,6 @@ from hicache.cache.stores import UnifiedPlacement, unified_namespace
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker
 from hicache.disagg.roles import radix_enabled, role_scheduler
-from hicache.dist.consensus import Consensus
-from hicache.dist.parallel import ParallelContext
-from hicache.dist.placement import storage_shard
 from hicache.engine.model_runner import ModelRunner
 from hicache.engine.scheduler import Scheduler
 from hicache.errors import UserError
@@ -27,6 +24,9 @@ from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.invariance import InvarianceReport
 from hicache.model.loader import load_model
 from hicache.model.mla import MLAConfig
+from hicache.parallel.consensus import Consensus
+from hicache.parallel.parallel import ParallelContext
+from hicache.parallel.placement import storage_shard
 from hicache.spec.build import build_decoder_for, build_draft
 from hicache.storage.unified import KVGeometry, Shard, check_aligned, shard_of
 

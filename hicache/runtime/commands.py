@@ -1,4 +1,4 @@
-"""Control commands (DESIGN.md, "runtime") the engine front runs on the scheduler between two steps
+"""Control commands (docs/DESIGN.md, "runtime") the engine front runs on the scheduler between two steps
 (flush, leak report, cache counters, pool usage, the batch-invariance self-check's report), by name,
 so that with several ranks the same command can be broadcast to every rank and the per-rank answers
 combined into one."""

@@ -1,4 +1,4 @@
-"""`Engine`: the offline and serving front of hicache (DESIGN.md, "runtime").
+"""`Engine`: the offline and serving front of hicache (docs/DESIGN.md, "runtime").
 
 It loads the tokenizer and model configuration and starts a runtime (base.Runtime): at one rank, the
 scheduler loop on a background thread of this process (local.py); with --tp-size x --pp-size > 1, one
@@ -26,7 +26,6 @@ from hicache.cache.api import TIERS
 from hicache.cache.stats import CacheStats
 from hicache.config import EngineConfig
 from hicache.disagg.stats import DisaggStats
-from hicache.dist.parallel import ParallelContext
 from hicache.engine.request import (
     Bootstrap,
     DisaggUsage,
@@ -38,6 +37,7 @@ from hicache.engine.request import (
 )
 from hicache.engine.scheduler import check_request_fits
 from hicache.errors import UserError
+from hicache.parallel.parallel import ParallelContext
 from hicache.runtime.base import Runtime, check_usable
 from hicache.runtime.build import build_scheduler, check_topology, context_length, load_engine_model, storage_layout
 from hicache.runtime.deadlines import DeadlineWatch

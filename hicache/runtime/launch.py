@@ -1,4 +1,4 @@
-"""Launch (DESIGN.md, "runtime"): where each rank's process comes from (spawned by the engine front, by a
+"""Launch (docs/DESIGN.md, "runtime"): where each rank's process comes from (spawned by the engine front, by a
 follower node, or by torchrun) and the rendezvous address it joins (rank_worker.py joins it).
 
 Launch modes:

@@ -1,4 +1,4 @@
-"""The local runtime (DESIGN.md, "runtime"): at one rank, the scheduler runs on a background thread of the
+"""The local runtime (docs/DESIGN.md, "runtime"): at one rank, the scheduler runs on a background thread of the
 caller's process. The engine front hands it requests, cancels and control commands and receives events
 through a callback. (With several ranks, rank_front.py plays this role over rank processes.)"""
 

@@ -1,4 +1,4 @@
-"""The rank front (DESIGN.md, "runtime"): the engine front's side of a multi-rank deployment (tp_size x
+"""The rank front (docs/DESIGN.md, "runtime"): the engine front's side of a multi-rank deployment (tp_size x
 pp_size > 1), the `Runtime` that `Engine` uses in place of the single-rank scheduler thread.
 
 It starts this node's ranks (launch.py), waits until every rank has joined and built its

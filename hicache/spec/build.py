@@ -1,4 +1,4 @@
-"""Build (DESIGN.md, "speculative decoding"): the draft model, its device pool and where its state
+"""Build (docs/DESIGN.md, "speculative decoding"): the draft model, its device pool and where its state
 lives, from `--speculative-*` and `--hicache-draft-layout`; then the decoder over the target's runner.
 
 The draft's device pool has the target's page count and page size: it is indexed by the target's
@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 from hicache.cache.api import KVCache
 from hicache.config import EngineConfig
-from hicache.dist.parallel import ParallelContext
 from hicache.engine.model_runner import ModelRunner
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_group import DraftPools
 from hicache.model.build import build_decoder
 from hicache.model.config import LoadedModel
 from hicache.model.draft import load_draft
+from hicache.parallel.parallel import ParallelContext
 from hicache.spec.decoder import SpeculativeDecoder
 from hicache.spec.draft_state import KVGeometry, choose_layout
 

@@ -1,4 +1,4 @@
-"""One speculative step for the scheduler (DESIGN.md, "speculative decoding": draft runner, verify,
+"""One speculative step for the scheduler (docs/DESIGN.md, "speculative decoding": draft runner, verify,
 rollback through the KV handle). It is the scheduler's `StepCompute` when speculation is on.
 
 A step, for the scheduler's work (prefill chunks, and one decode row per running request):
@@ -16,9 +16,13 @@ A step, for the scheduler's work (prefill chunks, and one decode row per running
 2. Proposals: K-1 more one-row draft steps (greedy), batched over the decode requests.
 3. One target pass: the prefill chunks and, per decode request, a (K+1)-row verify item (its last
    token and the K proposals), logits on every row.
-4. Verification (verify.py): the request keeps the target's choices up to the first disagreement.
-   The step's output tells the scheduler to advance the handle over the K+1 rows and truncate it to
-   what was kept: `KVHandle.truncate` rolls back both models' rejected rows.
+4. Verification (`_outputs`): the request keeps the target's choices up to the first disagreement,
+   sampling row by row and stopping there. Row i's logits are those a plain decode step would give
+   after the first i proposals (batch invariance makes them bitwise equal), so the agreeing run is what
+   plain greedy decoding would have emitted anyway and the target's choice after it is its next token:
+   greedy output with speculation is the target's alone, token for token. The step's output tells the
+   scheduler to advance the handle over the K+1 rows and truncate it to what was kept:
+   `KVHandle.truncate` rolls back both models' rejected rows.
 
 Speculation is greedy-only: a sampling request takes K = 0 (its verify item is a plain decode row,
 sampled as without speculation), as does a request with one token left. The draft's load events are

@@ -1,5 +1,5 @@
-"""Where a draft's state lives beside the target's (DESIGN.md, "speculative decoding": draft state;
-seed report section 3), chosen once at start-up by `--hicache-draft-layout`.
+"""Where a draft's state lives beside the target's (docs/DESIGN.md, "Speculative decoding: the draft's
+state"), chosen once at start-up by `--hicache-draft-layout`.
 
 The draft always has device pools of its own, indexed by the target's logical pages (so the tree's
 pages mean both models' state). Its host copy is either

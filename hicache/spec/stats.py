@@ -1,4 +1,4 @@
-"""Counters of speculative decoding (DESIGN.md, "speculative decoding"), exported as
+"""Counters of speculative decoding (docs/DESIGN.md, "speculative decoding"), exported as
 `hicache_spec_*` metrics (hicache/server/metrics.py).
 
 `draft_recomputed_tokens` counts the draft's rows over prompt tokens the target did not compute:
@@ -17,7 +17,3 @@ class SpecStats:
     accepted_tokens: int = 0  # of those, the ones it agreed with
     verify_steps: int = 0  # (K+1)-row verify passes of requests, summed over requests
     draft_recomputed_tokens: int = 0  # draft rows over a cached prefix (its state was not restored)
-
-    @property
-    def acceptance_rate(self) -> float | None:
-        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else None

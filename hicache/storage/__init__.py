@@ -1,4 +1,4 @@
-"""The storage tier: content-addressed KV pages below host memory (DESIGN.md, "storage").
+"""The storage tier: content-addressed KV pages below host memory (docs/DESIGN.md, "storage").
 
 keys.py names pages (chained page hashes + namespace digest), codec.py wraps each object in a verified
 envelope, backend.py states what a store must do, file_backend.py / redis_backend.py are the stores, and

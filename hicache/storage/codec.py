@@ -3,7 +3,7 @@
 The storage tier never trusts a backend: a page may be torn by a crash, truncated by a full disk,
 written by another model, or stored under the wrong key by a bug. `decode` proves the object is the one
 asked for, whole, before a byte of it reaches a KV pool; any doubt raises CorruptObject, which callers
-treat as a miss (DESIGN.md, "A cache never changes an answer").
+treat as a miss (docs/DESIGN.md, "A cache never changes an answer").
 
 Header (little-endian, 64 bytes, so the payload starts 64-byte aligned within the blob):
     magic         8s   b"HICACHE\\x00"

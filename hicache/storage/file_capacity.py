@@ -1,4 +1,4 @@
-"""A size cap for the file backend (DESIGN.md, "storage"): `--hicache-storage-max-bytes`.
+"""A size cap for the file backend (docs/DESIGN.md, "storage"): `--hicache-storage-max-bytes`.
 
 The directory itself is the index. An object's last use is its mtime: a put writes it, and a read of a
 capped store touches it (`os.utime`), so it works on file systems mounted noatime and across several
@@ -81,10 +81,6 @@ class FileCapacity:
         if max_bytes:
             logger.info("file storage %s: %.1f MB stored, cap %.1f MB", root, self._estimate / 1e6, max_bytes / 1e6)
             self._evict_if_over()
-
-    @property
-    def estimated_bytes(self) -> int:
-        return self._estimate
 
     def on_put(self, size: int) -> None:
         if not self.max_bytes:

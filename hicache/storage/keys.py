@@ -3,7 +3,7 @@
 A page's identity is its whole prefix, not just its own tokens: digest_i = SHA-256(digest_{i-1} || tokens
 of page i as 4-byte little-endian ints), with digest_{-1} = 32 zero bytes. Two servers that saw the same
 prefix compute the same keys without talking to each other, so the store is stateless and shareable and
-the radix tree never tracks what storage holds (DESIGN.md, "Content-addressed pages").
+the radix tree never tracks what storage holds (docs/DESIGN.md, "Content-addressed pages").
 
 The namespace digest covers everything that makes the bytes of a page mean something (model, KV dtype,
 page size, layout, rank shard, schema version). It is part of every object key and every object header,

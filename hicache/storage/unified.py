@@ -1,5 +1,5 @@
-"""The unified KV storage layout (seed report, section 4): one stored representation shared by every
-compatible topology, so a TP4xPP2 writer and a TP2xPP1 reader use the same objects.
+"""The unified KV storage layout (docs/DESIGN.md, "Unified layout"): one stored representation shared by
+every compatible topology, so a TP4xPP2 writer and a TP2xPP1 reader use the same objects.
 
 Pure arithmetic, no I/O. A page is cut on a fixed `Grid` of layer ranges (`layer_partition` layers
 each, the last one ragged) x head groups (`head_partition` KV heads each; none for MLA, whose latent
@@ -26,8 +26,8 @@ import json
 from dataclasses import dataclass
 from functools import cached_property
 
-from hicache.dist.parallel import split_range
 from hicache.errors import UserError
+from hicache.parallel.parallel import split_range
 from hicache.storage.keys import HASH_BYTES, NAMESPACE_DIGEST_HEX
 
 SCHEMA_VERSION = 1
@@ -101,10 +101,6 @@ class Grid:
             raise UserError(
                 f"--hicache-storage-head-partition {self.head_partition} must divide the model's {g.num_kv_heads} KV heads"
             )
-
-    @property
-    def heads_per_group(self) -> int:
-        return self.geometry.num_kv_heads if self.geometry.latent else self.head_partition
 
     @cached_property
     def layer_ranges(self) -> tuple[range, ...]:
@@ -199,7 +195,7 @@ class UnifiedNamespace:
 
 
 def shard_of(geometry: KVGeometry, tp_size: int, tp_rank: int, pp_size: int, pp_rank: int) -> Shard:
-    """A rank's shard as hicache/dist/parallel.py splits the model: layers as evenly as possible over
+    """A rank's shard as hicache/parallel/parallel.py splits the model: layers as evenly as possible over
     PP (earlier stages take the remainder), KV heads in equal contiguous blocks over TP (MLA: all)."""
     a, b = split_range(geometry.num_layers, pp_size, pp_rank)
     if geometry.latent:

@@ -10,11 +10,11 @@ import torch
 
 from hicache.cache.device_tier import DeviceTier
 from hicache.cache.host_tier import HostTier, WritePolicy
-from hicache.dist.consensus import Consensus
-from hicache.dist.parallel import ParallelContext
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_pool import HostKVPool
 from hicache.mem.kv_layout import KVLayout
+from hicache.parallel.consensus import Consensus
+from hicache.parallel.parallel import ParallelContext
 
 PAGE = 4
 LAYERS = 2

@@ -14,7 +14,7 @@ from hicache.debug.consensus_checker import (
     consensus_checked,
     first_divergence,
 )
-from hicache.dist.parallel import ParallelContext
+from hicache.parallel.parallel import ParallelContext
 
 
 class Cache:

@@ -1,7 +1,8 @@
 """Decode-side admission on small real pools (hicache/disagg/decode_admission.py): the KV handle's
-states on the way to RESERVED, the seed's Figure 5 (A on the device, B in host memory, C new: decode
-restores B and asks only for C), a budget that does not fit holding nothing, and failure from
-RESERVED giving every page, lock and promise back, the tree's prefix kept."""
+states on the way to RESERVED, the worked example of docs/DESIGN.md, "P/D decode reuse" (Figure 5: A on
+the device, B in host memory, C new: decode restores B and asks only for C), a budget that does not fit
+holding nothing, and failure from RESERVED giving every page, lock and promise back, the tree's prefix
+kept."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
 """Prefill-decode through in-process engines and the real ZeroMQ transport (tests/disagg/pd.py): the
 invariant (greedy tokens and logprobs through a P/D pair equal one cache-off engine's, turn after
 turn, with decode reuse on and off), the transferred tokens (prompt - decode_prefix_len; the whole
-prompt without reuse), Figure 5 end to end, restores of different requests in flight at once, and a
-cancelled half failing the other cleanly with nothing leaked and every lock balanced."""
+prompt without reuse), Figure 5 (docs/DESIGN.md, "P/D decode reuse") end to end, restores of different
+requests in flight at once, and a cancelled half failing the other cleanly with nothing leaked and every
+lock balanced."""
 
 from __future__ import annotations
 

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from hicache.config import EngineConfig
-from hicache.dist.parallel import ParallelContext
 from hicache.engine.model_runner import WorkItem
 from hicache.engine.request import Request, SamplingParams
 from hicache.model.tiny import load_tiny
+from hicache.parallel.parallel import ParallelContext
 from hicache.runtime.build import build_scheduler
 
 PAGE = 16

@@ -17,13 +17,13 @@ import sys
 import pytest
 import torch
 
-from hicache.dist.parallel import ParallelContext
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model import ops
 from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.build import CHECKPOINT, build_decoder, with_weight_format
 from hicache.model.invariance import feed, probe_inputs
 from hicache.model.loader import load_model
+from hicache.parallel.parallel import ParallelContext
 from tests.model.test_quant import BF16_KERNELS
 
 VARIANT_ENV = "HICACHE_INVARIANCE_VARIANT"

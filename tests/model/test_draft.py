@@ -8,7 +8,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-from hicache.dist.parallel import ParallelContext
 from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.batch import ForwardBatch, SeqSlice
@@ -16,6 +15,7 @@ from hicache.model.build import build_decoder
 from hicache.model.draft import load_draft
 from hicache.model.shift import SHIFT, TokenShiftModel
 from hicache.model.tiny import load_tiny
+from hicache.parallel.parallel import ParallelContext
 
 CPU = torch.device("cpu")
 

@@ -5,10 +5,10 @@ is what lets them shard its pages)."""
 import torch
 
 from hicache.config import EngineConfig
-from hicache.dist.parallel import ParallelContext
 from hicache.model.build import build_decoder
 from hicache.model.loader import load_model
 from hicache.model.tiny_mla import TINY_MLA_CONFIG
+from hicache.parallel.parallel import ParallelContext
 
 
 def test_tiny_mla_has_a_latent_kv_layout_and_passes_the_self_check():

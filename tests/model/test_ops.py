@@ -12,13 +12,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache import Engine
-from hicache.dist.parallel import ParallelContext
 from hicache.errors import UserError
 from hicache.model import build as model_build
 from hicache.model import ops
 from hicache.model.calibration import LinearPlanner, plan_passes, probe_operands
 from hicache.model.invariance import InvarianceReport
 from hicache.model.loader import load_model
+from hicache.parallel.parallel import ParallelContext
 
 
 class RowCountDependent(ops.LinearBackend):

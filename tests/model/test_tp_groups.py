@@ -19,9 +19,9 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache.dist.parallel import Mesh, ParallelContext
 from hicache.model.tp_groups import pairwise_sum, tp_reduce
-from tests.dist.ranks import outcomes_of, report
+from hicache.parallel.parallel import Mesh, ParallelContext
+from tests.parallel.ranks import outcomes_of, report
 
 
 class Sum(tuple):

@@ -13,8 +13,8 @@ from hicache.cache.stats import PrefetchLoss
 from hicache.config import DebugConfig, HiCacheConfig, SpeculativeConfig
 from hicache.errors import UserError
 from tests.conversations import make_conversations, run_turns
-from tests.dist.workload import tier_totals as hits
-from tests.dist.workload import tokens
+from tests.parallel.workload import tier_totals as hits
+from tests.parallel.workload import tokens
 
 CONVS = make_conversations(num_groups=2, per_group=2, system_len=200, question_len=30)
 TURNS = 3

@@ -15,8 +15,8 @@ import pytest
 from hicache import Engine
 from hicache.cache.stats import PrefetchLoss
 from tests.conversations import run_turns
-from tests.dist.workload import tier_totals as hits
-from tests.dist.workload import tokens
+from tests.parallel.workload import tier_totals as hits
+from tests.parallel.workload import tokens
 from tests.spec.test_spec_engine import (
     CONVS,
     DEVICE_TOKENS,

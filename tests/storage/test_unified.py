@@ -1,5 +1,5 @@
 """The unified layout's grid, names and shard arithmetic (hicache/storage/unified.py), including the
-seed report's worked example (section 4, figure 4)."""
+worked example of docs/DESIGN.md, "Unified layout" (figure 4)."""
 
 from __future__ import annotations
 

@@ -1,15 +1,15 @@
 """CP2 x TP2 (4 ranks): CP shards pages over the CP ranks of each TP rank's heads, and the multi-turn
 workload with every tier gives the TP2 cache-off run token for token (TP2 changes bf16 sums against
-TP1, CP changes none; see tests/dist/test_parallel_tiers.py)."""
+TP1, CP changes none; see tests/parallel/test_parallel_tiers.py)."""
 
 import pytest
 
 from hicache import Engine
 from hicache.config import ParallelConfig
 from hicache.debug.consensus_checker import ENV_ENABLE, ENV_LOG_DIR
-from tests.dist import workload as w
-from tests.dist.test_cp_tiers import cp_engine
-from tests.dist.test_parallel_tiers import consensus_check, run_equal_to
+from tests.parallel import workload as w
+from tests.parallel.test_cp_tiers import cp_engine
+from tests.parallel.test_parallel_tiers import consensus_check, run_equal_to
 
 
 @pytest.mark.timeout(300)

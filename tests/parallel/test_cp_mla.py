@@ -7,8 +7,8 @@ import pytest
 from hicache import Engine
 from hicache.config import ParallelConfig
 from hicache.debug.consensus_checker import ENV_ENABLE, ENV_LOG_DIR
-from tests.dist import workload as w
-from tests.dist.test_parallel_tiers import consensus_check, run_equal_to
+from tests.parallel import workload as w
+from tests.parallel.test_parallel_tiers import consensus_check, run_equal_to
 
 
 def mla_engine(storage_dir, cp=1, tp=1) -> Engine:

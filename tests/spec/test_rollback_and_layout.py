@@ -1,36 +1,14 @@
-"""Greedy verification, the KV handle's rollback of both models, and the draft layout's start-up check:
-the pure parts of speculative decoding, without a model."""
+"""The KV handle's rollback of both models, and the draft layout's start-up check: the pure parts of
+speculative decoding, without a model."""
 
 import pytest
 import torch
-from hypothesis import given
-from hypothesis import strategies as st
 
 from hicache.cache.api import KVHandle, KVState
 from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVComponent, KVLayout
 from hicache.spec.draft_state import KVGeometry, choose_layout
-from hicache.spec.verify import accepted_length, emitted
-
-
-def test_accepts_the_longest_agreeing_run_plus_the_targets_next_token():
-    assert accepted_length([5, 6, 7], [5, 6, 9, 1]) == 2
-    assert emitted([5, 6, 7], [5, 6, 9, 1]) == [5, 6, 9]
-    assert emitted([5, 6, 7], [4, 6, 7, 1]) == [4]  # the first proposal wrong: one token, the target's
-    assert emitted([5, 6, 7], [5, 6, 7, 1]) == [5, 6, 7, 1]  # all accepted, and the target's next
-    assert emitted([], [3]) == [3]  # no proposals: a plain decode step
-    with pytest.raises(ValueError):
-        accepted_length([1, 2], [1, 2])
-
-
-@given(st.lists(st.integers(0, 3), max_size=6), st.data())
-def test_what_is_emitted_is_always_a_prefix_of_the_targets_choices(proposed, data):
-    target = data.draw(st.lists(st.integers(0, 3), min_size=len(proposed) + 1, max_size=len(proposed) + 1))
-    out = emitted(proposed, target)
-    a = accepted_length(proposed, target)
-    assert out == target[: a + 1] and proposed[:a] == target[:a]
-    assert a == len(proposed) or proposed[a] != target[a]
 
 
 def ready_handle(pages: int = 4, page_size: int = 4, draft: bool = True) -> KVHandle:

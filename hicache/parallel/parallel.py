@@ -1,4 +1,4 @@
-"""Parallel axes (DESIGN.md, "parallel axes"): which layers and which KV heads a rank holds, and the process
+"""Parallel axes (docs/DESIGN.md, "parallel axes"): which layers and which KV heads a rank holds, and the process
 groups it talks on, over three named axes: pipeline (pp), context (cp) and tensor (tp) parallelism.
 
 `Mesh` holds the axis sizes and the one rank formula; `ParallelContext` is one rank's place in it and its
@@ -6,7 +6,7 @@ groups, one pair per axis. World size 1 is the default topology, not a special c
 below is an identity when its group has one member, so the single-rank engine runs the same code as a
 TP/PP deployment. Context parallelism (--cp-size) shares a stage's tree between its CP and TP ranks
 (`tree_cpu_group`, where cache decisions are agreed) and shards KV pages over the CP ranks
-(hicache/dist/placement.py); cp is absent from every user-facing name while it is 1.
+(hicache/parallel/placement.py); cp is absent from every user-facing name while it is 1.
 """
 
 from __future__ import annotations

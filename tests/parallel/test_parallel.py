@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache.dist.parallel import AXES, Mesh, ParallelContext, split_range
+from hicache.parallel.parallel import AXES, Mesh, ParallelContext, split_range
 
 meshes = st.builds(Mesh, pp=st.integers(1, 4), cp=st.integers(1, 3), tp=st.integers(1, 4))
 

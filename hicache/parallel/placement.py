@@ -1,4 +1,4 @@
-"""Page placement (DESIGN.md, "page placement"): where a logical KV page lives when a layer's pages are
+"""Page placement (docs/DESIGN.md, "page placement"): where a logical KV page lives when a layer's pages are
 sharded over N ranks, by arithmetic alone, and which ranks shard, write and read them.
 
 Logical slot x, page size p, N shard ranks:
@@ -10,10 +10,11 @@ Logical slot x, page size p, N shard ranks:
 No table: every rank computes any page's owner and address. With N > 1 the logical pages 0..N-1 are
 reserved: page r is rank r's local page 0, its padding page, which it contributes to an all-gather in
 which it owns fewer of the gathered pages than another rank (so allocatable pages of owner class r are
-r + N, r + 2N, ...). With that convention the report's figure 1a comes out exactly: on two ranks A, B,
-C of a new prefix get logical pages 2, 3, 4 (rank 0 local page 1, rank 1 local page 1, rank 0 local
-page 2), and extending A/B/C with D gives D logical page 5, rank 1's local page 2. At N = 1 nothing is
-reserved and a slot is its own row.
+r + N, r + 2N, ...). With that convention the worked example of docs/DESIGN.md, "CP page sharding"
+(figure 1a of SGLang's HiCache report) comes out exactly: on two ranks A, B, C of a new prefix get
+logical pages 2, 3, 4 (rank 0 local page 1, rank 1 local page 1, rank 0 local page 2), and extending
+A/B/C with D gives D logical page 5, rank 1's local page 2. At N = 1 nothing is reserved and a slot is
+its own row.
 
 Which ranks shard (`kv_sharding`): the context-parallel group when --cp-size > 1; otherwise, for a
 model whose KV is replicated over the attention-TP ranks (MLA's one latent vector per token), the TP
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hicache.dist.parallel import ParallelContext
+from hicache.parallel.parallel import ParallelContext
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
-"""Rank agreement's contract (DESIGN.md, "rank agreement" and "debugging"): which calls must give equal
+"""Rank agreement's contract (docs/DESIGN.md, "rank agreement" and "debugging"): which calls must give equal
 arguments and results on every rank, and the error raised when ranks are found to disagree.
 
-Both sides of the contract import this module and nothing above it: the agreement code in dist/
+Both sides of the contract import this module and nothing above it: the agreement code in parallel/
 (consensus, pipeline) raises `RankDivergenceError`, the scheduler and cache mark their decisions with
 `consensus_checked`, and the rank consensus checker (hicache/debug/consensus_checker.py) reads the
-marks. Keeping the marks here, not in the checker, is what lets dist/ stay below debug/.
+marks. Keeping the marks here, not in the checker, is what lets parallel/ stay below debug/.
 """
 
 from __future__ import annotations

@@ -1,13 +1,13 @@
 """SGLang #37149 as an end-to-end check: `tiny-mla` at CP2 x TP2 shards its latent pages over the CP
 ranks, and each CP rank's two TP ranks hold the same bytes. The writer is elected per shard rank (TP
-rank 0 of each CP rank, hicache/dist/placement.py), so both CP ranks' pages reach storage and a fresh
+rank 0 of each CP rank, hicache/parallel/placement.py), so both CP ranks' pages reach storage and a fresh
 CP2 x TP2 reader's agreed hit (the MIN over the shard group) covers the prompt, not 0."""
 
 import pytest
 
-from tests.dist import workload as w
-from tests.dist.test_cp_mla import mla_engine
-from tests.dist.test_cp_tiers import first_turn_prompts
+from tests.parallel import workload as w
+from tests.parallel.test_cp_mla import mla_engine
+from tests.parallel.test_cp_tiers import first_turn_prompts
 
 
 @pytest.mark.timeout(240)

@@ -1,15 +1,16 @@
-"""Page placement arithmetic (hicache/dist/placement.py): a bijection between logical slots and (owner,
-local row), the report's figure 1a through the cache API, and which ranks shard and write pages."""
+"""Page placement arithmetic (hicache/parallel/placement.py): a bijection between logical slots and (owner,
+local row), the worked example of docs/DESIGN.md, "CP page sharding" (figure 1a) through the cache API, and
+which ranks shard and write pages."""
 
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.cache.prefix_cache import PrefixCache
-from hicache.dist.parallel import Mesh, ParallelContext
-from hicache.dist.placement import Placement, kv_sharding, storage_shard
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
+from hicache.parallel.parallel import Mesh, ParallelContext
+from hicache.parallel.placement import Placement, kv_sharding, storage_shard
 
 
 @settings(max_examples=200, deadline=None)

@@ -16,7 +16,7 @@ load ACKs, storage hit lengths, prefetch progress, stop decisions) decides how m
   max); later stages compare theirs with what stage 0 sent. A mismatch is a `RankDivergenceError`
   naming the rank and the agreement, not a silent divergence.
 - `pp_sync=False` (`--debug-disable-pp-sync`) makes every stage reduce over its own TP group only: the
-  independent polling bug of the design notes, kept for negative tests of the checker.
+  independent polling bug (docs/DESIGN.md, "PP consistency"), kept for negative tests of the checker.
 
 At one rank every agreement is the identity.
 """
@@ -32,8 +32,8 @@ from typing import Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from hicache.dist.divergence import RankDivergenceError, consensus_checked
-from hicache.dist.parallel import ParallelContext
+from hicache.parallel.divergence import RankDivergenceError, consensus_checked
+from hicache.parallel.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ import pytest
 
 from hicache import Engine
 from hicache.config import ParallelConfig
-from tests.dist import workload as w
-from tests.dist.test_cp_mla import mla_engine
-from tests.dist.test_parallel_tiers import run_equal_to
+from tests.parallel import workload as w
+from tests.parallel.test_cp_mla import mla_engine
+from tests.parallel.test_parallel_tiers import run_equal_to
 
 
 @pytest.mark.timeout(240)

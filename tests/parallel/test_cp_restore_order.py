@@ -12,13 +12,13 @@ import torch
 from hicache.cache.device_tier import DeviceTier
 from hicache.cache.host_tier import HostTier, WritePolicy
 from hicache.config import EngineConfig, ParallelConfig
-from hicache.dist.consensus import Consensus
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_pool import HostKVPool
 from hicache.mem.kv_layout import KVLayout
 from hicache.model.kv_gather import GatherPlan, GatherStats, PrefixGather, ScratchBuffers
+from hicache.parallel.consensus import Consensus
 from hicache.runtime.rank_worker import RankSpec, init_distributed
-from tests.dist.ranks import outcomes_of, report
+from tests.parallel.ranks import outcomes_of, report
 
 PAGE, LAYERS, PAGES = 4, 4, 6
 LAYOUT = KVLayout.mha(1, 8)

@@ -1,5 +1,5 @@
 """TP and PP ranks keep the cache invariant with host and storage tiers: every rank has its own tree,
-pools and transfer workers, and they agree (hicache/dist/consensus.py) on what their asynchronous
+pools and transfer workers, and they agree (hicache/parallel/consensus.py) on what their asynchronous
 copies and storage reads have delivered.
 
 Reference runs: PP does not change any sum, and TP computes every projection in the same fixed groups,
@@ -17,7 +17,7 @@ from hicache import Engine
 from hicache.cache.stats import PrefetchLoss
 from hicache.config import DebugConfig, ParallelConfig
 from hicache.debug.consensus_checker import DIVERGENCE, ENV_ENABLE, ENV_LOG_DIR
-from tests.dist import workload as w
+from tests.parallel import workload as w
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,8 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from hicache.dist.divergence import RankDivergenceError
-from hicache.dist.parallel import ParallelContext
+from hicache.parallel.divergence import RankDivergenceError
+from hicache.parallel.parallel import ParallelContext
 
 
 class StageLink:

@@ -1,4 +1,4 @@
-"""The pipeline link (hicache/dist/pipeline.py) between real ranks (TP2 x PP2, gloo on loopback):
+"""The pipeline link (hicache/parallel/pipeline.py) between real ranks (TP2 x PP2, gloo on loopback):
 
 - hidden states go from each first-stage rank to the rank of the same TP index on the next stage,
   bit for bit, whatever the sender's memory layout; the first stage receives nothing (it embeds);
@@ -13,10 +13,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hicache.dist.divergence import RankDivergenceError
-from hicache.dist.parallel import Mesh, ParallelContext
-from hicache.dist.pipeline import StageLink
-from tests.dist.ranks import outcomes_of, report
+from hicache.parallel.divergence import RankDivergenceError
+from hicache.parallel.parallel import Mesh, ParallelContext
+from hicache.parallel.pipeline import StageLink
+from tests.parallel.ranks import outcomes_of, report
 
 MESH = Mesh(pp=2, tp=2)
 TOKENS, HIDDEN = 5, 8
