@@ -159,6 +159,26 @@ def plan_passes(shape: tuple[int, int], dtype: torch.dtype, device: torch.device
     return True
 
 
+def rows_stack(shape: tuple[int, int], count: int, dtype: torch.dtype, device: torch.device, alone: LinearPlan,
+               stacked: LinearPlan) -> bool:  # fmt: skip
+    """True if one call of `count` weights of `shape` stacked by rows (planned `stacked`) gives each
+    weight's outputs bit for bit as its own call (planned `alone`) does. Both plans are row-invariant
+    on their own, so one large odd-sized call on probe operands stands for every row count; the
+    probe's cancelling pairs show a change of summation order, and its columns span every position
+    of the stacked call's column blocks."""
+    n, k = shape
+    fused_backend, backend = BACKENDS[stacked.backend], BACKENDS[alone.backend]
+    weight, x = probe_for((count * n, k), fused_backend.weight_format, dtype, device)
+    fused_weight = fused_backend.prepare(weight, dtype)
+    fused = shaped_call(lambda r: fused_backend.run(fused_weight, r), stacked, x)
+    for g in range(count):
+        part = weight[g * n : (g + 1) * n]
+        prepared = backend.prepare(part.contiguous() if isinstance(part, torch.Tensor) else part, dtype)
+        if not torch.equal(shaped_call(lambda r: backend.run(prepared, r), alone, x), fused[:, g * n : (g + 1) * n]):
+            return False
+    return True
+
+
 def candidate_plans(dtype: torch.dtype, device: torch.device, weight_format: str = "dense") -> list[LinearPlan]:
     """Backends reading `weight_format`, each with every granule, then fixed tiles (on ATen's dense
     kernel, or on the format's first backend)."""
@@ -187,6 +207,7 @@ class LinearPlanner:
         self.path = (cache_dir or default_cache_dir()) / f"linear-plans-{self.fingerprint}.json"
         self._plans: dict[str, LinearPlan] = self._load()
         self._candidates: dict[str, list[LinearPlan]] = {}
+        self._stacks: dict[tuple[tuple[int, int], int, str], bool] = {}
 
     def _key(self, shape: tuple[int, int], weight_format: str) -> str:
         n, k = shape
@@ -213,6 +234,18 @@ class LinearPlanner:
             f"no batch-invariant call shape found for a {key} linear on this machine "
             f"(tried {', '.join(p.describe() for p in candidates) or 'nothing: no kernel for this format'})"
         )
+
+    def rows_stack(self, shape: tuple[int, int], count: int, weight_format: str = "dense") -> bool:
+        """Whether `count` weights of `shape` stacked by rows may run as one call: each one's outputs
+        are then bit for bit those of its own call (`rows_stack`; measured once per process)."""
+        key = (tuple(shape), count, weight_format)
+        if key not in self._stacks:
+            n, k = shape
+            alone, stacked = self.plan(shape, weight_format), self.plan((count * n, k), weight_format)
+            self._stacks[key] = rows_stack(shape, count, self.dtype, self.device, alone, stacked)
+            logger.info("linear %dx %s stacked %s: %s", count, self._key(shape, weight_format), "as one call" if
+                        self._stacks[key] else "in separate calls (one call rounds otherwise)", stacked.describe())  # fmt: skip
+        return self._stacks[key]
 
     def forget(self) -> None:
         """Measure again from scratch (after a self-check failed with remembered plans)."""

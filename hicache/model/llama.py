@@ -16,8 +16,6 @@ model itself is the same code.
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
 import torch
 import torch.nn.functional as F
 
@@ -28,13 +26,10 @@ from hicache.model.attention import ATTENTION_BACKENDS, AttentionBackend
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
 from hicache.model.invariance import InvarianceReport
-from hicache.model.tp_groups import ColumnGroups, RowGroups, group_slices, tp_group_count
+from hicache.model.tp_groups import ColumnGroups, MakeLinear, RowGroups, group_slices, tp_group_count
 from hicache.parallel.parallel import ParallelContext
 from hicache.parallel.placement import KVSharding
 
-# Turns a checkpoint weight (a float32 tensor or a QuantizedWeight, sliced for this rank) into a
-# batch-invariant matmul in the engine's weight format, dtype and device (build.LinearFactory).
-MakeLinear = Callable[[Any], ops.Linear]
 Planned = ops.Linear | ColumnGroups | RowGroups  # what names a linear plan for logs and /health
 
 

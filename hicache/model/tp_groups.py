@@ -24,7 +24,7 @@ one thread (invariance.py).
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 import torch.distributed
@@ -32,7 +32,15 @@ import torch.distributed
 from hicache.model import ops
 from hicache.parallel.parallel import ParallelContext
 
-MakeLinear = Callable[[Any], ops.Linear]
+
+
+class MakeLinear(Protocol):
+    """Turns a checkpoint weight (sliced for this rank) into a batch-invariant matmul (build.LinearFactory)."""
+
+    def __call__(self, weight: Any) -> ops.Linear: ...
+
+    def stacked(self, weights: list[Any]) -> ops.Linear | None:
+        """One matmul of the weights stacked by rows, where that gives each one's outputs bit for bit."""
 
 
 def tp_group_count(split_heads: int, intermediate_size: int) -> int:
@@ -72,17 +80,23 @@ def tp_reduce(partials: list[torch.Tensor], pctx: ParallelContext) -> torch.Tens
 
 
 class ColumnGroups:
-    """A column-parallel projection as this rank's groups: `weights` holds each group's rows."""
+    """A column-parallel projection as this rank's groups: `weights` holds each group's rows. The groups
+    run as one call where the calibration measured that one call gives every group's outputs bit for
+    bit as the group's own call (the same bits as on a rank holding one group), else one call each."""
 
     def __init__(self, weights: list[Any], make_linear: MakeLinear) -> None:
-        self.groups = [make_linear(w) for w in weights]
+        self.count = len(weights)
+        self.fused = make_linear.stacked(weights) if self.count > 1 else None
+        self.groups = [make_linear(w) for w in weights] if self.fused is None else []
 
     @property
     def plan(self) -> ops.LinearPlan:
-        return self.groups[0].plan
+        return (self.fused or self.groups[0]).plan
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, groups, group outputs]."""
+        if self.fused is not None:
+            return self.fused(x).view(x.shape[0], self.count, -1)
         outs = [g(x) for g in self.groups]
         return torch.stack(outs, dim=1) if len(outs) > 1 else outs[0].unsqueeze(1)
 

@@ -15,7 +15,7 @@ from hicache import Engine
 from hicache.errors import UserError
 from hicache.model import build as model_build
 from hicache.model import ops
-from hicache.model.calibration import LinearPlanner, plan_passes, probe_operands
+from hicache.model.calibration import LinearPlanner, plan_passes, probe_operands, rows_stack
 from hicache.model.invariance import InvarianceReport
 from hicache.model.loader import load_model
 from hicache.parallel.parallel import ParallelContext
@@ -78,6 +78,36 @@ def test_calibration_rejects_a_row_count_dependent_gemm(monkeypatch):
     assert not plan_passes(shape, torch.float32, cpu, ops.LinearPlan(RowCountDependent.name, 1))
     assert plan_passes(shape, torch.float32, cpu, ops.LinearPlan(RowCountDependent.name, 2))
     assert plan_passes(shape, torch.float32, cpu, ops.LinearPlan(RowCountDependent.name, tile=16))
+
+
+class ColumnBlockDependent(ops.LinearBackend):
+    """A GEMM whose outputs past the first 64 columns of a call are summed in another order, as a
+    kernel's remainder path over the weight's rows would: made certain."""
+
+    name = "column_block_dependent"
+
+    def available(self, dtype, device) -> bool:
+        return False
+
+    def prepare(self, weight, dtype):
+        return weight
+
+    def run(self, prepared, x):
+        out = F.linear(x, prepared)
+        out[:, 64:] = F.linear(x.flip(-1), prepared[64:].flip(-1))  # the same products, summed backwards
+        return out
+
+
+def test_weights_stack_into_one_call_only_where_each_keeps_its_bits(monkeypatch, tmp_path):
+    """TP's column groups (hicache/model/tp_groups.py) run as one call only where that call gives every
+    group the bits of the group's own call: the bits a rank holding one group computes."""
+    monkeypatch.setitem(ops.BACKENDS, ColumnBlockDependent.name, ColumnBlockDependent())
+    plan, cpu = ops.LinearPlan(ColumnBlockDependent.name, 1), torch.device("cpu")
+    assert rows_stack((32, 96), 2, torch.float32, cpu, plan, plan)  # 64 columns: one block, one order
+    assert not rows_stack((64, 96), 2, torch.float32, cpu, plan, plan)  # the second group's columns differ
+    planner = LinearPlanner(cpu, torch.float32, tmp_path)  # with the plans measured for both shapes
+    alone, stacked = planner.plan((64, 96)), planner.plan((192, 96))
+    assert planner.rows_stack((64, 96), 3) == rows_stack((64, 96), 3, torch.float32, cpu, alone, stacked)
 
 
 def test_plans_are_remembered_per_platform_and_a_broken_file_is_measured_again(tmp_path):
