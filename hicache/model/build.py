@@ -99,13 +99,11 @@ class LinearFactory:
     def stacked(self, weights: list[Any]) -> ops.Linear | None:
         """One matmul of `weights` (of one shape) stacked by rows, where each one's outputs are bit for
         bit those of its own matmul; None where they are not (its own calls are then needed)."""
-        whole = torch.cat(weights)
         fmt = self.format_for(weights[0])
-        if self.format_for(whole) != fmt:
-            return None
         if self.planner is not None and not self.planner.rows_stack(tuple(weights[0].shape), len(weights), fmt):
-            return None
-        return self(whole)
+            return None  # measured once per shape; no copy of the weights for a refusal
+        whole = torch.cat(weights)
+        return self(whole) if self.format_for(whole) == fmt else None
 
     def __call__(self, weight: Any) -> ops.Linear:
         fmt = self.format_for(weight)

@@ -33,7 +33,6 @@ from hicache.model import ops
 from hicache.parallel.parallel import ParallelContext
 
 
-
 class MakeLinear(Protocol):
     """Turns a checkpoint weight (sliced for this rank) into a batch-invariant matmul (build.LinearFactory)."""
 
