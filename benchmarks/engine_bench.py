@@ -408,6 +408,12 @@ def fmt_value(key: str, seconds: float, tokens: int) -> str:
     return f"{r:.0f} tok/s" if r >= 100 else f"{r:.1f} tok/s"
 
 
+def fmt_fraction(x: float) -> str:
+    """Two decimals, or two significant digits below 0.1: a tiny model runs at a few thousandths of
+    the machine's limits, and 0.00 would read as not measured."""
+    return f"{x:.2f}" if x >= 0.1 else f"{x:.2g}"
+
+
 LABELS = {
     "prefill 512": "prefill 512 tokens",
     "prefill 2048": "prefill 2048 tokens",
@@ -444,7 +450,7 @@ def print_format_table(
             value += f" ({m.cached_tokens} cached)"
         row = (
             f"| {label} | {value} | {fmt_value(key, lim.bandwidth_s, n)} | "
-            f"{fmt_value(key, lim.matmul_s, n)} | {lim.roofline_s / seconds:.2f} |"
+            f"{fmt_value(key, lim.matmul_s, n)} | {fmt_fraction(lim.roofline_s / seconds)} |"
         )
         if plain:
             if key in plain.seconds:
