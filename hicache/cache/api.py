@@ -10,9 +10,10 @@ A handle's life:
                             ▲                           │ refused: the lock is dropped
                             └───────────────────────────┘
 
-`admit` runs the middle steps in one call; a prefill-decode decode server (hicache/disagg/) stops at
-RESERVED while the suffix arrives from prefill and the host part restores, and releases from there
-if either fails. In READY the scheduler asks for pages (`extend`), records computed tokens
+`admit` runs the middle steps in one call. `reserve` stops at RESERVED, for KV that another process
+writes into the handle's pages (a prefill-decode decode server, hicache/disagg/: the suffix arrives from
+prefill while the cache restores the host part); the caller then `complete`s it to READY once both
+have landed, or `fail`s it (RELEASED) if either did not. In READY the scheduler asks for pages (`extend`), records computed tokens
 (`KVHandle.advance`), rolls back rejected speculative tokens (`KVHandle.truncate`), shares finished
 pages (`cache_prefix`), and at the end, finished or aborted, `release`s the handle. `release` is valid
 in every state, so a request aborted while waiting is released the same way.
@@ -72,6 +73,18 @@ class PrefixMatch:
 
     def as_dict(self) -> dict[str, int]:
         return {"device": self.device, "host": self.host, "storage": self.storage}
+
+
+class RestoreState(str, enum.Enum):
+    RUNNING = "running"  # a host -> device restore its prefix needs is still copying
+    LANDED = "landed"  # every page of its cached prefix holds its KV (also: nothing was restored)
+    FAILED = "failed"  # a restore its prefix needs did not land: the handle can only `fail`
+
+
+@dataclass(frozen=True)
+class RestoreStatus:
+    state: RestoreState
+    error: str | None = None  # why it failed
 
 
 @dataclass(frozen=True)
@@ -187,6 +200,30 @@ class KVCache(Protocol):
         counts a hit, a host continuation gets device pages, eviction may run). Locks: the matched
         prefix while deciding, then its deepest usable node, held until release. Raises RuntimeError
         for a handle that is not WAITING."""
+
+    def reserve(self, handle: KVHandle, total_pages: int) -> Admission:
+        """WAITING → RESERVED for a prompt whose KV beyond the cached prefix another process writes (the
+        shape of vLLM's `allocate_slots(..., num_external_computed_tokens)`): the whole prompt is matched
+        (nothing of it is computed here, so even its last token may come from the tree), the prefix
+        locked, its host part restored in the background, the `total_pages` less that prefix promised,
+        and the pages of the rest of the prompt taken now (`pages[kv_len:]`, for the KV to land in).
+        Refused like `admit` (WAITING, holding nothing). `handle.kv_len` is then the prefix served from
+        the tree. Changes the tree: yes, as `admit`. Raises RuntimeError for a handle not WAITING."""
+
+    def restore_status(self, handle: KVHandle) -> RestoreStatus:
+        """This rank's view of the restores a RESERVED handle's prefix needs: its own, and another
+        request's still filling pages it shares. Ranks may see a restore land at different times: the
+        caller agrees on the outcome before it completes or fails the handle. Changes the tree: no."""
+
+    def complete(self, handle: KVHandle) -> None:
+        """RESERVED → READY: the whole prompt's KV is in the handle's pages (agreed on every rank), shared
+        through the tree now. Changes the tree: yes. Raises RuntimeError unless its restores landed."""
+
+    def fail(self, handle: KVHandle) -> None:
+        """RESERVED (or WAITING) → RELEASED: the external KV or a restore did not land; everything goes
+        back, the tree keeps its prefix. A restore that failed on any rank (agreed here) takes its device
+        pages back once no handle needs them, so no later match reads pages never written; only the
+        handles whose prefix needed it fail with it. Changes the tree: yes."""
 
     def extend(self, handle: KVHandle, end: int) -> None:
         """Give a READY handle pages for tokens [0, end), out of its reservation. Changes the tree: it

@@ -92,14 +92,25 @@ class LoadLedger:
     consensus: Consensus
     unsettled: list[IssuedLoad] = field(default_factory=list)
     quarantine: list[IssuedLoad] = field(default_factory=list)
+    restoring: list[IssuedLoad] = field(default_factory=list)  # claimed by restores.py
 
     def issued(self, load: IssuedLoad) -> None:
         self.unsettled.append(load)
 
-    def claim(self, op: TransferOp) -> None:
-        """The caller judges this load itself (a P/D decode restore: its request fails if it does), so
-        a failure of it fails the step that waits on it, as before."""
-        self.unsettled = [load for load in self.unsettled if load.op is not op]
+    def claim(self, load: IssuedLoad) -> None:
+        """A restore (restores.py): judged by the handles that need it, not here, and waited for by no
+        step (no handle reading its pages computes before it lands)."""
+        self.unsettled.remove(load)
+        self.restoring.append(load)
+
+    def unclaim(self, load: IssuedLoad) -> None:
+        """The restore's last handle left."""
+        self.restoring.remove(load)
+
+    def awaited(self, op: TransferOp) -> bool:
+        """A step that reads device pages waits for this load's layers: it is neither a restore nor a
+        failed load still copying into pages nobody reads any more."""
+        return not any(load.op is op for load in self.restoring) and not self.held(op)
 
     def degradable(self, op: TransferOp) -> IssuedLoad | None:
         return next((load for load in self.unsettled if load.op is op), None)

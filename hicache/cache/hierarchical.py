@@ -11,10 +11,11 @@ import logging
 from typing import Callable
 
 from hicache.cache.api import KVHandle
-from hicache.cache.failed_loads import FailedLoads
+from hicache.cache.failed_loads import FailedLoads, IssuedLoad
 from hicache.cache.host_tier import HostTier, WritePolicy, host_pool_pages
 from hicache.cache.prefix_cache import NO_PAGES, PrefixCache
 from hicache.cache.radix import MatchResult, TreeNode
+from hicache.cache.restores import Restores
 from hicache.cache.stats import CacheStats, WorkerStats
 from hicache.cache.storage_tier import StorageTier
 from hicache.cache.stores import UnifiedPlacement, open_store
@@ -54,6 +55,7 @@ class HierarchicalCache(PrefixCache):
             pool, host_pool, self.tree, consensus, policy, cfg.hicache_load_back_threshold, delay,
             cfg.hicache_transfer_timeout, debug.debug_load_fail_rate,
         )  # fmt: skip
+        self.restores = Restores(self.host.ledger, consensus)
         self.storage: StorageTier | None = None
         if cfg.hicache_storage_backend:
             rank = consensus.pctx.rank
@@ -83,7 +85,7 @@ class HierarchicalCache(PrefixCache):
             return NO_PAGES
         return self.storage.consume(handle.rid, handle.prompt, handle.namespace).pages
 
-    def _load_back(self, match: MatchResult, budget: int) -> list[int]:
+    def _load_back(self, match: MatchResult, budget: int) -> IssuedLoad | None:
         return self.host.load_back(match, budget, self.alloc)
 
     def _on_admitted(self, handle: KVHandle) -> None:
@@ -124,9 +126,11 @@ class HierarchicalCache(PrefixCache):
     def drop_failed_loads(self, failed: FailedLoads, requests: int) -> None:
         # Not only the failed loads' pages come back: below their nodes hang those of loads that landed
         # in the same step, which cannot be served under a prefix that was never written either.
-        taken = self.tree.detach_device(failed.holders)
-        self.device.free(self.host.ledger.hold_still_copying(failed, taken))
+        self.device.free(self._hold_still_copying(failed, self.tree.detach_device(failed.holders)))
         self.host.stats.load_failed_requests += requests
+
+    def _hold_still_copying(self, failed: FailedLoads, taken: list[int]) -> list[int]:
+        return self.host.ledger.hold_still_copying(failed, taken)
 
     def check(self) -> None:
         # One agreement per check, on every rank, even when every queue is empty.

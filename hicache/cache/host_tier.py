@@ -276,14 +276,14 @@ class HostTier:
 
     def load_back(
         self, match: MatchResult, budget: int, alloc: Callable[[int, Sequence[int]], list[int]]
-    ) -> list[int]:
-        """Device pages (from `alloc(n, classes)`) for every host-only node of `match`, loading layer by
-        layer; [] if the host part is under the threshold or more than `budget` pages."""
+    ) -> IssuedLoad | None:
+        """The load of every host-only node of `match` into device pages (from `alloc(n, classes)`),
+        layer by layer; None if the host part is under the threshold or more than `budget` pages."""
         host_pages = match.host_pages
         if not host_pages or len(host_pages) * self.pool.page_size < self.load_back_threshold:
-            return []
+            return None
         if len(host_pages) > budget:
-            return []
+            return None
         # Through the path's rotation base: each page returns to the owner its host copy is on.
         rotation, first = match.last_node.rotation, len(match.device_pages)
         classes = self.pool.placement.rotation_classes(rotation, first, len(host_pages))
@@ -315,18 +315,20 @@ class HostTier:
         op = TransferOp("load", run, payload=layer_done)
         op.ident = hash((tuple(key_digest(n.key) for n in match.host_nodes), device_pages[0], len(device_pages)))
         self.loads.push(op)
-        self.ledger.issued(IssuedLoad(op, layer_done, tuple(match.host_nodes), device_pages))
+        load = IssuedLoad(op, layer_done, tuple(match.host_nodes), device_pages)
+        self.ledger.issued(load)
         self.load_worker.submit(op)
         self.stats.load_pages += len(host_pages)
         self.stats.load_bytes += len(host_pages) * self.host.page_bytes
-        return device_pages
+        return load
 
     def before_layer(self) -> Callable[[int], None] | None:
-        """Wait (bounded) for layer i of every load in flight now (None: nothing in flight). On the first
+        """Wait (bounded) for layer i of every load in flight now but restores, which no step reads
+        before they land (restores.py) (None: nothing in flight). On the first
         pipeline stage a load the ledger settles that failed or timed out is only noted: the step goes
         on and the load is settled after it (failed_loads.py); any other load's failure, or one on a
         later stage (which cannot report it in time), fails the step."""
-        pending = [op for op in self.loads.running() if not self.ledger.held(op)]
+        pending = [op for op in self.loads.running() if self.ledger.awaited(op)]
         if not pending:
             return None
         first_stage = self.consensus.pctx.is_first_stage

@@ -18,12 +18,13 @@ import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from hicache.cache.api import Admission, KVHandle, KVState, PrefixMatch
+from hicache.cache.api import Admission, KVHandle, KVState, PrefixMatch, RestoreStatus
 from hicache.cache.device_tier import DeviceTier
-from hicache.cache.failed_loads import FailedLoads
+from hicache.cache.failed_loads import FailedLoads, IssuedLoad
 from hicache.cache.gather_budget import GatherBudget
 from hicache.cache.page_keys import Tokens
 from hicache.cache.radix import MatchResult, PagesFn, TreeNode
+from hicache.cache.restores import Restores
 from hicache.cache.stats import CacheStats
 from hicache.debug.consensus_checker import consensus_checked
 from hicache.mem.device_pool import DeviceKVPool
@@ -45,11 +46,11 @@ NO_PAGES = range(0)
 
 @dataclass(frozen=True)
 class Reserved:
-    """What `PrefixCache.reserve` matched and locked."""
+    """What `PrefixCache._reserve_prefix` matched and locked."""
 
     cached: PrefixMatch  # the reused prefix by the tier that holds it
     lock: TreeNode  # the deepest node of that prefix, locked for the handle
-    loaded_nodes: tuple[TreeNode, ...]  # host-only nodes whose KV is being loaded back (none: nothing loads)
+    load: IssuedLoad | None  # the load of its host-only part back to the device (None: nothing loads)
 
 
 class PrefixCache:
@@ -67,6 +68,7 @@ class PrefixCache:
         self.reserved_pages = 0  # promised to READY handles, not yet allocated by them
         self.reserved_by_class = [0] * pool.allocator.num_classes
         self.gather = GatherBudget(pool, self.tree)  # the CP gather's scratch (sharded pages only)
+        self.restores = Restores()  # what `reserve` restores (the hierarchical cache gives it its ledger)
 
     # ---- hooks for the hierarchical tiers ------------------------------------------------------
 
@@ -77,10 +79,10 @@ class PrefixCache:
         """Just before matching: prompt pages a storage prefetch has put on the host for this request."""
         return NO_PAGES
 
-    def _load_back(self, match: MatchResult, budget: int) -> list[int]:
-        """Device pages for the whole host-resident part of `match`, being loaded (all or nothing: []
+    def _load_back(self, match: MatchResult, budget: int) -> IssuedLoad | None:
+        """The load of the whole host-resident part of `match` into device pages (all or nothing: None
         when it is not worth it or more than `budget` pages). The device tier has nothing to load."""
-        return []
+        return None
 
     def _on_admitted(self, handle: KVHandle) -> None:
         """The handle is READY, its prefix locked (selective write-through backs up hot nodes)."""
@@ -132,22 +134,68 @@ class PrefixCache:
                 return Admission(False)
             handle.enter(KVState.RESERVED)
             return self._ready(handle, total_pages, PrefixMatch(), None)
+        if self.restores.blocks_admission():
+            return Admission(False)  # a hit on a restore's pages would read them before they land
         # At least the last prompt token is always computed: its logits give the first output token.
-        reserved = self.reserve(handle, handle.packed_prompt.view(len(handle.prompt) - 1), total_pages)
+        reserved = self._reserve_prefix(handle, handle.packed_prompt.view(len(handle.prompt) - 1), total_pages)
         if reserved is None:
             return Admission(False)
         admission = self._ready(handle, total_pages - len(handle.pages), reserved.cached, reserved.lock)
         self._on_admitted(handle)
         return admission
 
-    def reserve(self, handle: KVHandle, tokens: Tokens, total_pages: int) -> Reserved | None:
+    @consensus_checked(params=ADMIT_PARAMS, results=ADMIT_RESULTS)
+    def reserve(self, handle: KVHandle, total_pages: int) -> Admission:
+        if handle.state is not KVState.WAITING:
+            raise RuntimeError(f"request {handle.rid}: reservation of a {handle.state.value} handle")
+        cached, lock = PrefixMatch(), None
+        if not self.enabled:  # without a tree the whole prompt's KV comes from outside
+            handle.rotation = self.device.new_rotation()
+            if not self._room(handle, 0, total_pages):
+                return Admission(False)
+            handle.enter(KVState.RESERVED)
+        else:
+            reserved = self._reserve_prefix(handle, handle.packed_prompt, total_pages)
+            if reserved is None:
+                return Admission(False)
+            self.restores.track(handle, reserved.load)
+            cached, lock = reserved.cached, reserved.lock
+        self._reserve_rest(handle, total_pages - len(handle.pages), cached, lock)
+        self.extend(handle, len(handle.prompt))  # the pages the outside KV lands in
+        return Admission(True, cached, handle.reserved_pages)
+
+    def restore_status(self, handle: KVHandle) -> RestoreStatus:
+        return self.restores.status(handle)
+
+    def complete(self, handle: KVHandle) -> None:
+        if handle.state is not KVState.RESERVED:
+            raise RuntimeError(f"request {handle.rid}: completion of a {handle.state.value} handle")
+        self.restores.landed(handle)
+        handle.enter(KVState.READY)
+        handle.advance(len(handle.prompt))
+        if handle.lock is not None:
+            self._on_admitted(handle)
+        self.cache_prefix(handle, handle.prompt)
+
+    def fail(self, handle: KVHandle) -> None:
+        unfilled, failed = self.restores.leave(handle)
+        self.release(handle, handle.prompt[: handle.kv_len])  # the prefix's pages were the tree's all along
+        if unfilled:  # after the release: a handle that needed them no longer holds their pages
+            self.device.free(self._hold_still_copying(failed, self.tree.detach_device(unfilled)))
+
+    def _hold_still_copying(self, failed: FailedLoads, taken: list[int]) -> list[int]:
+        """Of the device pages `taken` back from failed loads, those free now (without a host tier,
+        every one: nothing loads)."""
+        return taken
+
+    def _reserve_prefix(self, handle: KVHandle, tokens: Tokens, total_pages: int) -> Reserved | None:
         """WAITING → MATCHED → LOCKED → RESERVED over the cached prefix of `tokens`: match it (a finished
         prefetch is inserted first), lock it, and, if the `total_pages` less its device part fit in
         free + evictable pages minus what others were promised (checked with the prefix locked), start
         loading its host part back; else back to WAITING holding nothing (None). The handle then holds
         the prefix's pages (kv_len = committed_len = their tokens) and one lock, on `Reserved.lock`;
-        promising the rest is the caller's: `admit` goes on to READY, a P/D decode server stops here
-        while the suffix arrives (hicache/disagg/decode_admission.py). Changes the tree: yes."""
+        promising the rest is the caller's: `admit` goes on to READY, `reserve` stops here while the
+        rest of the prompt's KV arrives from outside. Changes the tree: yes."""
         fetched = self._fetched(handle)
         match = self.tree.match_prefix(tokens, handle.namespace, count_hit=True)
         handle.enter(KVState.MATCHED)
@@ -161,7 +209,8 @@ class PrefixCache:
             return None
         handle.enter(KVState.RESERVED)
         handle.pages = list(match.device_pages)
-        loaded = self._load_back(match, need) if handle.load_host else []
+        load = self._load_back(match, need) if handle.load_host else None
+        loaded = load.device_pages if load is not None else []
         handle.pages.extend(loaded)
         deepest = match.host_nodes[-1] if loaded else match.last_device_node
         self.tree.lock(deepest)
@@ -175,7 +224,7 @@ class PrefixCache:
         )
         handle.kv_len = len(handle.pages) * self.page_size
         handle.committed_len = handle.kv_len  # those pages are the tree's
-        return Reserved(cached, deepest, tuple(match.host_nodes) if loaded else ())
+        return Reserved(cached, deepest, load)
 
     def _room(self, handle: KVHandle, first: int, n: int) -> bool:
         """Whether pages first..first+n-1 of the handle's prefix fit, class by class, in the pool and in
@@ -189,17 +238,16 @@ class PrefixCache:
         for c in self.device.classes(handle.rotation, len(handle.pages), n):
             self.reserved_by_class[c] += sign
 
-    def promise(self, handle: KVHandle, reserve: int, cached: PrefixMatch, lock: TreeNode | None) -> None:
+    def _reserve_rest(self, handle: KVHandle, reserve: int, cached: PrefixMatch, lock: TreeNode | None) -> None:
         """Promise the handle `reserve` more pages (counted against admission, by owner class) and
-        record its cached prefix and lock: what admission does after `reserve` (a P/D decode request
-        stays RESERVED meanwhile, hicache/disagg/decode_admission.py)."""
+        record its cached prefix and lock: what `admit` and `reserve` do after matching."""
         handle.reserved_pages = reserve
         handle.cached = cached
         handle.lock = lock
         self._promise(handle, reserve, +1)
 
     def _ready(self, handle: KVHandle, reserve: int, cached: PrefixMatch, lock: TreeNode | None) -> Admission:
-        self.promise(handle, reserve, cached, lock)
+        self._reserve_rest(handle, reserve, cached, lock)
         if handle.draft_len is not None:  # the effective hit is the MIN over every pool it needs
             handle.draft_len = handle.kv_len - self._draft_unrestored(handle)
         handle.enter(KVState.READY)
@@ -271,7 +319,7 @@ class PrefixCache:
         self.tree.reset()
 
     def leak_report(self) -> list[str]:
-        problems = self.device.leak_report()
+        problems = self.device.leak_report() + self.restores.leak_report()
         if self.reserved_pages:
             problems.append(f"{self.reserved_pages} pages still reserved")
         if any(self.gather.private_by_class):

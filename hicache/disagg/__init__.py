@@ -5,8 +5,8 @@ token; a decode server generates the rest. Between them the KV of the prompt mov
 transport behind a sender / receiver interface (`transfer.py`; ZeroMQ over TCP in `zmq_prefill.py`
 and `zmq_decode.py`). With `--disaggregation-decode-enable-radix-cache` the decode server keeps its
 own tree (device and, with `--enable-hierarchical-cache`, host memory): it reserves the request's
-pages, reports the page-aligned prefix it already holds as `decode_prefix_len`
-(`decode_admission.py`), restores the host part while prefill sends only the KV after it, and starts
+pages through the cache API (`KVCache.reserve`), reports the page-aligned prefix it already holds as
+`decode_prefix_len`, restores the host part while prefill sends only the KV after it, and starts
 decoding when both have landed (`decode_scheduler.py`; prefill's side is `prefill_scheduler.py`).
 `hicache router` (`router.py`) pairs a prefill and a decode server per request.
 

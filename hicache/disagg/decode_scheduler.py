@@ -1,7 +1,8 @@
 """P/D disaggregation: the decode role's scheduler.
 
 A request arrives with its bootstrap information and waits, first come first served, for decode-side
-admission (decode_admission.reserve: match, lock, re-check the budget, reserve, restore the host part).
+admission through the cache API (`KVCache.reserve`: match decode's own tree over the whole prompt, lock,
+re-check the budget, reserve, restore the host part; docs/DESIGN.md, "P/D decode reuse", Figure 5).
 Once reserved it tells prefill its decode_prefix_len and receives the rest of the prompt's KV straight
 into its reserved pages while its host part restores. When every rank has both (agreement.py) it
 becomes READY, its prompt is shared through the tree, and it joins the running batch as a decoding
@@ -22,9 +23,8 @@ from typing import Any
 
 import torch
 
-from hicache.disagg import decode_admission
+from hicache.cache.api import PrefixMatch, RestoreState
 from hicache.disagg.agreement import agree_min
-from hicache.disagg.decode_admission import Reservation
 from hicache.disagg.role_scheduler import RoleScheduler
 from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVReceiver
 from hicache.disagg.wire import prompt_digest
@@ -41,7 +41,8 @@ class Incoming:
 
     req: Request
     receiver: KVReceiver
-    reservation: Reservation | None = None
+    decode_prefix_len: int = 0  # tokens decode serves from its tree (page-aligned); prefill sends the rest
+    by_tier: PrefixMatch = PrefixMatch()  # that prefix by the tier it came from
 
 
 class DecodeScheduler(RoleScheduler):
@@ -88,12 +89,12 @@ class DecodeScheduler(RoleScheduler):
             if not self.cache.ready_to_admit(req.kv, busy=busy):
                 continue  # its storage prefetch is still running; later arrivals may go first
             total = self._pages_for(req.prompt_len + req.max_new_tokens)
-            reservation = decode_admission.reserve(self.cache, req.kv, total)  # type: ignore[arg-type]
-            if reservation is None:
+            admission = self.cache.reserve(req.kv, total)
+            if not admission.admitted:
                 break  # first come, first served: no overtaking on memory
             self.incoming.remove(inc)
-            inc.reservation = reservation
-            d = reservation.decode_prefix_len
+            inc.decode_prefix_len = d = req.kv.kv_len
+            inc.by_tier = admission.cached
             slots = self.runner.pool.allocator.slots(req.kv.pages, req.prompt_len)[d:].to(self.runner.pool.device)
             room = inc.receiver.room
             inc.receiver.init(
@@ -106,22 +107,20 @@ class DecodeScheduler(RoleScheduler):
         status = inc.receiver.poll()
         if status is KVPoll.FAILED:
             return FAILED, inc.receiver.failure()
-        assert inc.reservation is not None
-        restored = inc.reservation.restored()
-        if restored is False:
-            error = inc.reservation.restore.error if inc.reservation.restore is not None else None
+        restore = self.cache.restore_status(inc.req.kv)
+        if restore.state is RestoreState.FAILED:
             return FAILED, (
-                f"decode could not restore the {inc.reservation.by_tier.host + inc.reservation.by_tier.storage}-token "
-                f"host part of the prefix it promised prefill: {error}"
+                f"decode could not restore the {inc.by_tier.host + inc.by_tier.storage}-token host part of the "
+                f"prefix it promised prefill: {restore.error}"
             )
-        return (DONE if status is KVPoll.SUCCESS and restored else PENDING), None
+        return (DONE if status is KVPoll.SUCCESS and restore.state is RestoreState.LANDED else PENDING), None
 
     def _land(self) -> list[RequestEvent]:
         """Requests whose suffix and restore are done on every rank start decoding; failed ones end."""
         if not self.transferring:
             return []
         local = [self._local_status(inc) for inc in self.transferring]
-        prefixes = [inc.reservation.decode_prefix_len for inc in self.transferring]  # type: ignore[union-attr]
+        prefixes = [inc.decode_prefix_len for inc in self.transferring]
         agreed = agree_min(self.pctx, [status for status, _ in local], equal=prefixes)
         events, still = [], []
         for inc, (_, reason), status in zip(self.transferring, local, agreed):
@@ -139,27 +138,27 @@ class DecodeScheduler(RoleScheduler):
         return events
 
     def _start_decoding(self, inc: Incoming) -> RequestEvent:
-        req, reservation, result = inc.req, inc.reservation, inc.receiver.result()
-        assert reservation is not None and result is not None
-        decode_admission.complete(self.cache, req.kv)  # type: ignore[arg-type]
-        transferred = req.prompt_len - reservation.decode_prefix_len
+        req, result = inc.req, inc.receiver.result()
+        assert result is not None
+        self.cache.complete(req.kv)
+        transferred = req.prompt_len - inc.decode_prefix_len
         s = self.stats
         s.received_tokens += transferred
         s.transfers_ok += 1
-        for tier, n in reservation.by_tier.as_dict().items():
+        for tier, n in inc.by_tier.as_dict().items():
             s.decode_prefix_tokens[tier] += n
         if req.params.seed is not None and req.generator is None:
             req.generator = torch.Generator().manual_seed(req.params.seed)
         self.running.append(req)
         event = self._append_token(req, result.first_token, result.logprob)  # may finish it at once
-        usage = DisaggUsage(reservation.decode_prefix_len, reservation.by_tier.as_dict(), transferred)
+        usage = DisaggUsage(inc.decode_prefix_len, inc.by_tier.as_dict(), transferred)
         return dataclasses.replace(event, cached_tokens_by_tier=dict(result.cached_tokens_by_tier), disagg=usage)
 
     def _end(self, inc: Incoming, reason: FinishReason, message: str) -> RequestEvent:
         """Release a request that never started decoding, telling prefill why."""
         inc.receiver.abort(message)  # returns only once nothing more can land in its pages
         self.stats.transfers_failed += 1
-        decode_admission.fail(self.cache, inc.req.kv, inc.reservation)  # type: ignore[arg-type]
+        self.cache.fail(inc.req.kv)
         return RequestEvent(inc.req.rid, (), finish_reason=reason, error=message)
 
     def abort_all(self, reason: FinishReason, message: str) -> list[RequestEvent]:

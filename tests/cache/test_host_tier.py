@@ -102,7 +102,7 @@ def test_load_back_restores_the_bytes(layout):
     evict_to_host(device, host)
     match = device.tree.match_prefix(A)
     assert match.host_tokens == len(A)
-    pages = host.load_back(match, budget=3, alloc=device.alloc)
+    pages = host.load_back(match, budget=3, alloc=device.alloc).device_pages
     assert len(pages) == 3 and all(n.on_device for n in match.host_nodes)
     wait = host.before_layer()
     assert wait is not None, "host tier: a load in flight has no layer events"
@@ -119,9 +119,9 @@ def test_load_back_is_all_or_nothing():
     compute(device, A)
     evict_to_host(device, host)
     match = device.tree.match_prefix(A)
-    assert host.load_back(match, budget=3, alloc=device.alloc) == [], "loaded a hit under the threshold"
+    assert host.load_back(match, budget=3, alloc=device.alloc) is None, "loaded a hit under the threshold"
     host.load_back_threshold = 0
-    assert host.load_back(match, budget=2, alloc=device.alloc) == [], "loaded more than the budget"
+    assert host.load_back(match, budget=2, alloc=device.alloc) is None, "loaded more than the budget"
     assert not any(n.on_device for n in match.host_nodes)
     assert host.stats.load_pages == 0
 
@@ -139,7 +139,7 @@ def test_layer_events_let_a_layer_go_before_the_next_has_loaded(monkeypatch):
         real(self, pool, layer, host_pages, device_pages)
 
     monkeypatch.setattr(HostKVPool, "load_layer", slow)
-    pages = host.load_back(device.tree.match_prefix(A), budget=3, alloc=device.alloc)
+    pages = host.load_back(device.tree.match_prefix(A), budget=3, alloc=device.alloc).device_pages
     wait = host.before_layer()
     wait(0)  # returns while the last layer is still held back
     assert host.loads.ready() == 0, "host tier: the load finished before its last layer was copied"

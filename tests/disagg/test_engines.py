@@ -13,6 +13,7 @@ import time
 import pytest
 
 from hicache import Engine, SamplingParams
+from hicache.cache.api import RestoreState
 from hicache.config import DebugConfig, EngineConfig
 from tests.disagg.pd import PDPair, decode_engine, free_ports, prefill_engine, scheduler_of
 
@@ -132,7 +133,10 @@ def test_restores_of_different_requests_are_in_flight_at_once():
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not all(hd.req.output_ids for _, hd in handles):
             restoring = dec.call_in_loop(
-                lambda: sum(1 for inc in scheduler.transferring if inc.reservation.restored() is None)
+                lambda: sum(
+                    1 for inc in scheduler.transferring
+                    if scheduler.cache.restore_status(inc.req.kv).state is RestoreState.RUNNING
+                )
             )
             most = max(most, restoring)  # type: ignore[arg-type]
             time.sleep(0.01)

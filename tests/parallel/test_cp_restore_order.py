@@ -39,7 +39,7 @@ def restore_and_gather(pool, device, host, tokens, pctx, ordered: bool) -> list[
     match = device.tree.match_prefix(tokens)
     assert len(match.host_pages) == PAGES and not match.device_pages
     device.tree.lock(match.last_node)
-    pages = host.load_back(match, PAGES, lambda n, classes: device.alloc(n, classes=classes))
+    pages = host.load_back(match, PAGES, lambda n, classes: device.alloc(n, classes=classes)).device_pages
     restored = host.before_layer() if ordered else None
     plan = GatherPlan.build([torch.tensor(pages)], 2, pctx.cp_rank, torch.device("cpu"))
     scratch = ScratchBuffers(2 * pool.local_pages * PAGE, LAYOUT.row_numel, torch.float32, torch.device("cpu"))
