@@ -178,10 +178,7 @@ class PrefixCache:
         self.cache_prefix(handle, handle.prompt)
 
     def fail(self, handle: KVHandle) -> None:
-        unfilled, failed = self.restores.leave(handle)
         self.release(handle, handle.prompt[: handle.kv_len])  # the prefix's pages were the tree's all along
-        if unfilled:  # after the release: a handle that needed them no longer holds their pages
-            self.device.free(self._hold_still_copying(failed, self.tree.detach_device(unfilled)))
 
     def _hold_still_copying(self, failed: FailedLoads, taken: list[int]) -> list[int]:
         """Of the device pages `taken` back from failed loads, those free now (without a host tier,
@@ -296,6 +293,7 @@ class PrefixCache:
         if handle.state is KVState.READY and len(tokens) < handle.kv_len:
             raise ValueError(f"release of request {handle.rid}: {len(tokens)} tokens for {handle.kv_len} computed")
         self._on_release(handle)
+        unfilled, failed = self.restores.leave(handle)  # RESERVED: restores its prefix needed
         # RESERVED: a P/D decode request whose suffix never arrived; kv_len covers only its tree prefix.
         if handle.state in (KVState.READY, KVState.RESERVED):
             kept = 0
@@ -309,6 +307,8 @@ class PrefixCache:
             self.device.free(handle.pages[kept:])
             handle.pages = []
             handle.reserved_pages = 0
+        if unfilled:  # after the handle let go of them: pages a failed restore never wrote
+            self.device.free(self._hold_still_copying(failed, self.tree.detach_device(unfilled)))
         handle.enter(KVState.RELEASED)
 
     # ---- maintenance ---------------------------------------------------------------------------
