@@ -173,8 +173,9 @@ class KVCache(Protocol):
     page_size: int
 
     def open(self, rid: int, prompt: Sequence[int], namespace: str) -> KVHandle:
-        """A request arrived: its handle, WAITING. Changes the tree: no (with a storage tier a prefetch
-        of what storage holds beyond the tree's match may start in the background). Locks: nothing."""
+        """A request arrived: its handle, WAITING. Changes the tree: no, not even the recency of its
+        match (with a storage tier a prefetch of what storage holds beyond the tree's match may start
+        in the background; what it reads joins the tree at admission). Locks: nothing."""
 
     def ready_to_admit(self, handle: KVHandle, busy: bool) -> bool:
         """False while the request waits for something (a storage prefetch). `busy`: other requests
