@@ -1,16 +1,19 @@
-"""A look at the cache changes nothing (docs/DESIGN.md, "cache API"): `KVCache.open`, and the tree's
-`peek` under it, leave every node, the clock and both eviction heaps exactly as they
+"""A look at the cache changes nothing (docs/DESIGN.md, "cache API"): `KVCache.open` and `KVCache.lookup`,
+and the tree's `peek` under them, leave every node, the clock and both eviction heaps exactly as they
 were, also where the prompt's match ends inside a node (which a match splits) and with a storage tier
-(whose prefetch starts at arrival); and what a peek reports is what a match then finds."""
+(whose prefetch starts at arrival); and what they report is what a match, or admission, then finds."""
 
 from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hicache.cache.api import PrefixMatch
+from hicache.cache.prefix_cache import PrefixCache
 from hicache.cache.radix import RadixTree, TreeNode
 from hicache.cache.radix_lru import LRUCandidates
-from tests.cache.kv import PAGE
+from tests.cache.kv import PAGE, device_pool
+from tests.cache.test_api import pages_for, run_prompt
 from tests.cache.test_hierarchical import A, B, cache_for, serve, settle
 from tests.cache.test_radix_tiers import DEVICE_PAGES, OPERATIONS, Tiers, seqs
 
@@ -87,6 +90,29 @@ def test_a_peek_changes_nothing_and_reports_what_a_match_finds(prompts, pushed, 
         assert found == (match.num_tokens, match.host_tokens, match.rotation), "peek and match disagree"
 
 
+served = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=5 * PAGE), min_size=1, max_size=8)
+
+
+@settings(max_examples=80, deadline=None)
+@given(prompts=served, data=st.data())
+def test_lookup_changes_nothing_and_is_what_admission_reuses(prompts, data):
+    cache = PrefixCache(device_pool(24))
+    for rid, prompt in enumerate(prompts):
+        _, handle, tokens = run_prompt(cache, rid, prompt)
+        cache.release(handle, tokens)
+    for rid in range(len(prompts), len(prompts) + data.draw(st.integers(1, 6))):
+        prompt = query(data, cache.tree)
+        before = dump(cache.tree)
+        found = cache.lookup(prompt, "")
+        handle = cache.open(rid, prompt, "")
+        assert dump(cache.tree) == before, "lookup or open changed the tree"
+        admission = cache.admit(handle, pages_for(len(prompt) + 1))
+        assert admission.admitted and admission.cached == found, "lookup is not what admission reused"
+        cache.release(handle, prompt)
+    cache.flush()
+    assert cache.leak_report() == []
+
+
 def mid_node_prompts() -> dict[str, list[int]]:
     """After serving A then B on six device pages: A is one host-only node of four pages, B one device
     node of four; these prompts' matches end inside them."""
@@ -110,3 +136,37 @@ def test_open_with_a_storage_tier_changes_nothing_and_still_prefetches(tmp_path)
     cache.flush()
     assert cache.leak_report() == []
     cache.shutdown()
+
+
+def test_without_storage_open_and_lookup_change_nothing_and_tell_what_admission_reuses(tmp_path):
+    cache = cache_for(tmp_path)
+    serve(cache, 1, A)
+    serve(cache, 2, B)
+    settle(cache)
+    expected = {
+        "mid-host": PrefixMatch(host=2 * PAGE),
+        "mid-device": PrefixMatch(device=3 * PAGE),
+    }
+    for rid, (name, prompt) in enumerate(mid_node_prompts().items(), start=3):
+        before = dump(cache.tree)
+        found = cache.lookup(prompt, "")
+        cache.release(cache.open(rid, prompt, ""), [])
+        assert dump(cache.tree) == before, f"{name}: lookup or open changed the tree"
+        assert found == expected[name], f"{name}: lookup found {found}"
+        assert serve(cache, rid, prompt).cached == found, f"{name}: admission reused other than lookup said"
+    cache.flush()
+    assert cache.leak_report() == []
+    cache.shutdown()
+
+
+def test_lookup_leaves_the_last_prompt_token_and_unknown_namespaces_alone():
+    cache = PrefixCache(device_pool(16))
+    prompt = list(range(10, 10 + 3 * PAGE))
+    _, handle, tokens = run_prompt(cache, 1, prompt + [5])
+    cache.release(handle, tokens)
+    assert cache.lookup(prompt + [5], "") == PrefixMatch(device=3 * PAGE)
+    assert cache.lookup(prompt, "") == PrefixMatch(device=2 * PAGE), "the last prompt token is always computed"
+    assert cache.lookup([], "") == PrefixMatch()
+    before = dump(cache.tree)
+    assert cache.lookup(prompt + [5], "salt") == PrefixMatch()
+    assert dump(cache.tree) == before, "a lookup in a namespace never seen made its root"
