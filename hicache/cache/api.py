@@ -186,8 +186,18 @@ class KVCache(Protocol):
     page_size: int
 
     def open(self, rid: int, prompt: Sequence[int], namespace: str) -> KVHandle:
-        """A request arrived: its handle, WAITING. Changes the tree: no (with a storage tier a prefetch
-        of what storage holds beyond the tree's match may start in the background). Locks: nothing."""
+        """A request arrived: its handle, WAITING. Changes the tree: no, not even the recency of its
+        match (with a storage tier a prefetch of what storage holds beyond the tree's match, found as
+        `lookup` finds it, may start in the background; what it reads joins the tree at admission).
+        Locks: nothing."""
+
+    def lookup(self, prompt: Sequence[int], namespace: str) -> PrefixMatch:
+        """The cached prefix of `prompt` by tier, as admission would match it now, for arrival and
+        routing (how much of a prompt this server holds): device tokens, then host tokens (the host-only
+        continuation; admission loads it back only when that is worth it and fits); storage always 0,
+        since asking the store is I/O (`open` starts that query). Page multiples, at most
+        len(prompt) - 1 tokens: the last prompt token is always computed. Changes the tree: no (no
+        split, recency or hit count). Locks: nothing, so eviction may take the prefix before admission."""
 
     def ready_to_admit(self, handle: KVHandle, busy: bool) -> bool:
         """False while the request waits for something (a storage prefetch). `busy`: other requests

@@ -124,6 +124,11 @@ class PrefixCache:
         self._on_open(handle)
         return handle
 
+    def lookup(self, prompt: Sequence[int], namespace: str) -> PrefixMatch:
+        # The prefix admission matches (`admit`): all of the prompt but its last token.
+        peek = self.tree.peek(prompt[: len(prompt) - 1], namespace)
+        return PrefixMatch(device=peek.device_tokens, host=peek.host_tokens)
+
     @consensus_checked(params=ADMIT_PARAMS, results=ADMIT_RESULTS)
     def admit(self, handle: KVHandle, total_pages: int) -> Admission:
         if handle.state is not KVState.WAITING:

@@ -20,7 +20,8 @@ Contracts:
 - Recency is a logical clock, not wall time, so ranks that apply the same operations in the same order
   make the same eviction choices. The candidates of each eviction are kept across calls
   (radix_lru.py), so an eviction costs O(log tree) per node it takes, not O(tree) per call; every
-  change below that can make a node a candidate, or touches one, offers it there.
+  change below that can make a node a candidate, or touches one, offers it there. `peek` reports what
+  a match would find and changes nothing of this (radix_walk.py): arrival and routing only look.
 - Sharded pages (`num_classes` N > 1, hicache/parallel/placement.py): every shard rank keeps this same tree
   with the same logical page ids. A root's subtree has one rotation base (tree_node.py); an insert
   whose base differs from the cached path's is refused whole, never grafted. Evictable device pages
@@ -33,12 +34,13 @@ import itertools
 from collections import Counter
 from typing import Callable, Iterable, Iterator
 
-from hicache.cache.page_keys import TOKEN_BYTES, Tokens, common_pages, pack
+from hicache.cache.page_keys import TOKEN_BYTES, Tokens, pack
 from hicache.cache.radix_lru import LRUCandidates
+from hicache.cache.radix_walk import Peek, matched_runs
 from hicache.cache.tree_node import InsertResult, MatchResult, TreeNode
 from hicache.debug.consensus_checker import consensus_checked
 
-__all__ = ["InsertResult", "MatchResult", "PagesFn", "RadixTree", "TreeNode"]
+__all__ = ["InsertResult", "MatchResult", "PagesFn", "Peek", "RadixTree", "TreeNode"]
 
 PagesFn = Callable[[list[int]], None]
 
@@ -76,9 +78,9 @@ class RadixTree:
             root.lock_ref = 1  # roots are never evicted
         return root
 
-    def _child_key(self, key: bytes | memoryview, start: int = 0) -> bytes:
-        """The children-dict key of the run starting at byte `start` of `key`: its first page."""
-        return bytes(key[start : start + self._page_bytes])
+    def _child_key(self, key: bytes) -> bytes:
+        """The children-dict key of a node's run `key`: its first page."""
+        return bytes(key[: self._page_bytes])
 
     def _query(self, tokens: Tokens) -> memoryview:
         """`tokens` packed (page_keys.py), cut to whole pages."""
@@ -108,26 +110,20 @@ class RadixTree:
             self._host_lru.offer(host_nodes[-1])
         return MatchResult(device_pages, last_device, host_nodes, self.page_size)
 
+    def peek(self, tokens: Tokens, namespace: str = "") -> Peek:
+        """What `match_prefix` would report of `tokens`, changing nothing (radix_walk.py): for arrival
+        and routing, which ask what is cached before anything is locked."""
+        root = self._roots.get(namespace)  # a namespace never seen gets no root from a look
+        runs = matched_runs(root, self._query(tokens), self._page_bytes) if root is not None else ()
+        return Peek.of(runs, self.page_size)
+
     def _walk(self, query: memoryview, namespace: str) -> list[TreeNode]:
         """The nodes covering the longest cached page-aligned prefix of the packed, page-aligned `query`,
         splitting the last one where the match ends inside it."""
-        node = self._root(namespace)
-        node.last_access = next(self._clock)
-        path: list[TreeNode] = []
-        pos = 0  # bytes
+        root = self._root(namespace)
+        root.last_access = next(self._clock)
         pb = self._page_bytes
-        while pos < len(query):
-            child = node.children.get(self._child_key(query, pos))
-            if child is None:
-                break
-            # The first page is equal (it is the dict key); common_pages checks it again in the same memcmp.
-            k = common_pages(child.key, query, pos, pb)
-            if k * pb < len(child.key):
-                child = self._split(child, k)
-            path.append(child)
-            pos += k * pb
-            node = child
-        return path
+        return [node if k * pb == len(node.key) else self._split(node, k) for node, k in matched_runs(root, query, pb)]
 
     def _split(self, node: TreeNode, k: int) -> TreeNode:
         """Cut `node` after k pages; the new upper part takes its place under the parent."""

@@ -128,11 +128,12 @@ class StorageTier:
     # ---- prefetch: queried -> allocated -> read ------------------------------------------------
 
     def start_prefetch(self, rid: int, prompt: Sequence[int], namespace: str) -> None:
-        """Look up what storage holds of the prompt beyond the tree's match (in the background)."""
+        """Look up what storage holds of the prompt beyond the tree's match (in the background). The
+        tree is only peeked at: arrival changes nothing of it (`KVCache.open`)."""
         key = prompt[: len(prompt) - 1]
         total = len(key) // self.page_size
-        match = self.tree.match_prefix(key, namespace)
-        start = len(match.device_pages) + len(match.host_pages)
+        match = self.tree.peek(key, namespace)
+        start = match.device_pages + match.host_pages
         if (total - start) * self.page_size < max(self.threshold, 1):
             return
         hashes = page_hashes(key[: total * self.page_size], self.page_size)[start:]
