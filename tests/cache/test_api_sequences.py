@@ -1,4 +1,4 @@
-"""The cache API under any sequence of calls: requests opened, admitted (computing what the tree lacks)
+"""The cache API under any sequence of calls: prompts looked up (changing nothing), requests opened, admitted (computing what the tree lacks)
 or reserved (their KV landing from outside while the host part restores), completed, failed and
 released in any order, with prefixes pushed to host memory between them and some restores failing.
 Whatever the order, every page served holds its tokens' KV, the promises add up at every step, and at
@@ -16,10 +16,11 @@ from hicache.cache.hierarchical import HierarchicalCache
 from hicache.config import HiCacheConfig
 from tests.cache.kv import PAGE, assert_kv, device_pool, one_rank, write_kv
 from tests.cache.test_hierarchical import settle
+from tests.cache.test_lookup import dump
 from tests.cache.test_reserve import restore_done
 
 SPANS = [list(range(base, base + 2 * PAGE)) for base in (10, 40, 70)]  # prompts share them as prefixes
-ACTIONS = ("open", "admit", "reserve", "finish", "fail", "release", "evict")
+ACTIONS = ("open", "lookup", "admit", "reserve", "finish", "fail", "release", "evict")
 
 PREFIXES = [[0], [0, 1], [0, 1, 2], [1], [1, 2]]
 calls = st.lists(st.tuples(st.sampled_from(ACTIONS), st.integers(0, 2), st.sampled_from(PREFIXES)),
@@ -47,6 +48,10 @@ def test_any_sequence_of_calls_returns_every_page_and_lock(calls, failing):
     handles: dict[int, tuple] = {}  # slot -> (handle, prompt)
     try:
         for rid, (action, slot, spans) in enumerate(calls):
+            if action == "lookup":
+                before = dump(cache.tree)
+                cache.lookup(prompt_of(spans, slot), "")
+                assert dump(cache.tree) == before, "a lookup changed the tree"
             if slot not in handles and action in ("open", "admit", "reserve"):
                 handles[slot] = (cache.open(rid, prompt_of(spans, slot), ""), prompt_of(spans, slot))
             handle, prompt = handles.get(slot, (None, []))
