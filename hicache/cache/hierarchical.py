@@ -126,11 +126,9 @@ class HierarchicalCache(PrefixCache):
     def drop_failed_loads(self, failed: FailedLoads, requests: int) -> None:
         # Not only the failed loads' pages come back: below their nodes hang those of loads that landed
         # in the same step, which cannot be served under a prefix that was never written either.
-        self.device.free(self._hold_still_copying(failed, self.tree.detach_device(failed.holders)))
+        taken = self.tree.detach_device(failed.holders)
+        self.device.free(self.host.ledger.hold_still_copying(failed, taken))
         self.host.stats.load_failed_requests += requests
-
-    def _hold_still_copying(self, failed: FailedLoads, taken: list[int]) -> list[int]:
-        return self.host.ledger.hold_still_copying(failed, taken)
 
     def check(self) -> None:
         # One agreement per check, on every rank, even when every queue is empty.

@@ -134,10 +134,8 @@ class PrefixCache:
         if handle.state is not KVState.WAITING:
             raise RuntimeError(f"request {handle.rid}: admission of a {handle.state.value} handle")
         if not self.enabled:
-            handle.rotation = self.device.new_rotation()
-            if not self._room(handle, 0, total_pages):
+            if not self._reserve_without_tree(handle, total_pages):
                 return Admission(False)
-            handle.enter(KVState.RESERVED)
             return self._ready(handle, total_pages, PrefixMatch(), None)
         if self.restores.blocks_admission():
             return Admission(False)  # a hit on a restore's pages would read them before they land
@@ -155,10 +153,8 @@ class PrefixCache:
             raise RuntimeError(f"request {handle.rid}: reservation of a {handle.state.value} handle")
         cached, lock = PrefixMatch(), None
         if not self.enabled:  # without a tree the whole prompt's KV comes from outside
-            handle.rotation = self.device.new_rotation()
-            if not self._room(handle, 0, total_pages):
+            if not self._reserve_without_tree(handle, total_pages):
                 return Admission(False)
-            handle.enter(KVState.RESERVED)
         else:
             reserved = self._reserve_prefix(handle, handle.packed_prompt, total_pages)
             if reserved is None:
@@ -185,10 +181,13 @@ class PrefixCache:
     def fail(self, handle: KVHandle) -> None:
         self.release(handle, handle.prompt[: handle.kv_len])  # the prefix's pages were the tree's all along
 
-    def _hold_still_copying(self, failed: FailedLoads, taken: list[int]) -> list[int]:
-        """Of the device pages `taken` back from failed loads, those free now (without a host tier,
-        every one: nothing loads)."""
-        return taken
+    def _reserve_without_tree(self, handle: KVHandle, total_pages: int) -> bool:
+        """WAITING → RESERVED with nothing cached (radix cache off), if `total_pages` fit; else False."""
+        handle.rotation = self.device.new_rotation()
+        if not self._room(handle, 0, total_pages):
+            return False
+        handle.enter(KVState.RESERVED)
+        return True
 
     def _reserve_prefix(self, handle: KVHandle, tokens: Tokens, total_pages: int) -> Reserved | None:
         """WAITING → MATCHED → LOCKED → RESERVED over the cached prefix of `tokens`: match it (a finished
@@ -298,7 +297,7 @@ class PrefixCache:
         if handle.state is KVState.READY and len(tokens) < handle.kv_len:
             raise ValueError(f"release of request {handle.rid}: {len(tokens)} tokens for {handle.kv_len} computed")
         self._on_release(handle)
-        unfilled, failed = self.restores.leave(handle)  # RESERVED: restores its prefix needed
+        failed = self.restores.leave(handle)  # RESERVED: restores its prefix needed
         # RESERVED: a P/D decode request whose suffix never arrived; kv_len covers only its tree prefix.
         if handle.state in (KVState.READY, KVState.RESERVED):
             kept = 0
@@ -312,8 +311,8 @@ class PrefixCache:
             self.device.free(handle.pages[kept:])
             handle.pages = []
             handle.reserved_pages = 0
-        if unfilled:  # after the handle let go of them: pages a failed restore never wrote
-            self.device.free(self._hold_still_copying(failed, self.tree.detach_device(unfilled)))
+        # After the handle let go of them: pages a failed restore never wrote.
+        self.device.free(self.restores.take_back(failed, self.tree.detach_device))
         handle.enter(KVState.RELEASED)
 
     # ---- maintenance ---------------------------------------------------------------------------

@@ -18,6 +18,7 @@ keep their host copies), so no later match reads pages that were never written.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 from hicache.cache.api import KVHandle, RestoreState, RestoreStatus
 from hicache.cache.controller import TransferTimeout
@@ -30,10 +31,6 @@ from hicache.parallel.consensus import Consensus
 class Restore:
     load: IssuedLoad
     needed_by: set[int] = field(default_factory=set)  # rids of the handles whose prefix it fills
-
-    @property
-    def pages(self) -> frozenset[int]:
-        return frozenset(self.load.device_pages)
 
 
 @dataclass
@@ -79,13 +76,13 @@ class Restores:
         for restore in self._leave(handle):
             self._drop(restore)
 
-    def leave(self, handle: KVHandle) -> tuple[list[TreeNode], FailedLoads]:
+    def leave(self, handle: KVHandle) -> FailedLoads:
         """The handle fails: of the restores it was the last to need, those that did not land on every
-        rank (agreed here; a copy still running is waited for, bounded) give the holders of their pages
-        (to take back from the tree) and the loads (whose pages a copy that never stopped still holds)."""
+        rank (agreed here; a copy still running is waited for, bounded), for `take_back` once the handle
+        has let go of their pages."""
         last = self._leave(handle)
         if not last:
-            return [], FailedLoads()
+            return FailedLoads()
         for restore in last:
             try:
                 restore.load.op.wait()
@@ -95,8 +92,15 @@ class Restores:
         agreed = self.consensus.agree_min("restores_landed", [int(r.load.landed()) for r in last])
         for restore in last:
             self._drop(restore)
-        failed = tuple(r.load for r, ok in zip(last, agreed) if not ok)
-        return [node for load in failed for node in load.holders()], FailedLoads(failed)
+        return FailedLoads(tuple(r.load for r, ok in zip(last, agreed) if not ok))
+
+    def take_back(self, failed: FailedLoads, detach: Callable[[list[TreeNode]], list[int]]) -> list[int]:
+        """The device pages to free of restores that failed: `detach` takes them off their holders in the
+        tree (radix.detach_device); a copy that never stopped keeps its own out of the pool (quarantine)."""
+        if not failed:
+            return []
+        assert self.ledger is not None
+        return self.ledger.hold_still_copying(failed, detach(failed.holders))
 
     def _leave(self, handle: KVHandle) -> list[Restore]:
         """Forget the handle's needs; the restores no handle needs any more."""

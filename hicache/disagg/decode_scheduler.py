@@ -41,8 +41,16 @@ class Incoming:
 
     req: Request
     receiver: KVReceiver
-    decode_prefix_len: int = 0  # tokens decode serves from its tree (page-aligned); prefill sends the rest
-    by_tier: PrefixMatch = PrefixMatch()  # that prefix by the tier it came from
+
+    @property
+    def by_tier(self) -> PrefixMatch:
+        """The prefix decode serves from its tree, by the tier it came from (set by `reserve`)."""
+        return self.req.kv.cached
+
+    @property
+    def decode_prefix_len(self) -> int:
+        """Tokens decode serves from its tree (page-aligned); prefill sends the KV after them."""
+        return self.by_tier.total
 
 
 class DecodeScheduler(RoleScheduler):
@@ -89,12 +97,10 @@ class DecodeScheduler(RoleScheduler):
             if not self.cache.ready_to_admit(req.kv, busy=busy):
                 continue  # its storage prefetch is still running; later arrivals may go first
             total = self._pages_for(req.prompt_len + req.max_new_tokens)
-            admission = self.cache.reserve(req.kv, total)
-            if not admission.admitted:
+            if not self.cache.reserve(req.kv, total).admitted:
                 break  # first come, first served: no overtaking on memory
             self.incoming.remove(inc)
-            inc.decode_prefix_len = d = req.kv.kv_len
-            inc.by_tier = admission.cached
+            d = inc.decode_prefix_len
             slots = self.runner.pool.allocator.slots(req.kv.pages, req.prompt_len)[d:].to(self.runner.pool.device)
             room = inc.receiver.room
             inc.receiver.init(
