@@ -50,9 +50,9 @@ def gather_and_attention(args: argparse.Namespace) -> dict:
     for cp in (1, 2):
         with Engine(model=args.model, max_total_tokens=args.pool, parallel=ParallelConfig(cp_size=cp)) as engine:
             engine.generate(work, params)  # computes and caches the prompts
-            before = engine._control("gather_stats") if cp > 1 else None
+            before = engine.snapshot().gather_by_rank if cp > 1 else None
             cached = engine.generate(work, params)
-            after = engine._control("gather_stats") if cp > 1 else None
+            after = engine.snapshot().gather_by_rank if cp > 1 else None
             if cp > 1:  # two buffers, each N ranks x the pool's tokens: a slot's row of one layer
                 scratch = next(iter(engine.kv_bytes_by_rank().values()))["scratch"]
                 out["row_bytes"] = scratch / (2 * cp * args.pool)
@@ -60,7 +60,7 @@ def gather_and_attention(args: argparse.Namespace) -> dict:
         step = statistics.median((r.latency_s - r.ttft_s) / (args.new - 1) for r in cached)
         out[cp] = {"ttft_s": ttft, "decode_step_s": step, "hit": sum(r.cached_tokens for r in cached)}
         if after is not None:
-            out["ranks"] = {rank: _delta(before[rank], after[rank]) for rank in after}  # type: ignore[index]
+            out["ranks"] = {rank: _delta(before[rank], after[rank]) for rank in after}
     return out
 
 

@@ -6,9 +6,13 @@ runtime is given when it starts.
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from hicache.engine.request import Request
+from hicache.runtime.commands import Command
+
+A = TypeVar("A")
+T = TypeVar("T")
 
 
 class Runtime(Protocol):
@@ -18,11 +22,8 @@ class Runtime(Protocol):
     def cancel(self, rid: int) -> None:
         """Abort request `rid` at the next step if it is still running (a no-op otherwise)."""
 
-    def control(self, command: str) -> object:
-        """Run a named command (runtime/commands.py) between two steps on every rank; one combined answer."""
-
-    def pool_usage(self) -> dict[str, tuple[int, int]]:
-        """(used, capacity) in tokens per memory tier that exists."""
+    def control(self, command: Command[A, T]) -> T:
+        """Run a command (runtime/commands.py) between two steps on every rank; one combined answer."""
 
     @property
     def num_running(self) -> int: ...

@@ -20,7 +20,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Callable, Sequence, TypeVar
 
 from hicache.cache.api import TIERS
 from hicache.cache.stats import CacheStats
@@ -40,13 +40,18 @@ from hicache.errors import UserError
 from hicache.parallel.parallel import ParallelContext
 from hicache.runtime.base import Runtime, check_usable
 from hicache.runtime.build import build_scheduler, check_topology, context_length, load_engine_model, storage_layout
+from hicache.runtime.commands import DISAGG_INFO, FLUSH, INVARIANCE, LEAK_REPORT, SNAPSHOT, Command
 from hicache.runtime.deadlines import DeadlineWatch
 from hicache.runtime.local import LocalRuntime
 from hicache.runtime.rank_front import RankRuntime
+from hicache.runtime.snapshot import Snapshot
 from hicache.runtime.threads import cpu_threads, use_threads
 from hicache.spec.stats import SpecStats
 
 logger = logging.getLogger(__name__)
+
+A = TypeVar("A")
+T = TypeVar("T")
 
 
 @dataclass
@@ -176,7 +181,7 @@ class Engine:
             self._runtime = RankRuntime(cfg, self._dispatch, self._fail)
         # What the start-up batch-invariance self-check found on every rank: `verified`, each op's
         # mechanism, and what differed where it failed (hicache/model/invariance.py). Fixed from here on.
-        self.invariance: dict = self._runtime.control("invariance")  # type: ignore[assignment]
+        self.invariance = self._runtime.control(INVARIANCE)
         self._deadlines = DeadlineWatch(cfg.request_timeout, self._expire) if cfg.request_timeout > 0 else None
 
     # ---- client side ---------------------------------------------------------------------------
@@ -246,20 +251,24 @@ class Engine:
             self._check_alive()
         return self._runtime.call(fn)
 
-    def _control(self, command: str) -> object:
+    def _control(self, command: Command[A, T]) -> T:
         with self._lock:
             self._check_alive()
         return self._runtime.control(command)
 
     def flush_cache(self) -> bool:
-        return bool(self._control("flush"))
+        return self._control(FLUSH)
 
     def leak_report(self) -> list[str]:
-        return self._control("leak_report")  # type: ignore[return-value]
+        return self._control(LEAK_REPORT)
+
+    def snapshot(self) -> Snapshot:
+        """Every counter of every rank, taken between two steps in one command (what a scrape reads)."""
+        return self._control(SNAPSHOT).with_queues(self.num_running, self.num_waiting)
 
     def pool_usage(self) -> dict[str, tuple[int, int]]:
         """(used, capacity) in tokens per memory tier that exists."""
-        return self._runtime.pool_usage()
+        return self.snapshot().pool_usage
 
     @property
     def num_running(self) -> int:
@@ -272,22 +281,19 @@ class Engine:
     def kv_bytes_by_rank(self) -> dict[str, dict[str, int]]:
         """Per rank (by its tp/pp/cp name): the KV bytes it holds on the device and host tiers, and its
         CP gather scratch."""
-        answer = self._control("kv_bytes")
-        if self.config.parallel.world_size == 1:  # one scheduler here: its answer, not a combination
-            return {ParallelContext().suffix: answer}  # type: ignore[dict-item]
-        return answer  # type: ignore[return-value]
+        return self.snapshot().kv_bytes_by_rank
 
     def cache_stats(self) -> CacheStats:
         """Counters of the cache tiers (transfers, prefetch lifecycle, storage hits and corruption)."""
-        return self._control("cache_stats")  # type: ignore[return-value]
+        return self.snapshot().cache
 
     def spec_stats(self) -> SpecStats | None:
         """Counters of speculative decoding (proposed, accepted, recomputed draft tokens); None without it."""
-        return self._control("spec_stats")  # type: ignore[return-value]
+        return self.snapshot().spec
 
     def disagg_info(self) -> dict:
         """This server's P/D role, transfer endpoint and rank-0 handshake (hicache/disagg/roles.py)."""
-        return self._control("disagg_info")  # type: ignore[return-value]
+        return self._control(DISAGG_INFO)
 
     def storage_layout(self) -> dict:
         """The storage key scheme and, for the unified layout, its namespace and grid (runtime/build.py)."""
@@ -295,7 +301,7 @@ class Engine:
 
     def disagg_stats(self) -> DisaggStats | None:
         """P/D transfer counters (None on a server without a role)."""
-        return self._control("disagg_stats")  # type: ignore[return-value]
+        return self.snapshot().disagg
 
 
     def on_fatal(self, callback: Callable[[str], None]) -> None:

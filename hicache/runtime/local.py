@@ -7,17 +7,21 @@ from __future__ import annotations
 import logging
 import threading
 from concurrent.futures import Future
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from hicache.engine.request import FinishReason, Request, RequestEvent
 from hicache.engine.scheduler import Scheduler
 from hicache.runtime.base import check_usable
-from hicache.runtime.commands import COMMANDS
+from hicache.parallel.parallel import ParallelContext
+from hicache.runtime.commands import Command
 from hicache.runtime.threads import use_threads
 
 logger = logging.getLogger(__name__)
+
+R = TypeVar("R")
+A = TypeVar("A")
 
 IDLE_POLL_S = 0.002  # while requests wait on a storage prefetch and nothing runs
 
@@ -30,7 +34,8 @@ class LocalRuntime:
         self._threads = threads
         self._dispatch = dispatch
         self._inbox: list[Request] = []
-        self._control: list[tuple[Callable[[], object], Future]] = []
+        self._control: list[tuple[Callable[[], Any], Future[Any]]] = []
+        self._names = [ParallelContext().suffix]  # the one rank's name, as a command's combine expects
         self._cancels: list[int] = []
         self._wake = threading.Condition()
         self._stopped = False
@@ -50,21 +55,18 @@ class LocalRuntime:
             self._cancels.append(rid)
             self._wake.notify()
 
-    def control(self, command: str) -> object:
-        """Run a named command on the scheduler thread between two steps and return its result."""
-        return self.call(lambda: COMMANDS[command](self.scheduler))
+    def control(self, command: Command[A, R]) -> R:
+        """Run a command on the scheduler thread between two steps and return its (one rank's) answer."""
+        return self.call(lambda: command.combine([command.run(self.scheduler)], self._names))
 
-    def call(self, fn: Callable[[], object]) -> object:
+    def call(self, fn: Callable[[], R]) -> R:
         """Run `fn` on the scheduler thread between two steps and return its result."""
-        fut: Future = Future()
+        fut: Future[R] = Future()
         with self._wake:
             check_usable(None, self._stopped)
             self._control.append((fn, fut))
             self._wake.notify()
         return fut.result()
-
-    def pool_usage(self) -> dict[str, tuple[int, int]]:
-        return self.scheduler.cache.usage()  # plain counters: safe to read between steps' updates
 
     @property
     def num_running(self) -> int:

@@ -17,16 +17,20 @@ import signal
 import threading
 import time
 from concurrent.futures import Future
-from typing import Callable
+from typing import Any, Callable, TypeVar
 
 from hicache.config import EngineConfig
 from hicache.engine.request import Request, RequestEvent
 from hicache.errors import UserError
 from hicache.runtime.base import check_usable
+from hicache.runtime.commands import Command
 from hicache.runtime.launch import LocalRanks
 from hicache.runtime.rank_worker import RankFailure
 
 logger = logging.getLogger(__name__)
+
+A = TypeVar("A")
+T = TypeVar("T")
 
 POLL_S = 0.05  # how often the pump looks at the ranks' liveness while no message arrives
 FAILURE_GRACE_S = 1.0  # after a first failure, how long to collect the other ranks' reports
@@ -102,17 +106,14 @@ class RankRuntime:
         if self._failed is None and not self._stopping:
             self.ranks.inbox.put(("cancel", rid))
 
-    def control(self, command: str) -> object:
-        fut: Future = Future()
+    def control(self, command: Command[A, T]) -> T:
+        fut: Future[Any] = Future()  # rank 0 combines the answers: what comes back is the command's T
         with self._lock:
             check_usable(self._failed, self._stopping)
             control_id = next(self._control_ids)
             self._controls[control_id] = fut
-            self.ranks.inbox.put(("control", control_id, command))
+            self.ranks.inbox.put(("control", control_id, command.name))
         return fut.result()
-
-    def pool_usage(self) -> dict[str, tuple[int, int]]:
-        return self.control("pool_usage")  # type: ignore[return-value]
 
     @property
     def num_running(self) -> int:

@@ -35,7 +35,7 @@ from hicache.errors import UserError
 from hicache.parallel.divergence import RankDivergenceError
 from hicache.parallel.parallel import Mesh, ParallelContext
 from hicache.runtime.build import build_scheduler, load_engine_model
-from hicache.runtime.commands import COMMANDS, combine
+from hicache.runtime.commands import COMMANDS
 
 logger = logging.getLogger(__name__)
 
@@ -164,9 +164,10 @@ class RankWorker:
                 running = False
         return running
 
-    def _control(self, control_id: int, command: str) -> None:
+    def _control(self, control_id: int, name: str) -> None:
+        command = COMMANDS[name]
         try:
-            answer: tuple[bool, Any] = (True, COMMANDS[command](self.scheduler))
+            answer: tuple[bool, Any] = (True, command.run(self.scheduler))
         except Exception as exc:  # noqa: BLE001 - handed to the caller
             answer = (False, f"{type(exc).__name__}: {exc}")
         answers: list[Any] = [None] * self.pctx.world_size
@@ -178,7 +179,7 @@ class RankWorker:
         if failed:
             self.outbox.put(("control", control_id, False, "; ".join(failed)))
         else:
-            value = combine(command, [value for _, (_, value) in answers], [name for name, _ in answers])
+            value = command.combine([value for _, (_, value) in answers], [rank for rank, _ in answers])
             self.outbox.put(("control", control_id, True, value))
 
     def _report(self, events: list[RequestEvent]) -> None:

@@ -20,7 +20,6 @@ from fastapi.responses import JSONResponse, Response
 from hicache.runtime.engine import Engine
 from hicache.server.auth import BearerAuthMiddleware
 from hicache.server.bridge import EngineClient
-from hicache.server.disagg_report import DisaggCollector
 from hicache.server.errors import APIError, install_error_handlers
 from hicache.server.metrics import ServerMetrics
 from hicache.server.routes import GenerationRoutes
@@ -30,8 +29,6 @@ logger = logging.getLogger(__name__)
 
 def create_app(engine: Engine, served_model_name: str, api_key: str | None = None) -> FastAPI:
     metrics = ServerMetrics(engine)
-    if engine.config.disagg.enabled:
-        metrics.registry.register(DisaggCollector(engine))
     client = EngineClient(engine, metrics)
     created = int(time.time())
 

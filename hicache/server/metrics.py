@@ -1,8 +1,9 @@
 """Serving: Prometheus metrics of one server, on a registry of its own (no process-global state, so
 several apps can live in one process, as the tests run them).
 
-Counters and the TTFT histogram are fed by the request bridge as events arrive; pool occupancy and
-queue lengths are read from the engine when /metrics is scraped, so they are never stale.
+Counters and the TTFT histogram are fed by the request bridge as events arrive; pool occupancy, queue
+lengths and the tiers' (and a P/D role's) counters come from one engine snapshot taken when /metrics is
+scraped (`Engine.snapshot`: one command to the ranks), so they are never stale and agree with each other.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from prometheus_client.registry import Collector
 
 from hicache.cache.api import TIERS
 from hicache.cache.stats import CacheStats
+from hicache.disagg.stats import DisaggStats
 from hicache.engine.request import FinishReason
 from hicache.runtime.engine import Engine
 from hicache.spec.stats import SpecStats
@@ -25,15 +27,16 @@ TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 3
 
 
 class _EngineCollector(Collector):
-    """Gauges read from the engine at scrape time."""
+    """Gauges and counters of one engine snapshot, taken at scrape time."""
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
 
     def collect(self) -> Iterator[Metric]:
+        snap = self._engine.snapshot()
         used = GaugeMetricFamily("hicache_pool_used_tokens", "KV tokens in use (running or cached)", labels=["tier"])
         capacity = GaugeMetricFamily("hicache_pool_capacity_tokens", "KV pool capacity in tokens", labels=["tier"])
-        for tier, (n_used, n_capacity) in self._engine.pool_usage().items():
+        for tier, (n_used, n_capacity) in snap.pool_usage.items():
             used.add_metric([tier], n_used)
             capacity.add_metric([tier], n_capacity)
         yield used
@@ -41,14 +44,15 @@ class _EngineCollector(Collector):
         resident = GaugeMetricFamily(
             "hicache_kv_resident_bytes", "KV bytes each rank holds (its own pages when sharded)", labels=["rank", "tier"]
         )
-        for rank, tiers in self._engine.kv_bytes_by_rank().items():
+        for rank, tiers in snap.kv_bytes_by_rank.items():
             for tier, n in tiers.items():
                 resident.add_metric([rank, tier], n)
         yield resident
-        yield from _tier_counters(self._engine.cache_stats())  # type: ignore[arg-type]
-        yield from _spec_counters(self._engine.spec_stats())
-        yield GaugeMetricFamily("hicache_requests_running", "requests in the running batch", self._engine.num_running)
-        yield GaugeMetricFamily("hicache_requests_waiting", "requests waiting for admission", self._engine.num_waiting)
+        yield from _tier_counters(snap.cache)
+        yield from _spec_counters(snap.spec)
+        yield from disagg_counters(snap.disagg)
+        yield GaugeMetricFamily("hicache_requests_running", "requests in the running batch", snap.running)
+        yield GaugeMetricFamily("hicache_requests_waiting", "requests waiting for admission", snap.waiting)
         yield GaugeMetricFamily(
             "hicache_batch_invariance_verified",
             "1 if the start-up self-check found every token's logits independent of chunking and batching",
@@ -101,6 +105,40 @@ def _spec_counters(stats: SpecStats | None) -> Iterator[Metric]:
         return
     for name, field, doc in SPEC_COUNTERS:
         yield CounterMetricFamily(name, doc, getattr(stats, field))
+
+
+def disagg_counters(stats: DisaggStats | None) -> Iterator[Metric]:
+    """The transfer counters of a P/D role (none on a server without one)."""
+    if stats is None:
+        return
+    received = CounterMetricFamily(
+        "hicache_disagg_received_tokens", "prompt tokens whose KV arrived from prefill (decode)"
+    )
+    received.add_metric([], stats.received_tokens)
+    received_bytes = CounterMetricFamily(
+        "hicache_disagg_received_bytes", "bytes of KV received from prefill, every rank's shard (decode)"
+    )
+    received_bytes.add_metric([], stats.received_bytes)
+    prefix = CounterMetricFamily(
+        "hicache_disagg_decode_prefix_tokens",
+        "prompt tokens decode served from its own tree instead of receiving them, by tier (decode)",
+        labels=["tier"],
+    )
+    for tier in TIERS:
+        prefix.add_metric([tier], stats.decode_prefix_tokens.get(tier, 0))
+    sent = CounterMetricFamily("hicache_disagg_sent_tokens", "prompt tokens whose KV was sent to decode (prefill)")
+    sent.add_metric([], stats.sent_tokens)
+    sent_bytes = CounterMetricFamily(
+        "hicache_disagg_sent_bytes", "bytes of KV sent to decode, every rank's shard (prefill)"
+    )
+    sent_bytes.add_metric([], stats.sent_bytes)
+    transfers = CounterMetricFamily(
+        "hicache_disagg_transfers", "KV transfers by outcome (ok, failed)", labels=["outcome"]
+    )
+    transfers.add_metric(["ok"], stats.transfers_ok)
+    transfers.add_metric(["failed"], stats.transfers_failed)
+    role = (received, received_bytes, prefix) if stats.role == "decode" else (sent, sent_bytes)
+    yield from (*role, transfers)
 
 
 class ServerMetrics:

@@ -3,6 +3,11 @@ the usage block with hicache's per-tier cached-token counts.
 
 The two endpoints differ only in these shapes; `CompletionFormat` and `ChatFormat` give the route code
 one interface, so generation, streaming and error handling are written once.
+
+In a P/D decode server's usage, `cached_tokens` (and its tiers) are prefill's: the prompt tokens whose
+computation was skipped, never more than `prompt_tokens`. Decode's own reuse is reported apart, as
+`decode_prefix_tokens` (the page-aligned prefix it served from its tree, so prefill did not send it)
+and `transferred_tokens` (the prompt tokens whose KV arrived); the two add up to `prompt_tokens`.
 """
 
 from __future__ import annotations
@@ -17,7 +22,6 @@ from hicache.cache.api import TIERS
 from hicache.engine.request import TokenLogprob
 from hicache.model.tokenizer import Tokenizer
 from hicache.server.bridge import Choice
-from hicache.server.disagg_report import disagg_details
 
 # JSON has no -inf; OpenAI-compatible servers report an impossible token's log-probability like this.
 MIN_LOGPROB = -9999.0
@@ -25,6 +29,17 @@ MIN_LOGPROB = -9999.0
 
 def _finite(logprob: float) -> float:
     return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def disagg_details(choices: Sequence[Choice]) -> dict[str, int]:
+    """The P/D fields of `usage.prompt_tokens_details` (none on a server without a decode role)."""
+    reports = [c.disagg for c in choices if c.disagg is not None]
+    if not reports:
+        return {}
+    return {
+        "decode_prefix_tokens": sum(r.decode_prefix_tokens for r in reports),
+        "transferred_tokens": sum(r.transferred_tokens for r in reports),
+    }
 
 
 def usage(choices: Sequence[Choice]) -> dict:

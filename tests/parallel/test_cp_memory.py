@@ -54,7 +54,7 @@ def test_admission_keeps_every_gather_within_the_scratch_budget():
         parallel=ParallelConfig(cp_size=2, cp_gather_tokens=budget),
     ) as engine:  # fmt: skip
         got = [[r.token_ids for r in t] for t in run_turns(engine, convs, 3, 8)]
-        stats = engine._control("gather_stats")
+        stats = engine.snapshot().gather_by_rank
         scratch = {rank: b["scratch"] for rank, b in engine.kv_bytes_by_rank().items()}
         assert engine.flush_cache() and engine.leak_report() == []
     assert got == reference
