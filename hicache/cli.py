@@ -89,7 +89,8 @@ def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     from hicache.bench.cli import add_bench_command
     from hicache.debug.cli import add_consensus_check_command
     from hicache.demo import add_demo_command
-    from hicache.server.cli import add_router_command, add_serve_command
+    from hicache.router.cli import add_router_command
+    from hicache.server.cli import add_serve_command
 
     return [add_demo_command, add_serve_command, add_router_command, add_bench_command, add_consensus_check_command]
 

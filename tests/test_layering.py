@@ -24,9 +24,10 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "cache",
         "engine",
         "spec",  # speculative decoding: a way of computing the scheduler's steps, built on the engine's runner
-        "disagg",  # prefill-decode roles: schedulers over engine, transports, the router's app
+        "disagg",  # prefill-decode roles over the engine, transports
         "runtime",
-        "server bench",
+        "web",  # the HTTP plumbing the server and the router share
+        "server bench router",
         "demo __init__",
         "cli",
         "__main__",

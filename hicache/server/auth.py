@@ -11,7 +11,7 @@ import secrets
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from hicache.server.errors import error_response
+from hicache.web.errors import error_response
 
 PROTECTED_PREFIXES = ("/v1/", "/flush_cache", "/debug/")
 

@@ -1,5 +1,5 @@
-"""Serving: the `hicache serve` and `hicache router` commands — bind, load the engine (or check the
-prefill-decode pairs), run the app under uvicorn, exit 0 on SIGTERM or SIGINT after a graceful shutdown.
+"""Serving: the `hicache serve` command — bind, load the engine, run the app under uvicorn, exit 0 on
+SIGTERM or SIGINT after a graceful shutdown (`hicache router` is hicache/router/cli.py).
 
 The socket is bound before the (slow) engine load, so a taken port fails at once with one line. With
 several ranks, a rank that dies (or ranks that diverge) fails the engine; the server then logs the
@@ -19,25 +19,9 @@ from types import FrameType
 
 from hicache.config import EngineConfig
 from hicache.config.flags import add_engine_args
-from hicache.errors import UserError
+from hicache.web.listen import GRACEFUL_SHUTDOWN_S, listen
 
 logger = logging.getLogger(__name__)
-
-GRACEFUL_SHUTDOWN_S = 5.0  # backstop only: in-flight generations are aborted as the signal arrives
-
-
-def _listen(host: str, port: int) -> socket.socket:
-    if not 0 <= port <= 65535:
-        raise UserError(f"--port must be between 0 and 65535, got {port}")
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-        sock = socket.socket(family, kind, proto)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as exc:
-        raise UserError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-    return sock
-
 
 def _server_class():  # uvicorn is imported only by the command that needs it
     import uvicorn
@@ -75,7 +59,7 @@ def run_serve(args: argparse.Namespace) -> int:
     ranks_only = rank_only_node(cfg)
     if ranks_only is not None:
         return ranks_only()
-    sock = _listen(args.host, args.port)
+    sock = listen(args.host, args.port)
     engine = Engine(cfg)
     name = args.served_model_name or args.model
     app = create_app(engine, name, api_key=args.api_key)
@@ -102,64 +86,6 @@ def run_serve(args: argparse.Namespace) -> int:
         logger.error("exiting: %s", failures[0].splitlines()[0])
         return 1
     return 0
-
-
-def _server_urls(urls: list[str], flag: str) -> list[str]:
-    out = []
-    for url in urls:
-        if not url.startswith(("http://", "https://")):
-            raise UserError(f"{flag} must be an http:// URL, got {url!r}")
-        out.append(url.rstrip("/"))
-    return out
-
-
-def run_router(args: argparse.Namespace) -> int:
-    """`hicache router`: check every prefill-decode pair (hicache/disagg/upstreams.py), then serve."""
-    import httpx
-    import uvicorn
-
-    from hicache.disagg.router import create_router_app
-    from hicache.disagg.upstreams import Pairing, check_pairs, discover
-
-    prefill_urls, decode_urls = _server_urls(args.prefill, "--prefill"), _server_urls(args.decode, "--decode")
-    sock = _listen(args.host, args.port)
-
-    async def find() -> Pairing:
-        async with httpx.AsyncClient() as probe:
-            prefills = [await discover(probe, url, "prefill", args.startup_timeout) for url in prefill_urls]
-            decodes = [await discover(probe, url, "decode", args.startup_timeout) for url in decode_urls]
-        check_pairs(prefills, decodes)
-        return Pairing(prefills, decodes)
-
-    pairing = asyncio.run(find())
-    # No read timeout: a long generation is the client's to give up on (it disconnects; both halves cancel).
-    timeout = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None)
-    client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=128))
-    app = create_router_app(pairing, client)
-    server = uvicorn.Server(uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
-    host, port = sock.getsockname()[:2]
-    logger.info("routing on http://%s:%d: prefill %s, decode %s", host, port, prefill_urls, decode_urls)
-    previous = signal.signal(signal.SIGTERM, lambda signum, frame: None)  # as in run_serve: exit 0 after it
-    try:
-        server.run(sockets=[sock])
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-    return 0
-
-
-def add_router_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "router", help="OpenAI-compatible front of a prefill-decode deployment (pairs a prefill and a decode server)"
-    )
-    p.add_argument("--prefill", action="append", required=True, metavar="URL",
-                   help="a server started with --disaggregation-mode prefill (repeat for several)")
-    p.add_argument("--decode", action="append", required=True, metavar="URL",
-                   help="a server started with --disaggregation-mode decode (repeat for several)")
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--startup-timeout", type=float, default=120.0,
-                   help="seconds to wait for every server to answer before giving up")
-    p.set_defaults(func=run_router)
 
 
 def add_serve_command(sub: argparse._SubParsersAction) -> None:

@@ -7,20 +7,15 @@ response and never re-raise, so one bad request cannot take the server down.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
+from fastapi.responses import JSONResponse
 
-from hicache.errors import UserError, error_body
+from hicache.errors import UserError
+from hicache.web.errors import error_response, install_common_handlers
 
-__all__ = ["APIError", "error_body", "error_response", "install_error_handlers"]
-
-logger = logging.getLogger(__name__)
 
 class APIError(Exception):
     """An error the server answers with directly (auth, unknown model, refused flush, shutting down)."""
@@ -31,18 +26,6 @@ class APIError(Exception):
         self.message = message
         self.code = code
         self.param = param
-
-
-def error_response(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
-    headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-    return JSONResponse(error_body(status, message, code, param), status_code=status, headers=headers)
-
-
-async def _client_gone(request: Request, _: ClientDisconnect) -> Response:
-    """A client that closed its connection before its body arrived (a router that cancelled its copy of a
-    request, a killed curl) made no request to answer: nothing ran, so there is nothing to report."""
-    logger.info("client left while sending %s %s", request.method, request.url.path)
-    return Response(status_code=499)
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -76,17 +59,7 @@ def install_error_handlers(app: FastAPI, on_rejected: Callable[[Request], None])
         message, param = _validation_message(exc)
         return error_response(400, message, "invalid_value", param)
 
-    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        on_rejected(request)
-        return error_response(exc.status_code, str(exc.detail))
-
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error serving %s %s", request.method, request.url.path)
-        return error_response(500, f"internal server error: {type(exc).__name__}")
-
     app.add_exception_handler(APIError, api_error)  # type: ignore[arg-type]
     app.add_exception_handler(UserError, user_error)  # type: ignore[arg-type]
     app.add_exception_handler(RequestValidationError, validation_error)  # type: ignore[arg-type]
-    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
-    app.add_exception_handler(ClientDisconnect, _client_gone)  # type: ignore[arg-type]
-    app.add_exception_handler(Exception, unexpected)
+    install_common_handlers(app, "server", on_rejected)

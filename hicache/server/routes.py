@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import jinja2
@@ -21,23 +21,19 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from hicache.engine.request import FinishReason, SamplingParams
-from hicache.errors import UserError
+from hicache.errors import UserError, error_body
 from hicache.server.bridge import Choice, EngineClient, Generation
-from hicache.server.errors import APIError, error_body
+from hicache.server.errors import APIError
 from hicache.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest
 from hicache.server.responses import ChatFormat, CompletionFormat, ResponseFormat, usage
 from hicache.server.streaming import IncrementalDetokenizer
+from hicache.web.disconnect import ClientGone, unless_disconnected
 
 logger = logging.getLogger(__name__)
 
-T = TypeVar("T")
 R = TypeVar("R", bound=GenerationRequest)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 COMPLETED = (FinishReason.STOP, FinishReason.LENGTH)
-
-
-class _ClientGone(Exception):
-    pass
 
 
 def _sse(payload: dict | str) -> str:
@@ -65,26 +61,6 @@ def _failure(client: EngineClient, choice: Choice) -> APIError:
         return APIError(504, choice.error or "the request timed out", code="timeout")
     reason = "the server is shutting down" if client.draining else "the request was aborted"
     return APIError(503, reason, code="aborted")
-
-
-async def _disconnect(request: Request) -> None:
-    """Returns when the client closes the connection (the body has been read already)."""
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    work_task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnect(request))
-    try:
-        done, _ = await asyncio.wait({work_task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not work_task.done():
-            work_task.cancel()
-    if work_task not in done:
-        raise _ClientGone
-    return work_task.result()
 
 
 class GenerationRoutes:
@@ -132,8 +108,8 @@ class GenerationRoutes:
             stream = self._stream(gen, fmt, params.stop, body.include_usage)
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)
         try:
-            choices = await _unless_disconnected(request, gen.wait())
-        except _ClientGone:
+            choices = await unless_disconnected(request, gen.wait())
+        except ClientGone:
             # Nobody will read the answer; closing the generation below cancels the work.
             return Response(status_code=499)
         finally:

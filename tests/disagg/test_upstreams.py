@@ -1,4 +1,4 @@
-"""The router's view of its servers (hicache/disagg/upstreams.py): a pair that may not exchange KV is
+"""The router's view of its servers (hicache/router/upstreams.py): a pair that may not exchange KV is
 refused at start-up with one line naming it, and a request's pair follows its prefix."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from hicache.disagg.upstreams import Pairing, Upstream, affinity_key, check_pairs
+from hicache.router.upstreams import Pairing, Upstream, affinity_key, check_pairs
 from hicache.errors import UserError
 from tests.disagg.test_handshake import BASE
 

@@ -1,4 +1,4 @@
-"""P/D disaggregation: `hicache router`'s app, an OpenAI-compatible front that sends each generation
+"""`hicache router`'s app: the OpenAI-compatible front of a prefill-decode deployment that sends each generation
 request to a prefill and a decode server at once (upstreams.py picks the pair) and answers with the
 decode server's response, streamed through as it comes.
 
@@ -15,30 +15,26 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.requests import ClientDisconnect
 
-from hicache.disagg.upstreams import Pairing, Upstream
 from hicache.errors import error_body
+from hicache.router.upstreams import Pairing, Upstream
+from hicache.web.disconnect import ClientGone, unless_disconnected
+from hicache.web.errors import error_response, install_common_handlers
 
-logger = logging.getLogger(__name__)
-
-T = TypeVar("T")
 ROOM_BITS = 62  # rooms stay below the servers' limit with room for a batch's 64 prompts
 FORWARDED_HEADERS = ("authorization",)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def _error(status: int, message: str, code: str | None = None) -> JSONResponse:
-    return JSONResponse(error_body(status, message, code), status_code=status)
+def _upstream_error(message: str) -> JSONResponse:
+    return error_response(502, message, "upstream_error")
 
 
 def _sse_error(status: int, message: str, code: str) -> bytes:
@@ -50,13 +46,13 @@ async def _failure(task: asyncio.Task[httpx.Response], server: Upstream) -> JSON
     try:
         response = task.result()
     except httpx.HTTPError as exc:
-        return _error(502, f"the prefill server {server.url} failed: {type(exc).__name__}: {exc}", "upstream_error")
+        return _upstream_error(f"the prefill server {server.url} failed: {type(exc).__name__}: {exc}")
     if response.status_code == 200:
         return None
     try:
         return JSONResponse(response.json(), status_code=response.status_code)
     except ValueError:
-        return _error(502, f"the prefill server {server.url} answered HTTP {response.status_code}", "upstream_error")
+        return _upstream_error(f"the prefill server {server.url} answered HTTP {response.status_code}")
 
 
 async def _discard(task: asyncio.Task[httpx.Response]) -> None:
@@ -68,28 +64,6 @@ async def _discard(task: asyncio.Task[httpx.Response]) -> None:
         await task.result().aclose()
 
 
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-class _ClientGone(Exception):
-    pass
-
-
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T:
-    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(_disconnected(request))
-    try:
-        done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-    if task not in done:
-        raise _ClientGone
-    return task.result()
-
-
 class Router:
     def __init__(self, pairing: Pairing, client: httpx.AsyncClient) -> None:
         self.pairing = pairing
@@ -99,9 +73,9 @@ class Router:
         try:
             body = json.loads(await request.body())
         except (ValueError, RecursionError) as exc:
-            return _error(400, f"the body is not valid JSON: {exc}", "invalid_json")
+            return error_response(400, f"the body is not valid JSON: {exc}", "invalid_json")
         if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object", "invalid_value")
+            return error_response(400, "the body must be a JSON object", "invalid_value")
         prefill, decode = self.pairing.pick(body)
         boot = {
             "bootstrap_host": prefill.bootstrap_host,
@@ -115,10 +89,10 @@ class Router:
         decode_request = self.client.build_request("POST", decode.url + path, json={**body, **boot}, headers=headers)
         streaming = body.get("stream") is True
         try:
-            return await _unless_disconnected(
+            return await unless_disconnected(
                 request, self._answer(prefill, prefill_task, decode, decode_request, streaming)
             )
-        except _ClientGone:
+        except ClientGone:
             prefill_task.cancel()
             return Response(status_code=499)
 
@@ -139,7 +113,7 @@ class Router:
             response = await decode_task
         except httpx.HTTPError as exc:
             prefill_task.cancel()
-            return _error(502, f"the decode server {decode.url} failed: {type(exc).__name__}: {exc}", "upstream_error")
+            return _upstream_error(f"the decode server {decode.url} failed: {type(exc).__name__}: {exc}")
         except BaseException:  # cancelled: the client went away
             await _discard(decode_task)
             raise
@@ -186,21 +160,7 @@ def create_router_app(pairing: Pairing, client: httpx.AsyncClient) -> FastAPI:
     router = Router(pairing, client)
     app = FastAPI(title="hicache router", docs_url=None, redoc_url=None, openapi_url=None)
 
-    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return _error(exc.status_code, str(exc.detail))
-
-    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("router: unhandled error serving %s %s", request.method, request.url.path)
-        return _error(500, f"internal router error: {type(exc).__name__}")
-
-    async def client_gone(request: Request, _: ClientDisconnect) -> Response:
-        # As the server's (hicache/server/errors.py): a client gone before its body arrived made no request.
-        logger.info("router: client left while sending %s %s", request.method, request.url.path)
-        return Response(status_code=499)
-
-    app.add_exception_handler(StarletteHTTPException, http_error)  # type: ignore[arg-type]
-    app.add_exception_handler(ClientDisconnect, client_gone)  # type: ignore[arg-type]
-    app.add_exception_handler(Exception, unexpected)
+    install_common_handlers(app, "router", lambda _: None)  # the servers count what they reject
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -215,7 +175,7 @@ def create_router_app(pairing: Pairing, client: httpx.AsyncClient) -> FastAPI:
         try:
             response = await client.get(f"{pairing.decodes[0].url}/v1/models")
         except httpx.HTTPError as exc:
-            return _error(502, f"the decode server failed: {exc}", "upstream_error")
+            return _upstream_error(f"the decode server failed: {exc}")
         return Response(response.content, status_code=response.status_code, media_type="application/json")
 
     @app.get("/health")
@@ -232,7 +192,7 @@ def create_router_app(pairing: Pairing, client: httpx.AsyncClient) -> FastAPI:
             try:
                 response = await client.post(f"{server.url}/flush_cache", headers=headers)
             except httpx.HTTPError as exc:
-                return _error(502, f"{server.url} failed: {exc}", "upstream_error")
+                return _upstream_error(f"{server.url} failed: {exc}")
             if response.status_code != 200:
                 return Response(response.content, status_code=response.status_code, media_type="application/json")
         return JSONResponse({"message": "cache flushed on every server"})
