@@ -149,6 +149,19 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_report)
 
 
+# The multi-round workload's flags: (flag, MultiRoundParams field, type, help).
+MULTI_ROUND_FLAGS = (
+    ("--num-users", "num_users", int, "conversations"),
+    ("--num-rounds", "num_rounds", int, "questions per user"),
+    ("--shared-system-prompt-len", "shared_system_prompt_len", int, "tokens of the system prompt every user shares"),
+    ("--user-history-prompt-len", "user_history_prompt_len", int,
+     "tokens of each user's private history, sent with the first question"),
+    ("--question-len", "question_len", int, "tokens per question"),
+    ("--answer-len", "answer_len", int, "tokens per answer"),
+    ("--user-join-interval", "user_join_interval_s", float, "seconds between two users joining"),
+)  # fmt: skip
+
+
 def add_bench_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "bench",
@@ -200,35 +213,11 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--gsp-question-len", type=int, default=d.question_len, help="tokens per turn's question")
     data.add_argument("--gsp-output-len", type=int, default=d.output_len, help="tokens per answer")
     data.add_argument("--gsp-num-turns", type=int, default=d.num_turns, help="turns per conversation")
-    data.add_argument(
-        "--gsp-range-ratio",
-        type=float,
-        default=d.range_ratio,
-        help="lengths are sampled uniformly in [ratio * len, len]",
-    )
+    data.add_argument("--gsp-range-ratio", type=float, default=d.range_ratio,
+                      help="lengths are sampled uniformly in [ratio * len, len]")  # fmt: skip
     m = MultiRoundParams()
-    data.add_argument("--num-users", type=int, default=m.num_users, help="multi-round: conversations")
-    data.add_argument("--num-rounds", type=int, default=m.num_rounds, help="multi-round: questions per user")
-    data.add_argument(
-        "--shared-system-prompt-len",
-        type=int,
-        default=m.shared_system_prompt_len,
-        help="multi-round: tokens of the system prompt every user shares",
-    )
-    data.add_argument(
-        "--user-history-prompt-len",
-        type=int,
-        default=m.user_history_prompt_len,
-        help="multi-round: tokens of each user's private history, sent with the first question",
-    )
-    data.add_argument("--question-len", type=int, default=m.question_len, help="multi-round: tokens per question")
-    data.add_argument("--answer-len", type=int, default=m.answer_len, help="multi-round: tokens per answer")
-    data.add_argument(
-        "--user-join-interval",
-        type=float,
-        default=m.user_join_interval_s,
-        help="multi-round: seconds between two users joining",
-    )
+    for flag, field, kind, doc in MULTI_ROUND_FLAGS:
+        data.add_argument(flag, type=kind, default=getattr(m, field), help=f"multi-round: {doc}")
 
     traffic = p.add_argument_group("traffic")
     traffic.add_argument(

@@ -17,19 +17,9 @@ from benchmarks.common import LlamaCppCompletion
 from hicache.bench.workload import load_tokenizer
 from hicache.model.config import ModelConfig
 
-SMOLLM2 = ModelConfig(
-    vocab_size=49152,
-    hidden_size=576,
-    intermediate_size=1536,
-    num_layers=30,
-    num_heads=9,
-    num_kv_heads=3,
-    head_dim=64,
-    rope_theta=1e5,
-    rms_norm_eps=1e-5,
-    max_position=8192,
-    tie_word_embeddings=True,
-)
+SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30, num_heads=9,
+                      num_kv_heads=3, head_dim=64, rope_theta=1e5, rms_norm_eps=1e-5, max_position=8192,
+                      tie_word_embeddings=True)  # fmt: skip
 LAYER_PARAMS = 30 * (576 * 576 * 2 + 192 * 576 * 2 + 1536 * 576 * 3)
 ROWS = [
     "prefill 512 tokens",

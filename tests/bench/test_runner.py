@@ -130,15 +130,8 @@ def test_server_without_tiers() -> None:
 
 
 def test_multi_round_dataset_runs(fake: FakeOpenAIServer) -> None:
-    params = MultiRoundParams(
-        num_users=3,
-        num_rounds=2,
-        shared_system_prompt_len=40,
-        user_history_prompt_len=30,
-        question_len=5,
-        answer_len=4,
-        user_join_interval_s=0.05,
-    )
+    params = MultiRoundParams(num_users=3, num_rounds=2, shared_system_prompt_len=40, user_history_prompt_len=30,
+                              question_len=5, answer_len=4, user_join_interval_s=0.05)  # fmt: skip
     (summary,) = run_bench(config(workload=params), transport=fake.transport)
     assert summary["completed"] == 6 and summary["dataset"] == "multi-round" and summary["num_rounds"] == 2
     assert summary["hit_rate"] == pytest.approx(summary["ideal_hit_rate"])

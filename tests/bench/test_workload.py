@@ -51,15 +51,8 @@ def test_gsp_shape_and_exact_lengths(tiny: Tokenizer) -> None:
 
 
 def test_gsp_range_ratio_samples_within_bounds(tiny: Tokenizer) -> None:
-    params = GSPParams(
-        num_groups=8,
-        prompts_per_group=4,
-        system_prompt_len=40,
-        question_len=20,
-        output_len=10,
-        num_turns=3,
-        range_ratio=0.5,
-    )
+    params = GSPParams(num_groups=8, prompts_per_group=4, system_prompt_len=40, question_len=20, output_len=10,
+                       num_turns=3, range_ratio=0.5)  # fmt: skip
     convs = generated_shared_prefix(params, tiny).conversations
     system_lens = {n_tokens(tiny, c.system_prompt) for c in convs}
     question_lens = {n_tokens(tiny, t.question) for c in convs for t in c.turns}
@@ -79,15 +72,8 @@ def test_gsp_is_deterministic_per_seed(tiny: Tokenizer) -> None:
 
 
 def test_multi_round_shape(tiny: Tokenizer) -> None:
-    params = MultiRoundParams(
-        num_users=3,
-        num_rounds=2,
-        shared_system_prompt_len=40,
-        user_history_prompt_len=30,
-        question_len=5,
-        answer_len=6,
-        user_join_interval_s=0.25,
-    )
+    params = MultiRoundParams(num_users=3, num_rounds=2, shared_system_prompt_len=40, user_history_prompt_len=30,
+                              question_len=5, answer_len=6, user_join_interval_s=0.25)  # fmt: skip
     convs = multi_round(params, tiny).conversations
     assert [c.conv_id for c in convs] == [0, 1, 2]
     assert [c.start_offset_s for c in convs] == [0.0, 0.25, 0.5]
