@@ -1,7 +1,7 @@
 """Model architecture description shared by every loader (tiny, GGUF, Hugging Face directory).
 
 A loader turns its source into a `ModelConfig`, a dict of full (unsharded) float32 weights named as
-Hugging Face's Llama names them, and a tokenizer. The decoder (`llama.py`) slices those weights for
+Hugging Face's Llama names them, and a tokenizer. The decoder (`families/llama.py`) slices those weights for
 its tensor- and pipeline-parallel rank, so loaders never need to know the topology.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache.model.quant import QuantizedWeight
+from hicache.model.kernels.quant import QuantizedWeight
 from hicache.model.tokenizer import Tokenizer
 
 

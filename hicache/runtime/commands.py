@@ -14,7 +14,7 @@ from hicache.engine.scheduler import Scheduler
 
 
 def _scratch_bytes(s: Scheduler) -> int:
-    """The CP gather's two layer buffers (hicache/model/kv_gather.py); 0 for unsharded attention."""
+    """The CP gather's two layer buffers (hicache/model/attention/kv_gather.py); 0 for unsharded attention."""
     return int(getattr(s.runner.model.attention, "scratch_bytes", 0))
 
 

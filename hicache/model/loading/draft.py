@@ -6,7 +6,7 @@ downloaded:
 - `tiny-draft-packed`: tiny's first 3 layers. Its KV rows have tiny's shape, dtype and token
   indexing, so its layers can be appended to tiny's host pool (the packed layout).
 - `tiny-draft-sidecar`: tiny's first 3 layers plus a per-token token-shift state beside the KV
-  (shift.py): another row shape, so it needs pools of its own (the sidecar layout).
+  (hicache/model/families/shift.py): another row shape, so it needs pools of its own (the sidecar layout).
 - `smollm2-draft[-N]`: SmolLM2's first N layers (default 20 of its 30: an untrained early exit
   rarely agrees with the whole model with fewer, docs/BENCHMARKS.md section 5).
 - anything else: a model loaded as `--model` loads it; it must share the target's vocabulary.
@@ -22,8 +22,8 @@ import torch
 
 from hicache.errors import UserError
 from hicache.model.config import LoadedModel
-from hicache.model.loader import load_model
-from hicache.model.shift import ARCHITECTURE, shift_weight_names
+from hicache.model.loading.loader import load_model
+from hicache.model.families.shift import ARCHITECTURE, shift_weight_names
 
 TINY_PACKED_LAYERS = 3
 TINY_SIDECAR_LAYERS = 3

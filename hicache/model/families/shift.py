@@ -16,10 +16,10 @@ import torch
 
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVComponent, KVLayout
-from hicache.model import ops
+from hicache.model.kernels import ops
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
-from hicache.model.llama import LlamaLayer, LlamaModel, MakeLinear
+from hicache.model.families.llama import LlamaLayer, LlamaModel, MakeLinear
 from hicache.parallel.parallel import ParallelContext
 from hicache.parallel.placement import KVSharding
 
