@@ -17,17 +17,12 @@ from typing import Any
 import torch
 
 from hicache.errors import UserError
+from hicache.model.config import LoadedModel
+from hicache.model.families.llama import LlamaModel, MakeLinear
+from hicache.model.families.registry import family_of
 from hicache.model.kernels import ops, quant
 from hicache.model.kernels.calibration import LinearPlanner, NoInvariantPlan
-from hicache.model.config import LoadedModel
 from hicache.model.kernels.invariance import InvarianceReport, mechanisms, self_check
-from hicache.model.families.llama import LlamaModel, MakeLinear
-from hicache.model.families.shift import ARCHITECTURE as TOKEN_SHIFT
-from hicache.model.families.shift import TokenShiftModel
-
-# LoadedModel.extra["architecture"] -> the decoder class (a Llama unless a loader says otherwise).
-ARCHITECTURES: dict[str, type[LlamaModel]] = {"llama": LlamaModel, TOKEN_SHIFT: TokenShiftModel}
-from hicache.model.families.mla import MLAConfig, MLAModel
 from hicache.parallel.parallel import ParallelContext
 from hicache.parallel.placement import kv_sharding
 
@@ -130,10 +125,7 @@ def build_decoder(
     `loaded.extra["weight_format"]` (`with_weight_format`; dense when absent)."""
 
     ops.configure_device(device)
-    if isinstance(loaded.config, MLAConfig):
-        decoder: type[LlamaModel] = MLAModel
-    else:
-        decoder = ARCHITECTURES[str(loaded.extra.get("architecture", "llama"))]
+    decoder = family_of(loaded).decoder
     sharding = kv_sharding(pctx, decoder.replicated_over_tp)
     resolved = str(loaded.extra.get("weight_format", "none"))
     weights = loaded.weights if resolved == "none" else {**loaded.weights, **loaded.quantized}

@@ -53,6 +53,9 @@ class LoadedModel:
     `quantized` holds, under the same names, the integer codes of the tensors the checkpoint stores
     quantized (a GGUF's Q4_1 and Q8_0 blocks), for weight-only quantized matmuls (`--quantization`);
     `weights` holds their dequantized values all the same.
+
+    `family` names the decoder it is built as (hicache/model/families/registry.py): a Llama unless the
+    loader says otherwise.
     """
 
     name: str
@@ -62,3 +65,4 @@ class LoadedModel:
     identity: str
     extra: dict[str, object] = field(default_factory=dict)
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    family: str = "llama"

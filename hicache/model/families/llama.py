@@ -21,10 +21,10 @@ import torch.nn.functional as F
 
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
-from hicache.model.kernels import ops
 from hicache.model.attention.backends import ATTENTION_BACKENDS, AttentionBackend
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
+from hicache.model.kernels import ops
 from hicache.model.kernels.invariance import InvarianceReport
 from hicache.model.kernels.tp_groups import ColumnGroups, MakeLinear, RowGroups, group_slices, tp_group_count
 from hicache.parallel.parallel import ParallelContext
@@ -92,6 +92,8 @@ class LlamaLayer(DecoderLayer):
                                                  w[a + "v_proj.weight"][kv]])
                                       for q, kv in zip(qs, kvs)], linear)  # fmt: skip
         self.o_proj = RowGroups([w[a + "o_proj.weight"][:, q] for q in qs], linear, pctx)
+
+FAMILY = "llama"  # LoadedModel.family of this decoder (hicache/model/families/registry.py)
 
 
 class LlamaModel:

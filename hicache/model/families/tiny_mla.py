@@ -11,7 +11,7 @@ from dataclasses import asdict
 import torch
 
 from hicache.model.config import LoadedModel
-from hicache.model.families.mla import MLAConfig
+from hicache.model.families.mla import FAMILY, MLAConfig
 from hicache.model.families.tiny import TINY_CONFIG, tiny_weights
 from hicache.model.tokenizer import ByteTokenizer
 
@@ -64,4 +64,5 @@ def load_tiny_mla() -> LoadedModel:
         weights=tiny_mla_weights(TINY_MLA_CONFIG, TINY_MLA_SEED),
         tokenizer=ByteTokenizer(),
         identity=identity,
+        family=FAMILY,
     )

@@ -22,8 +22,8 @@ import torch
 
 from hicache.errors import UserError
 from hicache.model.config import LoadedModel
+from hicache.model.families.shift import FAMILY, shift_weight_names
 from hicache.model.loading.loader import load_model
-from hicache.model.families.shift import ARCHITECTURE, shift_weight_names
 
 TINY_PACKED_LAYERS = 3
 TINY_SIDECAR_LAYERS = 3
@@ -40,8 +40,7 @@ def first_layers(base: LoadedModel, n: int, name: str, salt: str = "") -> Loaded
         total = base.config.num_layers
         raise UserError(f"draft {name!r}: {n} layers of a model with {total} (a draft needs 1..{total - 1})")
     identity = hashlib.sha256(f"{base.identity}:first{n}:{salt}".encode()).hexdigest()
-    config = replace(base.config, num_layers=n)
-    return LoadedModel(name, config, base.weights, base.tokenizer, identity, dict(base.extra), base.quantized)
+    return replace(base, name=name, config=replace(base.config, num_layers=n), identity=identity, extra=dict(base.extra))
 
 
 def with_token_shift(draft: LoadedModel, dim: int, seed: int) -> LoadedModel:
@@ -55,7 +54,7 @@ def with_token_shift(draft: LoadedModel, dim: int, seed: int) -> LoadedModel:
         weights[w_in] = torch.randn(dim, h, generator=gen) * h**-0.5
         weights[w_out] = torch.randn(h, dim, generator=gen) * 0.1 * dim**-0.5
     identity = hashlib.sha256(f"{draft.identity}:shift{dim}:{seed}".encode()).hexdigest()
-    return replace(draft, weights=weights, identity=identity, extra={**draft.extra, "architecture": ARCHITECTURE})
+    return replace(draft, weights=weights, identity=identity, family=FAMILY)
 
 
 def _base(name: str, target: LoadedModel) -> LoadedModel:
