@@ -46,8 +46,8 @@ from benchmarks.common import (
 )
 from hicache import Engine, SamplingParams
 from hicache.config import EngineConfig
-from hicache.model.kernels import quant
 from hicache.model.config import ModelConfig
+from hicache.model.kernels import quant
 
 __all__ = ["cpu_name", "main"]  # spec_bench imports cpu_name from here
 

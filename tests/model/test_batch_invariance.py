@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.model.kernels import ops
 from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.build import CHECKPOINT, build_decoder, with_weight_format
+from hicache.model.kernels import ops
 from hicache.model.kernels.invariance import feed, probe_inputs
 from hicache.model.loading.loader import load_model
 from hicache.parallel.parallel import ParallelContext

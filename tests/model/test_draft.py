@@ -12,9 +12,9 @@ from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.build import build_decoder
-from hicache.model.loading.draft import load_draft
 from hicache.model.families.shift import SHIFT, TokenShiftModel
 from hicache.model.families.tiny import load_tiny
+from hicache.model.loading.draft import load_draft
 from hicache.parallel.parallel import ParallelContext
 
 CPU = torch.device("cpu")

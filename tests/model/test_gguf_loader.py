@@ -15,8 +15,8 @@ from tokenizers import pre_tokenizers
 
 from hicache.errors import UserError
 from hicache.model.chat import ChatTemplate
-from hicache.model.loading.checkpoint import expected_weight_shapes
 from hicache.model.config import LoadedModel
+from hicache.model.loading.checkpoint import expected_weight_shapes
 from hicache.model.loading.gguf_loader import load_gguf, smollm2_path, unpermute_qk
 from tests.fixtures import SMOLLM2_REFERENCE
 

@@ -6,8 +6,8 @@ import torch
 
 from hicache.config import EngineConfig
 from hicache.model.build import build_decoder
-from hicache.model.loading.loader import load_model
 from hicache.model.families.tiny_mla import TINY_MLA_CONFIG
+from hicache.model.loading.loader import load_model
 from hicache.parallel.parallel import ParallelContext
 
 

@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.errors import UserError
-from hicache.model.kernels import ops, quant
 from hicache.model.build import CHECKPOINT, LinearFactory, kernel_available, resolve_quantization, with_weight_format
+from hicache.model.kernels import ops, quant
 from hicache.model.kernels.calibration import LinearPlanner, plan_passes
 from hicache.model.loading.loader import load_model
 

@@ -18,8 +18,8 @@ from typing import Any, Callable, Protocol
 import torch
 
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.model.kernels import ops
 from hicache.model.batch import ForwardBatch
+from hicache.model.kernels import ops
 from hicache.parallel.placement import KVSharding
 
 # Packed KV rows [L, row] -> keys [L, Hkv, d] and values [L, Hkv, dv] of this rank's heads.

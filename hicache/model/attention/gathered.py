@@ -35,8 +35,8 @@ import torch.distributed as dist
 
 from hicache.mem.device_pool import DeviceKVPool, OwnedSlots
 from hicache.model.attention.backends import Q_PIECE, Expand, Piece, _padded, attend_piece
-from hicache.model.batch import ForwardBatch
 from hicache.model.attention.kv_gather import GatherPlan, GatherStats, PrefixGather, ScratchBuffers
+from hicache.model.batch import ForwardBatch
 from hicache.parallel.parallel import ParallelContext
 from hicache.parallel.placement import KVSharding
 

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.model.kernels import ops
 from hicache.model.base import DecoderModel
 from hicache.model.batch import ForwardBatch, SeqSlice
+from hicache.model.kernels import ops
 
 logger = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from safetensors import SafetensorError, safe_open
 
 from hicache.errors import UserError
 from hicache.model.chat import ChatTemplate
-from hicache.model.loading.checkpoint import check_weights, checked_model
 from hicache.model.config import LoadedModel, ModelConfig
+from hicache.model.loading.checkpoint import check_weights, checked_model
 from hicache.model.loading.hf_tokenizer import HFTokenizer
 
 logger = logging.getLogger(__name__)

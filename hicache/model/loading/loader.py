@@ -1,4 +1,5 @@
-"""Resolves a `--model` argument (tiny, smollm2, or a local Hugging Face directory) to a LoadedModel."""
+"""Resolves a `--model` argument (tiny, tiny-mla, smollm2, a .gguf file or a local Hugging Face directory) to a
+LoadedModel."""
 
 from __future__ import annotations
 
@@ -6,8 +7,6 @@ import os
 
 from hicache.errors import UserError
 from hicache.model.config import LoadedModel
-
-BUILTIN = ("tiny", "smollm2", "tiny-mla")
 
 
 def load_model(name: str, keep_codes: bool = True) -> LoadedModel:
