@@ -1,7 +1,7 @@
-"""The built-in drafts (hicache/model/loading/draft.py, families/shift.py): cut from the target's own layers, the packed
-one with the target's KV geometry, the sidecar one with a token-shift state beside its KV that the
-model really reads back (a cache that dropped it would change the draft's output), batch-invariant
-like the target; a draft with another vocabulary is refused."""
+"""The built-in drafts (hicache/model/loading/draft.py, hicache/model/families/shift.py): cut from the
+target's own layers, the packed one with the target's KV geometry, the sidecar one with a token-shift
+state beside its KV that the model really reads back (a cache that dropped it would change the draft's
+output), batch-invariant like the target; a draft with another vocabulary is refused."""
 
 from dataclasses import replace
 

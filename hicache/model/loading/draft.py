@@ -40,7 +40,8 @@ def first_layers(base: LoadedModel, n: int, name: str, salt: str = "") -> Loaded
         total = base.config.num_layers
         raise UserError(f"draft {name!r}: {n} layers of a model with {total} (a draft needs 1..{total - 1})")
     identity = hashlib.sha256(f"{base.identity}:first{n}:{salt}".encode()).hexdigest()
-    return replace(base, name=name, config=replace(base.config, num_layers=n), identity=identity, extra=dict(base.extra))
+    config = replace(base.config, num_layers=n)
+    return replace(base, name=name, config=config, identity=identity, extra=dict(base.extra))
 
 
 def with_token_shift(draft: LoadedModel, dim: int, seed: int) -> LoadedModel:
