@@ -46,8 +46,8 @@ from benchmarks.common import (
 )
 from hicache import Engine, SamplingParams
 from hicache.config import EngineConfig
-from hicache.model import quant
 from hicache.model.config import ModelConfig
+from hicache.model.kernels import quant
 
 __all__ = ["cpu_name", "main"]  # spec_bench imports cpu_name from here
 
@@ -58,7 +58,7 @@ HISTORY, TURN = 2048, 64
 # One chunk per prompt: a prefill reads the weights once.
 ENGINE_FLAGS = {"max_total_tokens": 65536, "chunked_prefill_size": 4096}
 GGUF_TYPES = {"Q4_1": "q4_1", "Q4_0": "q4_0", "Q8_0": "q8_0", "F32": "f32", "F16": "f16", "BF16": "bf16"}
-# What --quantization auto makes of each GGUF type (hicache/model/quant.py keeps Q4_1 and Q8_0 codes).
+# What --quantization auto makes of each GGUF type (hicache/model/kernels/quant.py keeps Q4_1 and Q8_0 codes).
 AUTO_KIND = {"q4_1": "int4", "q4_0": "dense", "q8_0": "int8", "f32": "dense", "f16": "dense", "bf16": "dense"}
 
 
@@ -220,7 +220,7 @@ class Format:
             return lambda name: "dense" if name == "norm" else self.quantization
         # auto keeps the GGUF's types only with bf16 activations (hicache.model.build.resolve_quantization)
         if self.quantization == "auto" and model == "smollm2" and self.dtype == "bfloat16":
-            from hicache.model.gguf_loader import smollm2_path
+            from hicache.model.loading.gguf_loader import smollm2_path
 
             stored = gguf_kinds(smollm2_path())
             return lambda name: "dense" if name == "norm" else AUTO_KIND[stored[name]]
@@ -352,7 +352,7 @@ def measure_llama_cpp(python: str, threads: int, s: Settings, tokenizer) -> Peer
     prompt cache holds the 2K history. Every other timed prompt starts with different words: llama.cpp
     reuses the longest common prefix with the prompt before it."""
     from hicache.bench.workload import TextSampler
-    from hicache.model.gguf_loader import smollm2_path
+    from hicache.model.loading.gguf_loader import smollm2_path
 
     sampler = TextSampler(tokenizer, random.Random(16))
     out = PeerResult()
@@ -621,7 +621,7 @@ def main(argv: list[str] | None = None) -> None:
     else:
         first = next(iter(smollm2.values()))
         peer = measure_llama_cpp(args.llama_cpp_python, first.threads or threads, s, first.tokenizer)
-        from hicache.model.gguf_loader import smollm2_path
+        from hicache.model.loading.gguf_loader import smollm2_path
 
         stored = gguf_kinds(smollm2_path())
         print_peer(smollm2, peer, weight_bytes(first.config, lambda name: stored[name], 2), machine, s)

@@ -1,5 +1,5 @@
 """What TP-size invariance costs: prefill and decode with every projection cut into fixed groups
-(hicache/model/tp_groups.py), against the same engine before the cut, in one run (not a test).
+(hicache/model/kernels/tp_groups.py), against the same engine before the cut, in one run (not a test).
 
     git worktree add /tmp/tp-baseline 8ba7103     # the last commit before the fixed groups
     .venv/bin/python benchmarks/tp_cost.py --baseline-tree /tmp/tp-baseline \\

@@ -240,7 +240,7 @@ def load_tokenizer(name: str) -> Tokenizer:
     NOTE: the loaders have no tokenizer-only entry point yet, so this loads the weights too (about 2 s
     for smollm2) and drops them.
     """
-    from hicache.model.loader import load_model
+    from hicache.model.loading.loader import load_model
 
     try:
         return load_model(name).tokenizer

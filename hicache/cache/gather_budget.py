@@ -1,6 +1,6 @@
 """The CP gather's scratch in the admission budget (docs/DESIGN.md, "CP page sharding"): with pages
 sharded over N ranks, each layer's attention first gathers the prefix pages of every running request
-into a scratch buffer (hicache/model/kv_gather.py) holding at most `capacity` pages per owner class
+into a scratch buffer (hicache/model/attention/kv_gather.py) holding at most `capacity` pages per owner class
 (`--cp-gather-tokens`). Admission keeps every step's gather within it.
 
 What a step gathers is, per owner class, distinct pages of READY requests: tree pages they hold locked

@@ -20,7 +20,7 @@ from hicache.storage.unified import Grid, KVGeometry, Shard, UnifiedNamespace
 
 
 # The meaning of a stored page's bytes changed without any namespace field changing: since the TP sums
-# are cut into fixed groups (hicache/model/tp_groups.py) every topology computes other bits than
+# are cut into fixed groups (hicache/model/kernels/tp_groups.py) every topology computes other bits than
 # before, so pages written by an earlier version are another namespace's, never served.
 KV_SCHEMA_VERSION = 2
 

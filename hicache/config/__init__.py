@@ -14,7 +14,7 @@ import torch
 
 from hicache.errors import UserError
 from hicache.mem.host_pool import LAYOUTS
-from hicache.model.quant import QUANTIZATIONS
+from hicache.model.kernels.quant import QUANTIZATIONS
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """P/D disaggregation: the handshake, what a prefill rank and a decode rank must share before KV computed
 on one may be extended on the other.
 
-Every GEMM and attention call is batch-invariant (hicache/model/ops.py), so a prompt's KV computed by a
+Every GEMM and attention call is batch-invariant (hicache/model/kernels/ops.py), so a prompt's KV computed by a
 prefill server and then extended by a decode server gives the same tokens as one server — but only if
 both run the same weights, dtype, page size, KV layout and shard (tensor and pipeline position), and
 the same kernel mechanisms, each verified by its start-up self-check. `mismatch` names the first field

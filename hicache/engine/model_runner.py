@@ -17,7 +17,7 @@ from hicache.engine.request import Request, TokenLogprob
 from hicache.engine.sampler import sample
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.batch import ForwardBatch, SeqSlice
-from hicache.model.llama import LlamaModel
+from hicache.model.families.llama import LlamaModel
 from hicache.parallel.pipeline import StageLink
 
 

@@ -16,8 +16,8 @@ from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
 from hicache.parallel.placement import KVSharding
 
-if TYPE_CHECKING:  # invariance.py probes a DecoderModel
-    from hicache.model.invariance import InvarianceReport
+if TYPE_CHECKING:  # kernels/invariance.py probes a DecoderModel
+    from hicache.model.kernels.invariance import InvarianceReport
 
 
 class DecoderModel(Protocol):
@@ -29,7 +29,7 @@ class DecoderModel(Protocol):
     kv_head_range: tuple[int, int]  # [start, end) of this rank's KV heads, model-global
     kv_sharding: KVSharding  # the ranks this rank's KV pages are sharded over (hicache/parallel/placement.py)
     replicated_over_tp: bool  # every attention-TP rank computes the same KV bytes (MLA's latent)
-    tp_groups: int  # the fixed groups every TP size cuts each projection into (hicache/model/tp_groups.py)
+    tp_groups: int  # the fixed groups every TP size cuts each projection into (hicache/model/kernels/tp_groups.py)
     invariance: InvarianceReport | None  # the start-up self-check's verdict (hicache/model/build.py)
 
     @property

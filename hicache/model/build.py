@@ -2,8 +2,8 @@
 
 Each linear weight becomes a matmul in the engine's weight format (`--quantization`: dense, or kept
 as int8/int4 codes for the weight-only quantized kernels); its call shapes are measured per weight
-shape and format (calibration.py, remembered across restarts); the assembled model then runs the
-start-up probe (invariance.py) and carries its report as `model.invariance`. If the probe fails with
+shape and format (kernels/calibration.py, remembered across restarts); the assembled model then runs the
+start-up probe (kernels/invariance.py) and carries its report as `model.invariance`. If the probe fails with
 remembered plans, they are measured again once: a stale file must not stand between a user and the cache.
 """
 
@@ -17,17 +17,12 @@ from typing import Any
 import torch
 
 from hicache.errors import UserError
-from hicache.model import ops, quant
-from hicache.model.calibration import LinearPlanner, NoInvariantPlan
 from hicache.model.config import LoadedModel
-from hicache.model.invariance import InvarianceReport, mechanisms, self_check
-from hicache.model.llama import LlamaModel, MakeLinear
-from hicache.model.shift import ARCHITECTURE as TOKEN_SHIFT
-from hicache.model.shift import TokenShiftModel
-
-# LoadedModel.extra["architecture"] -> the decoder class (a Llama unless a loader says otherwise).
-ARCHITECTURES: dict[str, type[LlamaModel]] = {"llama": LlamaModel, TOKEN_SHIFT: TokenShiftModel}
-from hicache.model.mla import MLAConfig, MLAModel
+from hicache.model.families.llama import LlamaModel, MakeLinear
+from hicache.model.families.registry import family_of
+from hicache.model.kernels import ops, quant
+from hicache.model.kernels.calibration import LinearPlanner, NoInvariantPlan
+from hicache.model.kernels.invariance import InvarianceReport, mechanisms, self_check
 from hicache.parallel.parallel import ParallelContext
 from hicache.parallel.placement import kv_sharding
 
@@ -130,10 +125,7 @@ def build_decoder(
     `loaded.extra["weight_format"]` (`with_weight_format`; dense when absent)."""
 
     ops.configure_device(device)
-    if isinstance(loaded.config, MLAConfig):
-        decoder: type[LlamaModel] = MLAModel
-    else:
-        decoder = ARCHITECTURES[str(loaded.extra.get("architecture", "llama"))]
+    decoder = family_of(loaded).decoder
     sharding = kv_sharding(pctx, decoder.replicated_over_tp)
     resolved = str(loaded.extra.get("weight_format", "none"))
     weights = loaded.weights if resolved == "none" else {**loaded.weights, **loaded.quantized}

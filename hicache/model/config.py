@@ -1,7 +1,7 @@
 """Model architecture description shared by every loader (tiny, GGUF, Hugging Face directory).
 
 A loader turns its source into a `ModelConfig`, a dict of full (unsharded) float32 weights named as
-Hugging Face's Llama names them, and a tokenizer. The decoder (`llama.py`) slices those weights for
+Hugging Face's Llama names them, and a tokenizer. The decoder (`families/llama.py`) slices those weights for
 its tensor- and pipeline-parallel rank, so loaders never need to know the topology.
 """
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache.model.quant import QuantizedWeight
+from hicache.model.kernels.quant import QuantizedWeight
 from hicache.model.tokenizer import Tokenizer
 
 
@@ -53,6 +53,9 @@ class LoadedModel:
     `quantized` holds, under the same names, the integer codes of the tensors the checkpoint stores
     quantized (a GGUF's Q4_1 and Q8_0 blocks), for weight-only quantized matmuls (`--quantization`);
     `weights` holds their dequantized values all the same.
+
+    `family` names the decoder it is built as (hicache/model/families/registry.py): a Llama unless the
+    loader says otherwise.
     """
 
     name: str
@@ -62,3 +65,4 @@ class LoadedModel:
     identity: str
     extra: dict[str, object] = field(default_factory=dict)
     quantized: dict[str, QuantizedWeight] = field(default_factory=dict)
+    family: str = "llama"

@@ -21,9 +21,9 @@ from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.build import build_decoder, resolve_quantization, with_weight_format
 from hicache.model.config import LoadedModel, ModelConfig
-from hicache.model.invariance import InvarianceReport
-from hicache.model.loader import load_model
-from hicache.model.mla import MLAConfig
+from hicache.model.families.mla import MLAConfig
+from hicache.model.kernels.invariance import InvarianceReport
+from hicache.model.loading.loader import load_model
 from hicache.parallel.consensus import Consensus
 from hicache.parallel.parallel import ParallelContext
 from hicache.parallel.placement import storage_shard

@@ -180,7 +180,7 @@ class Engine:
             del loaded  # every rank loads its own shard; the weights are not kept here meanwhile
             self._runtime = RankRuntime(cfg, self._dispatch, self._fail)
         # What the start-up batch-invariance self-check found on every rank: `verified`, each op's
-        # mechanism, and what differed where it failed (hicache/model/invariance.py). Fixed from here on.
+        # mechanism, and what differed where it failed (hicache/model/kernels/invariance.py). Fixed from here on.
         self.invariance = self._runtime.control(INVARIANCE)
         self._deadlines = DeadlineWatch(cfg.request_timeout, self._expire) if cfg.request_timeout > 0 else None
 

@@ -12,7 +12,7 @@ from hicache.cache.stats import CacheStats
 from hicache.disagg import roles
 from hicache.disagg.stats import DisaggStats
 from hicache.engine.scheduler import Scheduler
-from hicache.model.kv_gather import GatherStats
+from hicache.model.attention.kv_gather import GatherStats
 from hicache.spec.stats import SpecStats
 
 
@@ -33,7 +33,7 @@ def take_snapshot(s: Scheduler) -> RankSnapshot:
     return RankSnapshot(
         pool_usage=s.cache.usage(),
         cache=s.cache.stats(),
-        # The CP gather's two layer buffers (hicache/model/kv_gather.py); 0 for unsharded attention.
+        # The CP gather's two layer buffers (hicache/model/attention/kv_gather.py); 0 for unsharded attention.
         kv_bytes={**s.cache.resident_bytes(), "scratch": int(getattr(attention, "scratch_bytes", 0))},
         spec=s.compute.stats() if s.compute.speculative else None,
         disagg=roles.stats(s),

@@ -18,7 +18,7 @@ from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_group import DraftPools
 from hicache.model.build import build_decoder
 from hicache.model.config import LoadedModel
-from hicache.model.draft import load_draft
+from hicache.model.loading.draft import load_draft
 from hicache.parallel.parallel import ParallelContext
 from hicache.spec.decoder import SpeculativeDecoder
 from hicache.spec.draft_state import KVGeometry, choose_layout

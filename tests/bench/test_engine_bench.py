@@ -122,7 +122,7 @@ def test_llama_cpp_peer_against_a_stand_in_server(tmp_path: pathlib.Path, monkey
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(root)]))
     args_file = tmp_path / "args.json"
     monkeypatch.setenv("FAKE_LLAMA_ARGS_FILE", str(args_file))
-    monkeypatch.setattr("hicache.model.gguf_loader.smollm2_path", lambda: tmp_path / "model.gguf")
+    monkeypatch.setattr("hicache.model.loading.gguf_loader.smollm2_path", lambda: tmp_path / "model.gguf")
     peer = eb.measure_llama_cpp(sys.executable, 3, eb.QUICK, load_tokenizer("tiny"))
     args = json.loads(args_file.read_text())
     assert args["n_threads"] == args["n_threads_batch"] == "3" and args["n_ctx"] == "4096"
@@ -150,7 +150,7 @@ def test_printed_timings_that_disagree_with_the_wall_time_are_dropped() -> None:
 
 def test_auto_counts_the_checkpoints_own_types() -> None:
     from hicache.errors import UserError
-    from hicache.model.gguf_loader import smollm2_path
+    from hicache.model.loading.gguf_loader import smollm2_path
 
     try:
         smollm2_path()

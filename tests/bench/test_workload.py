@@ -125,7 +125,7 @@ def test_text_sampler_is_exact_for_a_trained_bpe() -> None:
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
     from hicache.model.chat import ChatTemplate
-    from hicache.model.hf_tokenizer import HFTokenizer
+    from hicache.model.loading.hf_tokenizer import HFTokenizer
 
     rng = random.Random(3)
     words = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(1, 9))) for _ in range(400)]
@@ -143,7 +143,7 @@ def test_text_sampler_is_exact_for_a_trained_bpe() -> None:
 
 
 def test_text_sampler_is_exact_for_smollm2() -> None:
-    from hicache.model.gguf_loader import smollm2_path
+    from hicache.model.loading.gguf_loader import smollm2_path
 
     try:
         smollm2_path()

@@ -10,7 +10,7 @@ import torch
 from hicache.config import EngineConfig
 from hicache.engine.model_runner import WorkItem
 from hicache.engine.request import Request, SamplingParams
-from hicache.model.tiny import load_tiny
+from hicache.model.families.tiny import load_tiny
 from hicache.parallel.parallel import ParallelContext
 from hicache.runtime.build import build_scheduler
 

@@ -18,11 +18,11 @@ import pytest
 import torch
 
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.model import ops
 from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.build import CHECKPOINT, build_decoder, with_weight_format
-from hicache.model.invariance import feed, probe_inputs
-from hicache.model.loader import load_model
+from hicache.model.kernels import ops
+from hicache.model.kernels.invariance import feed, probe_inputs
+from hicache.model.loading.loader import load_model
 from hicache.parallel.parallel import ParallelContext
 from tests.model.test_quant import BF16_KERNELS
 
@@ -41,7 +41,7 @@ def loaded(request):
 
 
 # (activation dtype, weight format): dense in both dtypes, and the weight-only quantized kernels
-# (hicache/model/quant.py) with bf16 activations: smollm2 in its checkpoint's formats (int4 layers,
+# (hicache/model/kernels/quant.py) with bf16 activations: smollm2 in its checkpoint's formats (int4 layers,
 # int8 head: both kernels), tiny (dense weights) quantized to each.
 FORMATS = {"tiny": ("none", "int8", "int4"), "smollm2": ("none", CHECKPOINT)}
 

@@ -1,7 +1,7 @@
-"""The built-in drafts (hicache/model/draft.py, shift.py): cut from the target's own layers, the packed
-one with the target's KV geometry, the sidecar one with a token-shift state beside its KV that the
-model really reads back (a cache that dropped it would change the draft's output), batch-invariant
-like the target; a draft with another vocabulary is refused."""
+"""The built-in drafts (hicache/model/loading/draft.py, hicache/model/families/shift.py): cut from the
+target's own layers, the packed one with the target's KV geometry, the sidecar one with a token-shift
+state beside its KV that the model really reads back (a cache that dropped it would change the draft's
+output), batch-invariant like the target; a draft with another vocabulary is refused."""
 
 from dataclasses import replace
 
@@ -12,9 +12,9 @@ from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.build import build_decoder
-from hicache.model.draft import load_draft
-from hicache.model.shift import SHIFT, TokenShiftModel
-from hicache.model.tiny import load_tiny
+from hicache.model.families.shift import SHIFT, TokenShiftModel
+from hicache.model.families.tiny import load_tiny
+from hicache.model.loading.draft import load_draft
 from hicache.parallel.parallel import ParallelContext
 
 CPU = torch.device("cpu")

@@ -15,9 +15,9 @@ from tokenizers import pre_tokenizers
 
 from hicache.errors import UserError
 from hicache.model.chat import ChatTemplate
-from hicache.model.checkpoint import expected_weight_shapes
 from hicache.model.config import LoadedModel
-from hicache.model.gguf_loader import load_gguf, smollm2_path, unpermute_qk
+from hicache.model.loading.checkpoint import expected_weight_shapes
+from hicache.model.loading.gguf_loader import load_gguf, smollm2_path, unpermute_qk
 from tests.fixtures import SMOLLM2_REFERENCE
 
 

@@ -16,7 +16,7 @@ from tokenizers.trainers import BpeTrainer
 
 from hicache.errors import UserError
 from hicache.model.chat import ChatTemplate
-from hicache.model.hf_loader import load_hf_dir
+from hicache.model.loading.hf_loader import load_hf_dir
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|eot|>"]
 TEMPLATE = (

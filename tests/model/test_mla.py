@@ -1,4 +1,4 @@
-"""`tiny-mla` (hicache/model/mla.py): one latent row per token and layer in its own KV layout, the
+"""`tiny-mla` (hicache/model/families/mla.py): one latent row per token and layer in its own KV layout, the
 start-up batch-invariance self-check passes on it, and its TP ranks hold the same latent bytes (which
 is what lets them shard its pages)."""
 
@@ -6,8 +6,8 @@ import torch
 
 from hicache.config import EngineConfig
 from hicache.model.build import build_decoder
-from hicache.model.loader import load_model
-from hicache.model.tiny_mla import TINY_MLA_CONFIG
+from hicache.model.families.tiny_mla import TINY_MLA_CONFIG
+from hicache.model.loading.loader import load_model
 from hicache.parallel.parallel import ParallelContext
 
 

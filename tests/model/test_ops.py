@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from hicache import Engine
 from hicache.errors import UserError
 from hicache.model import build as model_build
-from hicache.model import ops
-from hicache.model.calibration import LinearPlanner, plan_passes, probe_operands, rows_stack
-from hicache.model.invariance import InvarianceReport
-from hicache.model.loader import load_model
+from hicache.model.kernels import ops
+from hicache.model.kernels.calibration import LinearPlanner, plan_passes, probe_operands, rows_stack
+from hicache.model.kernels.invariance import InvarianceReport
+from hicache.model.loading.loader import load_model
 from hicache.parallel.parallel import ParallelContext
 
 
@@ -99,7 +99,7 @@ class ColumnBlockDependent(ops.LinearBackend):
 
 
 def test_weights_stack_into_one_call_only_where_each_keeps_its_bits(monkeypatch, tmp_path):
-    """TP's column groups (hicache/model/tp_groups.py) run as one call only where that call gives every
+    """TP's column groups (hicache/model/kernels/tp_groups.py) run as one call only where that call gives every
     group the bits of the group's own call: the bits a rank holding one group computes."""
     monkeypatch.setitem(ops.BACKENDS, ColumnBlockDependent.name, ColumnBlockDependent())
     plan, cpu = ops.LinearPlan(ColumnBlockDependent.name, 1), torch.device("cpu")

@@ -8,10 +8,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.errors import UserError
-from hicache.model import ops, quant
 from hicache.model.build import CHECKPOINT, LinearFactory, kernel_available, resolve_quantization, with_weight_format
-from hicache.model.calibration import LinearPlanner, plan_passes
-from hicache.model.loader import load_model
+from hicache.model.kernels import ops, quant
+from hicache.model.kernels.calibration import LinearPlanner, plan_passes
+from hicache.model.loading.loader import load_model
 
 CPU = torch.device("cpu")
 BF16_KERNELS = all(kernel_available(fmt, torch.bfloat16, CPU) for fmt in quant.FORMATS)

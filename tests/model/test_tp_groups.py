@@ -1,4 +1,4 @@
-"""The fixed sum order that makes every TP size compute the same bits (hicache/model/tp_groups.py).
+"""The fixed sum order that makes every TP size compute the same bits (hicache/model/kernels/tp_groups.py).
 
 - the pairwise order over G partials is the order of its subtrees: a rank that adds its block of G/t
   partials (G/t a power of two) and then adds the ranks' results in the same order computes exactly the
@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache.model.tp_groups import pairwise_sum, tp_reduce
+from hicache.model.kernels.tp_groups import pairwise_sum, tp_reduce
 from hicache.parallel.parallel import Mesh, ParallelContext
 from tests.parallel.ranks import outcomes_of, report
 

@@ -1,4 +1,4 @@
-"""Restore local pages -> gather the prefix -> attention, ordered by events (hicache/model/kv_gather.py):
+"""Restore local pages -> gather the prefix -> attention, ordered by events (hicache/model/attention/kv_gather.py):
 two CP ranks back a prefix up to their own host pools, lose it from the device, and load it back
 with every layer's copy landing late (--debug-transfer-delay-ms, another rhythm on each rank); the
 per-layer gathered buffer, which is exactly what attention reads, holds the expected KV of every
@@ -15,7 +15,7 @@ from hicache.config import EngineConfig, ParallelConfig
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_pool import HostKVPool
 from hicache.mem.kv_layout import KVLayout
-from hicache.model.kv_gather import GatherPlan, GatherStats, PrefixGather, ScratchBuffers
+from hicache.model.attention.kv_gather import GatherPlan, GatherStats, PrefixGather, ScratchBuffers
 from hicache.parallel.consensus import Consensus
 from hicache.runtime.rank_worker import RankSpec, init_distributed
 from tests.parallel.ranks import outcomes_of, report

@@ -3,7 +3,7 @@ pools and transfer workers, and they agree (hicache/parallel/consensus.py) on wh
 copies and storage reads have delivered.
 
 Reference runs: PP does not change any sum, and TP computes every projection in the same fixed groups,
-summed in the same order, at every TP size (hicache/model/tp_groups.py), so PP2, TP2 and TP2xPP2 equal
+summed in the same order, at every TP size (hicache/model/kernels/tp_groups.py), so PP2, TP2 and TP2xPP2 equal
 the single-rank cache-off run bit for bit: its tokens and every token's top-5 log-probabilities (in
 bfloat16, where TP2's all-reduced partials used to flip about a third of tiny's continuations).
 """

@@ -1,5 +1,5 @@
 """One answer on every TP size: KV written by one topology and read by another never changes a token or
-a log-probability (hicache/model/tp_groups.py).
+a log-probability (hicache/model/kernels/tp_groups.py).
 
 A conversation of three turns moves across topologies through one unified-layout file store
 (--hicache-storage-key-scheme unified): its first turn is served by TP2 x PP2 (or TP2 x CP2), its

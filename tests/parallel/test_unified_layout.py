@@ -4,7 +4,7 @@ of the shared prefix from storage and generate what the single-rank cache-off ru
 file and the Redis backend and for `tiny` and `tiny-mla` (each store written once, module-scoped).
 
 In the default dtype (bfloat16 on a CPU with native bf16): every TP size computes the KV's bits
-(hicache/model/tp_groups.py), and the storage layout is exact, so what a reader restores is byte for
+(hicache/model/kernels/tp_groups.py), and the storage layout is exact, so what a reader restores is byte for
 byte what it would have computed itself. tests/parallel/test_tp_invariance.py checks the log-probabilities
 too, in bfloat16 and float32.
 """

@@ -8,7 +8,7 @@ import pytest
 from hicache.config import EngineConfig, ParallelConfig
 from hicache.config.flags import add_engine_args
 from hicache.errors import UserError
-from hicache.model.tiny import TINY_CONFIG
+from hicache.model.families.tiny import TINY_CONFIG
 from hicache.runtime.build import check_topology
 
 

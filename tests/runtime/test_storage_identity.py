@@ -4,7 +4,7 @@ namespaces its pages by the count, so a server of another TP size or thread coun
 
 import torch
 
-from hicache.model.invariance import InvarianceReport
+from hicache.model.kernels.invariance import InvarianceReport
 from hicache.runtime.build import storage_identity
 
 

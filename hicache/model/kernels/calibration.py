@@ -25,8 +25,8 @@ from dataclasses import asdict
 
 import torch
 
-from hicache.model import quant
-from hicache.model.ops import BACKENDS, LinearPlan, shaped_call
+from hicache.model.kernels import quant
+from hicache.model.kernels.ops import BACKENDS, LinearPlan, shaped_call
 
 logger = logging.getLogger(__name__)
 

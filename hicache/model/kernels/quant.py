@@ -7,7 +7,7 @@ with 4-bit codes 0..15, group 32 (scale d, offset m); Q8_0 blocks are symmetric 
 they become matmuls, so a quantized weight supports the same row and column selections as a tensor
 (`w[a:b]`, `w[:, a:b]` on group boundaries, `w[index]`, `torch.cat`) and dequantizes on `.to`.
 
-The two formats the CPU kernels take (hicache/model/ops.py): "int4", 4-bit codes in groups of 32
+The two formats the CPU kernels take (hicache/model/kernels/ops.py): "int4", 4-bit codes in groups of 32
 with an offset (`aten._weight_int4pack_mm_for_cpu`), and "int8", symmetric 8-bit codes with one
 scale per output row (`aten._weight_int8pack_mm`). `as_format` converts: a Q4_1 tensor is already
 int4; anything else is quantized again from its values (Q8_0's 32-blocks have no per-row scale).

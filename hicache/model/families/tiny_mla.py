@@ -1,4 +1,4 @@
-"""`tiny-mla`: a built-in MLA decoder (hicache/model/mla.py) with seeded random weights and the byte
+"""`tiny-mla`: a built-in MLA decoder (hicache/model/families/mla.py) with seeded random weights and the byte
 tokenizer, the size of `tiny`, for the tests of a latent KV: its own KV layout (one 80-element row per
 token per layer), and pages sharded over attention-TP ranks when CP is off."""
 
@@ -11,8 +11,8 @@ from dataclasses import asdict
 import torch
 
 from hicache.model.config import LoadedModel
-from hicache.model.mla import MLAConfig
-from hicache.model.tiny import TINY_CONFIG, tiny_weights
+from hicache.model.families.mla import FAMILY, MLAConfig
+from hicache.model.families.tiny import TINY_CONFIG, tiny_weights
 from hicache.model.tokenizer import ByteTokenizer
 
 TINY_MLA_CONFIG = MLAConfig(
@@ -64,4 +64,5 @@ def load_tiny_mla() -> LoadedModel:
         weights=tiny_mla_weights(TINY_MLA_CONFIG, TINY_MLA_SEED),
         tokenizer=ByteTokenizer(),
         identity=identity,
+        family=FAMILY,
     )

@@ -15,7 +15,8 @@ threads a rank's kernels run on (the machine's CPUs shared among its ranks). So 
 also fed at one thread: a rank whose kernels round alike at its thread count and at one computes what
 a rank of any other TP size computes. Every rank runs it, whatever its count: the sums inside are
 collectives every TP rank must enter. A difference there does not refuse the cache (it is exact at
-this topology); it keeps the rank's stored pages apart from other thread counts' (runtime/build.py).
+this topology); it keeps the rank's stored pages apart from other thread counts'
+(hicache/runtime/build.py).
 """
 
 from __future__ import annotations
@@ -27,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.model import ops
 from hicache.model.base import DecoderModel
 from hicache.model.batch import ForwardBatch, SeqSlice
+from hicache.model.kernels import ops
 
 logger = logging.getLogger(__name__)
 

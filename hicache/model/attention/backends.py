@@ -5,7 +5,7 @@ attends each sequence's queries over its KV. `prepare` runs once per forward pas
 layer reuses (slot tables padded for invariance, masks); `forward` runs per layer and turns the rows
 it attends over into keys and values with the model's `expand` (GQA: unpack K and V; MLA: project the
 latent vector), so one backend serves both KV flavours. `local` reads one rank's own pool; `gathered`
-(hicache/model/cp_attention.py) attends over pages sharded across ranks, gathered layer by layer, and
+(hicache/model/attention/gathered.py) attends over pages sharded across ranks, gathered layer by layer, and
 decides which of the step's rows this rank computes (`local_rows`, `collect`). The model picks one
 through `ATTENTION_BACKENDS` and is the same code for both.
 """
@@ -18,8 +18,8 @@ from typing import Any, Callable, Protocol
 import torch
 
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.model import ops
 from hicache.model.batch import ForwardBatch
+from hicache.model.kernels import ops
 from hicache.parallel.placement import KVSharding
 
 # Packed KV rows [L, row] -> keys [L, Hkv, d] and values [L, Hkv, dv] of this rank's heads.
@@ -182,7 +182,7 @@ def attend_piece(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, piece: Piece
 
 
 def _gathered(*args: Any, **kwargs: Any) -> Any:
-    from hicache.model.cp_attention import GatheredAttention  # it builds on the helpers above
+    from hicache.model.attention.gathered import GatheredAttention  # it builds on the helpers above
 
     return GatheredAttention(*args, **kwargs)
 

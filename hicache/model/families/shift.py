@@ -16,15 +16,15 @@ import torch
 
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVComponent, KVLayout
-from hicache.model import ops
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
-from hicache.model.llama import LlamaLayer, LlamaModel, MakeLinear
+from hicache.model.families.llama import LlamaLayer, LlamaModel, MakeLinear
+from hicache.model.kernels import ops
 from hicache.parallel.parallel import ParallelContext
 from hicache.parallel.placement import KVSharding
 
 SHIFT = "shift"
-ARCHITECTURE = "token_shift"  # LoadedModel.extra["architecture"] of a model with these weights
+FAMILY = "token_shift"  # LoadedModel.family of a model with these weights (hicache/model/families/registry.py)
 
 
 def shift_weight_names(layer: int) -> tuple[str, str]:

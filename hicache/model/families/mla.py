@@ -19,11 +19,13 @@ from dataclasses import dataclass
 import torch
 
 from hicache.mem.kv_layout import KVLayout
-from hicache.model import ops
 from hicache.model.config import ModelConfig
-from hicache.model.llama import DecoderLayer, LlamaModel, Planned
-from hicache.model.tp_groups import ColumnGroups, RowGroups, group_slices
+from hicache.model.families.llama import DecoderLayer, LlamaModel, Planned
+from hicache.model.kernels import ops
+from hicache.model.kernels.tp_groups import ColumnGroups, RowGroups, group_slices
 from hicache.parallel.parallel import ParallelContext
+
+FAMILY = "mla"  # LoadedModel.family of this decoder (hicache/model/families/registry.py)
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ nothing, and interleaving is at least as balanced for every step: the ranks' row
 differ by at most one, each rank's queries spread evenly over a prefill's positions (causal attention
 work within about one row's keys of the others'), decode steps of many requests are shared out too,
 and it needs no minimum chunk length. (The assignment cannot change an answer: every op's per-row
-result is independent of which other rows share its call, hicache/model/ops.py.)
+result is independent of which other rows share its call, hicache/model/kernels/ops.py.)
 
 Per layer, each rank computes q and the packed KV rows of its own rows; the step's KV rows are
 all-gathered in row order (a concatenation, no arithmetic), each rank writes the ones whose pages it
-owns into its pool, and a sequence's keys are its prefix (gathered pages, hicache/model/kv_gather.py,
+owns into its pool, and a sequence's keys are its prefix (gathered pages, hicache/model/attention/kv_gather.py,
 mapped to logical order) followed by the step's rows, in position order: exactly the keys and values
 the single-rank run attends over, so attention is computed over the full KV and no cross-rank float
 sum enters any result (batch invariance holds, and a CP run equals the single-rank run bit for bit).
@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from hicache.mem.device_pool import DeviceKVPool, OwnedSlots
-from hicache.model.attention import Q_PIECE, Expand, Piece, _padded, attend_piece
+from hicache.model.attention.backends import Q_PIECE, Expand, Piece, _padded, attend_piece
+from hicache.model.attention.kv_gather import GatherPlan, GatherStats, PrefixGather, ScratchBuffers
 from hicache.model.batch import ForwardBatch
-from hicache.model.kv_gather import GatherPlan, GatherStats, PrefixGather, ScratchBuffers
 from hicache.parallel.parallel import ParallelContext
 from hicache.parallel.placement import KVSharding
 

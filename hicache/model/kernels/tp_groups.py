@@ -29,7 +29,7 @@ from typing import Any, Protocol, Sequence
 import torch
 import torch.distributed
 
-from hicache.model import ops
+from hicache.model.kernels import ops
 from hicache.parallel.parallel import ParallelContext
 
 

@@ -4,14 +4,14 @@ Pipeline parallelism gives a rank a contiguous layer range; tensor parallelism g
 range of KV heads (with the query heads that share them) and of MLP columns, with a sum over the TP
 ranks after the attention output and MLP down projections. Every projection is cut into the same fixed
 groups at every TP size, and the sums added in one fixed order, so any TP size computes the bits TP1
-computes (tp_groups.py). At tp_size = pp_size = 1 it is the whole model.
+computes (hicache/model/kernels/tp_groups.py). At tp_size = pp_size = 1 it is the whole model.
 
 The forward pass is varlen: requests' new tokens are concatenated, linear layers run once over all of
 them, and the attention backend attends each request over the KV slots it owns in the pool. Every
-GEMM, attention kernel and cross-rank sum goes through the batch-invariant ops (ops.py). With KV pages
-sharded over ranks (context parallelism) the backend is the gathered one (cp_attention.py): it says
-which of the step's rows this rank computes and collects every rank's rows after the last layer; the
-model itself is the same code.
+GEMM, attention kernel and cross-rank sum goes through the batch-invariant ops
+(hicache/model/kernels/ops.py). With KV pages sharded over ranks (context parallelism) the backend is
+the gathered one (hicache/model/attention/gathered.py): it says which of the step's rows this rank
+computes and collects every rank's rows after the last layer; the model itself is the same code.
 """
 
 from __future__ import annotations
@@ -21,12 +21,12 @@ import torch.nn.functional as F
 
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
-from hicache.model import ops
-from hicache.model.attention import ATTENTION_BACKENDS, AttentionBackend
+from hicache.model.attention.backends import ATTENTION_BACKENDS, AttentionBackend
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
-from hicache.model.invariance import InvarianceReport
-from hicache.model.tp_groups import ColumnGroups, MakeLinear, RowGroups, group_slices, tp_group_count
+from hicache.model.kernels import ops
+from hicache.model.kernels.invariance import InvarianceReport
+from hicache.model.kernels.tp_groups import ColumnGroups, MakeLinear, RowGroups, group_slices, tp_group_count
 from hicache.parallel.parallel import ParallelContext
 from hicache.parallel.placement import KVSharding
 
@@ -55,7 +55,7 @@ class RotaryEmbedding:
 
 class DecoderLayer:
     """What every layer of the family has: the norms and this rank's groups of the SwiGLU MLP's
-    columns, the same groups at every TP size (tp_groups.py)."""
+    columns, the same groups at every TP size (hicache/model/kernels/tp_groups.py)."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, pctx: ParallelContext, cast, linear,
                  groups: int):  # fmt: skip
@@ -92,6 +92,8 @@ class LlamaLayer(DecoderLayer):
                                                  w[a + "v_proj.weight"][kv]])
                                       for q, kv in zip(qs, kvs)], linear)  # fmt: skip
         self.o_proj = RowGroups([w[a + "o_proj.weight"][:, q] for q in qs], linear, pctx)
+
+FAMILY = "llama"  # LoadedModel.family of this decoder (hicache/model/families/registry.py)
 
 
 class LlamaModel:
@@ -138,7 +140,7 @@ class LlamaModel:
         # What attention packs and writes; the pool's row may carry state after it (shift.py).
         self.attention_layout = self._kv_layout()
         self.kv_layout = self.attention_layout
-        self.invariance: InvarianceReport | None = None  # what the start-up self-check found (build.py)
+        self.invariance: InvarianceReport | None = None  # what the start-up self-check found (hicache/model/build.py)
 
     # ---- what a model of the family chooses ----------------------------------------------------
 

@@ -20,9 +20,9 @@ from safetensors import SafetensorError, safe_open
 
 from hicache.errors import UserError
 from hicache.model.chat import ChatTemplate
-from hicache.model.checkpoint import check_weights, checked_model
 from hicache.model.config import LoadedModel, ModelConfig
-from hicache.model.hf_tokenizer import HFTokenizer
+from hicache.model.loading.checkpoint import check_weights, checked_model
+from hicache.model.loading.hf_tokenizer import HFTokenizer
 
 logger = logging.getLogger(__name__)
 

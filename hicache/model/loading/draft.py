@@ -6,7 +6,7 @@ downloaded:
 - `tiny-draft-packed`: tiny's first 3 layers. Its KV rows have tiny's shape, dtype and token
   indexing, so its layers can be appended to tiny's host pool (the packed layout).
 - `tiny-draft-sidecar`: tiny's first 3 layers plus a per-token token-shift state beside the KV
-  (shift.py): another row shape, so it needs pools of its own (the sidecar layout).
+  (hicache/model/families/shift.py): another row shape, so it needs pools of its own (the sidecar layout).
 - `smollm2-draft[-N]`: SmolLM2's first N layers (default 20 of its 30: an untrained early exit
   rarely agrees with the whole model with fewer, docs/BENCHMARKS.md section 5).
 - anything else: a model loaded as `--model` loads it; it must share the target's vocabulary.
@@ -22,8 +22,8 @@ import torch
 
 from hicache.errors import UserError
 from hicache.model.config import LoadedModel
-from hicache.model.loader import load_model
-from hicache.model.shift import ARCHITECTURE, shift_weight_names
+from hicache.model.families.shift import FAMILY, shift_weight_names
+from hicache.model.loading.loader import load_model
 
 TINY_PACKED_LAYERS = 3
 TINY_SIDECAR_LAYERS = 3
@@ -41,7 +41,7 @@ def first_layers(base: LoadedModel, n: int, name: str, salt: str = "") -> Loaded
         raise UserError(f"draft {name!r}: {n} layers of a model with {total} (a draft needs 1..{total - 1})")
     identity = hashlib.sha256(f"{base.identity}:first{n}:{salt}".encode()).hexdigest()
     config = replace(base.config, num_layers=n)
-    return LoadedModel(name, config, base.weights, base.tokenizer, identity, dict(base.extra), base.quantized)
+    return replace(base, name=name, config=config, identity=identity, extra=dict(base.extra))
 
 
 def with_token_shift(draft: LoadedModel, dim: int, seed: int) -> LoadedModel:
@@ -55,7 +55,7 @@ def with_token_shift(draft: LoadedModel, dim: int, seed: int) -> LoadedModel:
         weights[w_in] = torch.randn(dim, h, generator=gen) * h**-0.5
         weights[w_out] = torch.randn(h, dim, generator=gen) * 0.1 * dim**-0.5
     identity = hashlib.sha256(f"{draft.identity}:shift{dim}:{seed}".encode()).hexdigest()
-    return replace(draft, weights=weights, identity=identity, extra={**draft.extra, "architecture": ARCHITECTURE})
+    return replace(draft, weights=weights, identity=identity, family=FAMILY)
 
 
 def _base(name: str, target: LoadedModel) -> LoadedModel:
