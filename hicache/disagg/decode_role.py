@@ -29,6 +29,7 @@ from hicache.disagg.stats import DisaggStats
 from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVReceiver, KVTransferBackend
 from hicache.disagg.wire import prompt_digest
 from hicache.engine.request import DisaggUsage, FinishReason, Request, RequestEvent, TokenLogprob
+from hicache.engine.role import checked_intake
 from hicache.engine.scheduler import Scheduler
 from hicache.parallel.parallel import ParallelContext
 
@@ -85,6 +86,7 @@ class DecodeRole:
 
     # ---- each step, before the batch -------------------------------------------------------------
 
+    @checked_intake
     def intake(self, scheduler: Scheduler) -> list[RequestEvent]:
         return self._admit_incoming(scheduler) + self._land(scheduler)
 

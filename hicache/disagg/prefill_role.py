@@ -26,6 +26,7 @@ from hicache.disagg.stats import DisaggStats
 from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVSender, KVTransferBackend, PrefillResult
 from hicache.disagg.wire import prompt_digest
 from hicache.engine.request import FinishReason, Request, RequestEvent, TokenLogprob
+from hicache.engine.role import checked_intake
 from hicache.engine.scheduler import Scheduler
 from hicache.parallel.parallel import ParallelContext
 
@@ -89,6 +90,7 @@ class PrefillRole:
         problem = metadata_problem(meta, req, self.handshake)
         return (KVPoll.FAILED, problem) if problem else (KVPoll.WAITING_FOR_INPUT, None)
 
+    @checked_intake
     def intake(self, scheduler: Scheduler) -> list[RequestEvent]:
         """Move the requests whose metadata every rank has into the waiting queue; fail the refused;
         abort those being computed for a decode that has given up on them."""

@@ -16,7 +16,8 @@ The scheduler calls (hicache/engine/scheduler.py):
   `intake`.
 - `intake(scheduler)` first in every step, on every rank, before the batch is built; it returns the
   events of the requests it ended (refused, failed, aborted) or started. Whatever it decides from
-  asynchronous results (a transfer's progress) it agrees on across ranks first (SPMD).
+  asynchronous results (a transfer's progress) it agrees on across ranks first (SPMD), and its
+  decisions are the consensus checker's to compare (`checked_intake`).
 - `release(scheduler, req, logprob)` on every end of a request this scheduler ran or queued (finished,
   aborted, failed), its pages still held, before the cache takes them back; `logprob` is that of the
   token it finished on (None when it ended otherwise).
@@ -30,12 +31,27 @@ A role reaches the scheduler only through what the calls pass: its `cache`, `run
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
+from hicache.debug.consensus_checker import consensus_checked
 from hicache.engine.request import FinishReason, Request, RequestEvent, TokenLogprob
 
 if TYPE_CHECKING:
     from hicache.engine.scheduler import Scheduler
+
+
+def _ended_or_started(namespace: Mapping[str, Any]) -> list[tuple[int, FinishReason | None, tuple[int, ...]]]:
+    return [(e.rid, e.finish_reason, e.new_token_ids) for e in namespace["result"]]
+
+
+def _queues(namespace: Mapping[str, Any]) -> dict[str, list[int]]:
+    scheduler = namespace["scheduler"]
+    return {"waiting": [r.rid for r in scheduler.waiting], "running": [r.rid for r in scheduler.running]}
+
+
+# The mark of every role's `intake` (hicache/debug/consensus_checker.py): what it ended or started, and
+# the scheduler's queues after it, must be the same on every rank before the batch is built from them.
+checked_intake = consensus_checked(results={"events": _ended_or_started, "queues": _queues})
 
 
 class Role(Protocol):

@@ -157,4 +157,6 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
     role = pd_role(cfg, runner, pctx, loaded.identity)
     scheduler = Scheduler(cfg, runner, cache, loaded.tokenizer, context, checker, compute, role)
     checker.instrument(scheduler)
+    if role is not None:
+        checker.instrument(role)  # the checker wraps only the marked methods of the object it is given
     return scheduler
