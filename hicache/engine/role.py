@@ -6,7 +6,8 @@ A P/D role (hicache/disagg/roles.py) is such a part: the prefill role holds a re
 server has room for it and sends its KV when it ends; the decode role reserves a request's pages and
 lands its KV from prefill before it joins the running batch. Shaped after the scheduler side of vLLM's
 KVConnector: the scheduler calls the role at a few fixed points and knows nothing of transports, so a
-role combines with any way of computing a step (`StepCompute`: plain or speculative) and any topology.
+role is combined with the other parts (the model step, plain or speculative: `StepCompute`) by
+configuration alone; a combination that is not supported yet is refused at start-up, not by the code.
 
 The scheduler calls (hicache/engine/scheduler.py):
 
