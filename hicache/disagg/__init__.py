@@ -7,10 +7,11 @@ and `zmq_decode.py`). With `--disaggregation-decode-enable-radix-cache` the deco
 own tree (device and, with `--enable-hierarchical-cache`, host memory): it reserves the request's
 pages through the cache API (`KVCache.reserve`), reports the page-aligned prefix it already holds as
 `decode_prefix_len`, restores the host part while prefill sends only the KV after it, and starts
-decoding when both have landed (`decode_scheduler.py`; prefill's side is `prefill_scheduler.py`).
+decoding when both have landed (`decode_role.py`; prefill's side is `prefill_role.py`: each a role
+part of the one scheduler, hicache/engine/role.py).
 `hicache router` (hicache/router/) pairs a prefill and a decode server per request.
 
-The modules, one concept each: `roles.py` (which scheduler a role runs), `handshake.py` (what a pair
+The modules, one concept each: `roles.py` (which role part a server's scheduler gets), `handshake.py` (what a pair
 must share), `transfer.py` (the interface), `kv_rows.py` (staging and landing page rows),
 `wire.py` (the messages), `agreement.py` (ranks agree on transfer outcomes), `stats.py` (counters).
 """

@@ -1,27 +1,27 @@
 """P/D disaggregation: roles (`--disaggregation-mode null|prefill|decode`), what each one runs.
 
-`null` is one server doing everything (the plain `Scheduler`). `prefill` and `decode` run their role's
-scheduler over a transfer backend of this rank, and are refused where the batch-invariance self-check
-failed: moving KV computed in one batch shape to be extended in another is exactly what invariance
-protects. A decode server keeps a radix tree only with `--disaggregation-decode-enable-radix-cache`.
+`null` is one server doing everything (the `Scheduler` with no role part). `prefill` and `decode` give
+the scheduler their role's part (`PrefillRole`, `DecodeRole`; hicache/engine/role.py says where the
+scheduler calls it) over a transfer backend of this rank, and are refused where the batch-invariance
+self-check failed: moving KV computed in one batch shape to be extended in another is exactly what
+invariance protects. A decode server keeps a radix tree only with `--disaggregation-decode-enable-radix-cache`.
 The role's description (`info`) is what `/disagg/info` shows and `hicache router` checks at start-up.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 from hicache.config import EngineConfig
-from hicache.disagg.decode_scheduler import DecodeScheduler
+from hicache.disagg.decode_role import DecodeRole
 from hicache.disagg.handshake import Handshake
 from hicache.disagg.kv_rows import chunk_tokens
-from hicache.disagg.prefill_scheduler import PrefillScheduler
-from hicache.disagg.role_scheduler import RoleScheduler
+from hicache.disagg.prefill_role import PrefillRole
 from hicache.disagg.stats import DisaggStats
 from hicache.disagg.zmq_decode import ZmqDecodeBackend
 from hicache.disagg.zmq_prefill import ZmqPrefillBackend
 from hicache.engine.model_runner import ModelRunner
+from hicache.engine.role import Role
 from hicache.engine.scheduler import Scheduler
 from hicache.errors import UserError
 from hicache.parallel.parallel import ParallelContext
@@ -36,13 +36,11 @@ def radix_enabled(cfg: EngineConfig) -> bool:
     return cfg.disagg.disaggregation_mode != DECODE or cfg.disagg.disaggregation_decode_enable_radix_cache
 
 
-def role_scheduler(
-    cfg: EngineConfig, runner: ModelRunner, pctx: ParallelContext, identity: str, *args: Any, **kwargs: Any
-) -> Scheduler:
-    """This rank's scheduler for its role; `args`/`kwargs` are the plain Scheduler's."""
+def pd_role(cfg: EngineConfig, runner: ModelRunner, pctx: ParallelContext, identity: str) -> Role | None:
+    """This rank's P/D role part for its scheduler, its transfer endpoint started; None without a role."""
     d = cfg.disagg
     if not d.enabled:
-        return Scheduler(cfg, runner, *args, **kwargs)
+        return None
     if runner.pool.sharded:  # the transfer moves whole logical pages between equal ranks (kv_rows.py)
         raise UserError(
             f"--disaggregation-mode {d.disaggregation_mode} with page-sharded KV (--cp-size > 1, or an MLA model "
@@ -54,7 +52,6 @@ def role_scheduler(
             f"--disaggregation-mode {d.disaggregation_mode} needs the batch-invariance self-check to pass: KV "
             "moved between servers and extended in another batch shape could change answers on this machine"
         )
-    transfer: Any
     if d.disaggregation_mode == PREFILL:
         pages = d.disaggregation_transfer_chunk_pages
         chunk = pages * cfg.page_size if pages else chunk_tokens(cfg.page_size, handshake.row_bytes)
@@ -63,34 +60,25 @@ def role_scheduler(
         transfer = ZmqPrefillBackend(
             d.disaggregation_bootstrap_host, port, d.disaggregation_transfer_timeout, chunk, delay
         )
-        cls: type[Scheduler] = PrefillScheduler
-    else:
-        transfer = ZmqDecodeBackend(runner.pool, pctx.rank, d.disaggregation_transfer_timeout)
-        cls = DecodeScheduler
-    try:
-        return cls(cfg, runner, *args, transfer=transfer, pctx=pctx, handshake=handshake, **kwargs)
-    except BaseException:
-        transfer.shutdown()
-        raise
+        bootstrap = (d.disaggregation_bootstrap_host, d.disaggregation_bootstrap_port)
+        return PrefillRole(transfer, pctx, handshake, bootstrap)
+    return DecodeRole(ZmqDecodeBackend(runner.pool, pctx.rank, d.disaggregation_transfer_timeout), pctx, handshake)
 
 
 def info(scheduler: Scheduler) -> dict[str, Any]:
-    """This rank's role, transfer endpoint and handshake (the `disagg_info` command)."""
+    """This rank's role, transfer endpoint and handshake (the `disagg_info` command); the role part
+    fills in its own."""
     d = scheduler.cfg.disagg
-    handshake = scheduler.handshake if isinstance(scheduler, RoleScheduler) else None
-    return {
+    described = {
         "role": d.disaggregation_mode,
-        "bootstrap_host": d.disaggregation_bootstrap_host if d.disaggregation_mode == PREFILL else None,
-        "bootstrap_port": d.disaggregation_bootstrap_port if d.disaggregation_mode == PREFILL else None,
+        "bootstrap_host": None,
+        "bootstrap_port": None,
         "decode_radix_cache": d.disaggregation_decode_enable_radix_cache,
-        "handshake": handshake.to_json() if handshake is not None else None,
+        "handshake": None,
     }
+    return described if scheduler.role is None else {**described, **scheduler.role.info()}
 
 
 def stats(scheduler: Scheduler) -> DisaggStats | None:
     """This rank's transfer counters (the `disagg_stats` command); None outside a P/D role."""
-    if isinstance(scheduler, PrefillScheduler):
-        return replace(scheduler.stats.snapshot(), sent_bytes=scheduler.transfer.moved_bytes)
-    if isinstance(scheduler, DecodeScheduler):
-        return replace(scheduler.stats.snapshot(), received_bytes=scheduler.transfer.moved_bytes)
-    return None
+    return scheduler.role.stats() if scheduler.role is not None else None

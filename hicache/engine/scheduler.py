@@ -9,6 +9,13 @@ a `KVHandle` when it arrives (`req.kv`), the cache admits it with the pages it m
 max new tokens; the memory invariant and the reservations are the cache's), gives it pages as chunks
 are scheduled (`extend`), and takes everything back when it ends (`release`).
 
+What is not plain comes from parts the scheduler holds, not from subclasses, so that any of them
+combine by configuration: how a step is computed (`compute`, a `StepCompute`: the runner's plain pass
+or speculative decoding, hicache/spec/decoder.py), and where requests come from and where their
+results go (`role`, a `Role`: a P/D role, hicache/engine/role.py states the points it is called at;
+none for one server doing everything). Pipeline stages are the runner's: every stage runs this
+scheduler, and hidden states travel to the next stage inside the step (hicache/parallel/pipeline.py).
+
 With several ranks every rank runs this scheduler on the same inputs (SPMD): the decisions below are
 deterministic functions of its state, asynchronous results enter only through the cache's agreed
 checks, and sampled tokens come from one rank, so every rank's state stays the same. The consensus
@@ -28,6 +35,7 @@ from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker, consensus_checked
 from hicache.engine.model_runner import ModelRunner, StepCompute, WorkItem
 from hicache.engine.request import FinishReason, Request, RequestEvent, TokenLogprob
+from hicache.engine.role import Role
 from hicache.errors import RequestTooLargeError
 from hicache.model.tokenizer import Tokenizer
 
@@ -97,9 +105,11 @@ class Scheduler:
         context_length: int,
         checker: ConsensusChecker | None = None,
         compute: StepCompute | None = None,
+        role: Role | None = None,
     ) -> None:
         """`compute`: how a step's work is computed (speculative decoding, hicache/spec/); the runner's
-        plain forward pass by default."""
+        plain forward pass by default. `role`: a P/D role (hicache/disagg/roles.py); None serves a
+        request here from its prompt to its end."""
         self.cfg = cfg
         self.checker = checker if checker is not None else ConsensusChecker(env={})
         self.runner = runner
@@ -110,6 +120,7 @@ class Scheduler:
         self.page_size = cfg.page_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.role = role
 
     # ---- intake --------------------------------------------------------------------------------
 
@@ -117,23 +128,33 @@ class Scheduler:
         return _pages_for(tokens, self.page_size)
 
     def add(self, req: Request) -> None:
-        req.kv_handle = self.cache.open(req.rid, req.prompt_ids, req.namespace)
+        if self.role is not None:
+            self.role.add(self, req)
+            return
+        self.open(req)
         self.waiting.append(req)
+
+    def open(self, req: Request) -> None:
+        """Give `req` its KV handle (arrival: the cache only looks its prompt up)."""
+        req.kv_handle = self.cache.open(req.rid, req.prompt_ids, req.namespace)
 
     def abort(self, rid: int) -> None:
         for req in list(self.waiting) + self.running:
             if req.rid == rid:
                 req.aborted = True
+        if self.role is not None:
+            self.role.abort(rid)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running) or (self.role is not None and self.role.has_work)
 
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestEvent]:
+        events = self.role.intake(self) if self.role is not None else []
         self.cache.check()
-        events = self._drop_aborted()
+        events += self._drop_aborted()
         work = self._schedule()
         # Every rank, every step, before any computation depends on the decisions just made.
         self.checker.checkpoint()
@@ -171,7 +192,7 @@ class Scheduler:
             self.running.remove(req)
             kv = req.kv
             self.cache.release(kv, req.prompt_ids[: kv.kv_len])  # its prefix was the tree's already
-            req.kv_handle = self.cache.open(req.rid, req.prompt_ids, req.namespace)
+            self.open(req)
             req.kv.load_host = False
             req.generator = None  # a seeded sampler starts again with the request
             logger.warning("request %d: a host -> device load failed; recomputing its prefix", req.rid)
@@ -230,10 +251,25 @@ class Scheduler:
         return False
 
     def _admit(self, req: Request) -> bool:
+        self._seed(req)
+        return self.cache.admit(req.kv, self.pages_needed(req)).admitted
+
+    def pages_needed(self, req: Request) -> int:
+        """Every page `req` may ever need, its prompt and all it may generate: what admission reserves
+        (the memory invariant, hicache/cache/prefix_cache.py)."""
+        return self._pages_for(req.prompt_len + req.max_new_tokens)
+
+    @staticmethod
+    def _seed(req: Request) -> None:
         if req.params.seed is not None and req.generator is None:
             req.generator = torch.Generator().manual_seed(req.params.seed)
-        total = self._pages_for(req.prompt_len + req.max_new_tokens)
-        return self.cache.admit(req.kv, total).admitted
+
+    def start_decoding(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestEvent:
+        """A request whose prompt's KV was written from outside (its handle READY) joins the running
+        batch with its first token, computed elsewhere; the event may already finish it."""
+        self._seed(req)
+        self.running.append(req)
+        return self._append_token(req, token, logprob)
 
     def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestEvent:
         req.output_ids.append(token)
@@ -241,7 +277,7 @@ class Scheduler:
         first = None if req.first_event_sent else req.kv.cached_tokens_by_tier
         req.first_event_sent = True
         if reason is not None:
-            self._finish(req)
+            self._finish(req, logprob)
         return RequestEvent(
             req.rid,
             (token,),
@@ -268,12 +304,15 @@ class Scheduler:
             return FinishReason.LENGTH, None
         return None, None
 
-    def _finish(self, req: Request) -> None:
+    def _finish(self, req: Request, logprob: TokenLogprob | None = None) -> None:
         self.running.remove(req)
-        self._release(req)
+        self._release(req, logprob)
 
-    def _release(self, req: Request) -> None:
-        """Finished, aborted or never admitted: the cache keeps what it computed and takes the rest back."""
+    def _release(self, req: Request, logprob: TokenLogprob | None = None) -> None:
+        """Finished (`logprob`: of its last token), aborted or never admitted: the role hands on what
+        it computed, then the cache keeps that and takes the rest back."""
+        if self.role is not None:
+            self.role.release(self, req, logprob)
         kv = req.kv
         if kv.state is KVState.READY:
             # Only what every pool holds, up to the sequence's end, is shared: not speculative rows
@@ -283,7 +322,8 @@ class Scheduler:
 
     def abort_all(self, reason: FinishReason, message: str) -> list[RequestEvent]:
         """End every request now, releasing its pages and locks (after a failed step, or at shutdown)."""
-        events = [RequestEvent(r.rid, (), finish_reason=reason, error=message) for r in [*self.waiting, *self.running]]
+        events = self.role.abort_all(self, reason, message) if self.role is not None else []
+        events += [RequestEvent(r.rid, (), finish_reason=reason, error=message) for r in [*self.waiting, *self.running]]
         for req in list(self.waiting):
             self._release(req)
         self.waiting.clear()
@@ -307,3 +347,5 @@ class Scheduler:
 
     def close(self) -> None:
         """Stop what this scheduler started besides the cache (a P/D role's transfer endpoint)."""
+        if self.role is not None:
+            self.role.close()

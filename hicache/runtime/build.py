@@ -14,7 +14,7 @@ from hicache.cache.prefix_cache import PrefixCache
 from hicache.cache.stores import UnifiedPlacement, unified_namespace
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker
-from hicache.disagg.roles import radix_enabled, role_scheduler
+from hicache.disagg.roles import pd_role, radix_enabled
 from hicache.engine.model_runner import ModelRunner
 from hicache.engine.scheduler import Scheduler
 from hicache.errors import UserError
@@ -153,7 +153,10 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
         checker.instrument(part)
     runner, context = ModelRunner(model, pool), context_length(cfg, loaded.config)
     compute = build_decoder_for(cfg, runner, draft, cache, context) if draft is not None else None
-    # The P/D role (hicache/disagg/roles.py) picks the scheduler; without one it is the plain Scheduler.
-    scheduler = role_scheduler(cfg, runner, pctx, loaded.identity, cache, loaded.tokenizer, context, checker, compute)
+    # The scheduler's parts: how a step is computed (plain or speculative) and its P/D role, if any.
+    role = pd_role(cfg, runner, pctx, loaded.identity)
+    scheduler = Scheduler(cfg, runner, cache, loaded.tokenizer, context, checker, compute, role)
     checker.instrument(scheduler)
+    if role is not None:
+        checker.instrument(role)  # the checker wraps only the marked methods of the object it is given
     return scheduler

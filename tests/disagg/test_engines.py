@@ -134,7 +134,7 @@ def test_restores_of_different_requests_are_in_flight_at_once():
         while time.monotonic() < deadline and not all(hd.req.output_ids for _, hd in handles):
             restoring = dec.call_in_loop(
                 lambda: sum(
-                    1 for inc in scheduler.transferring
+                    1 for inc in scheduler.role.transferring
                     if scheduler.cache.restore_status(inc.req.kv).state is RestoreState.RUNNING
                 )
             )

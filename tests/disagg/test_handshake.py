@@ -1,5 +1,5 @@
 """What a prefill-decode pair must share (hicache/disagg/handshake.py), and what prefill refuses in
-decode's metadata (hicache/disagg/prefill_scheduler.py): every mismatch is named, never served."""
+decode's metadata (hicache/disagg/prefill_role.py): every mismatch is named, never served."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from hicache.disagg.handshake import Handshake
-from hicache.disagg.prefill_scheduler import metadata_problem
+from hicache.disagg.prefill_role import metadata_problem
 from hicache.disagg.transfer import DecodeMetadata
 from hicache.disagg.wire import WireError, decode, encode, metadata_header, parse_metadata, prompt_digest
 from hicache.engine.request import Request, SamplingParams

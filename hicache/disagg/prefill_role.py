@@ -1,4 +1,5 @@
-"""P/D disaggregation: the prefill role's scheduler.
+"""P/D disaggregation: the prefill role, the part of the scheduler (hicache/engine/role.py) that serves
+the prompt half of a request.
 
 A request first waits, holding nothing, until its decode server's metadata has arrived on every rank
 (SGLang's bootstrap queue): decode admits the request first, so prefill never computes for a decode
@@ -15,15 +16,19 @@ transfer timed out) is aborted: nobody would receive what it computes.
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 from hicache.disagg.agreement import agree_min
 from hicache.disagg.handshake import Handshake
 from hicache.disagg.kv_rows import stage
-from hicache.disagg.role_scheduler import RoleScheduler
-from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVSender, PrefillResult
+from hicache.disagg.stats import DisaggStats
+from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVSender, KVTransferBackend, PrefillResult
 from hicache.disagg.wire import prompt_digest
 from hicache.engine.request import FinishReason, Request, RequestEvent, TokenLogprob
+from hicache.engine.role import checked_intake
+from hicache.engine.scheduler import Scheduler
+from hicache.parallel.parallel import ParallelContext
 
 logger = logging.getLogger(__name__)
 
@@ -41,38 +46,39 @@ def metadata_problem(meta: DecodeMetadata, req: Request, mine: Handshake) -> str
     return None
 
 
-class PrefillScheduler(RoleScheduler):
-    role = "prefill"
+class PrefillRole:
+    """This rank's prefill role over its transfer backend; transfer outcomes are agreed over `pctx`."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self, transfer: KVTransferBackend, pctx: ParallelContext, handshake: Handshake, bootstrap: tuple[str, int]
+    ) -> None:
+        self.transfer = transfer
+        self.pctx = pctx
+        self.handshake = handshake
+        self.bootstrap = bootstrap  # (host, base port): where decode servers reach this server's ranks
+        self.counters = DisaggStats("prefill")
         self.bootstrapping: list[tuple[Request, KVSender]] = []  # waiting for decode's metadata
         self._senders: dict[int, KVSender] = {}  # rid -> sender, from bootstrap to release
-        self._first_logprob: dict[int, TokenLogprob | None] = {}
 
     # ---- intake --------------------------------------------------------------------------------
 
-    def add(self, req: Request) -> None:
+    def add(self, scheduler: Scheduler, req: Request) -> None:
         if req.bootstrap is None:
             raise RuntimeError(f"request {req.rid} reached a prefill server without bootstrap information")
         req.max_new_tokens = 1  # prefill computes the prompt and the first token; decode does the rest
-        req.kv_handle = self.cache.open(req.rid, req.prompt_ids, req.namespace)
+        scheduler.open(req)
         self.bootstrapping.append((req, self.transfer.sender(req.bootstrap, req.prompt_len)))
 
     def abort(self, rid: int) -> None:
-        super().abort(rid)
         for req, _ in self.bootstrapping:
             if req.rid == rid:
                 req.aborted = True
 
     @property
     def has_work(self) -> bool:
-        return bool(self.bootstrapping) or super().has_work
+        return bool(self.bootstrapping)
 
-    # ---- one step ------------------------------------------------------------------------------
-
-    def step(self) -> list[RequestEvent]:
-        return self._bootstrap() + super().step()
+    # ---- each step, before the batch -------------------------------------------------------------
 
     def _local_status(self, req: Request, sender: KVSender) -> tuple[int, str | None]:
         status = sender.poll()
@@ -84,7 +90,8 @@ class PrefillScheduler(RoleScheduler):
         problem = metadata_problem(meta, req, self.handshake)
         return (KVPoll.FAILED, problem) if problem else (KVPoll.WAITING_FOR_INPUT, None)
 
-    def _bootstrap(self) -> list[RequestEvent]:
+    @checked_intake
+    def intake(self, scheduler: Scheduler) -> list[RequestEvent]:
         """Move the requests whose metadata every rank has into the waiting queue; fail the refused;
         abort those being computed for a decode that has given up on them."""
         admitted = list(self._senders.items())  # in admission order, the same on every rank
@@ -95,53 +102,64 @@ class PrefillScheduler(RoleScheduler):
         agreed = agree_min(self.pctx, [status for status, _ in local] + wanted)
         for (rid, _), still_wanted in zip(admitted, agreed[len(local) :]):
             if not still_wanted:
-                self.abort(rid)  # nobody will receive it: the step below drops it
+                scheduler.abort(rid)  # nobody will receive it: the step drops it
         events, still = [], []
         for (req, sender), (_, reason), status in zip(self.bootstrapping, local, agreed):
             if req.aborted:
-                events.append(self._end(req, sender, FinishReason.ABORT, "the request was cancelled on prefill"))
+                cancelled = "the request was cancelled on prefill"
+                events.append(self._end(scheduler, req, sender, FinishReason.ABORT, cancelled))
             elif status == KVPoll.FAILED:
                 reason = reason or "the transfer failed on another prefill rank"
                 logger.warning("prefill request %d (room %d) failed: %s", req.rid, sender.room, reason)
-                events.append(self._end(req, sender, FinishReason.ERROR, reason))
+                events.append(self._end(scheduler, req, sender, FinishReason.ERROR, reason))
             elif status == KVPoll.WAITING_FOR_INPUT:
                 self._senders[req.rid] = sender
-                self.waiting.append(req)
+                scheduler.waiting.append(req)
             else:
                 still.append((req, sender))
         self.bootstrapping = still
         return events
 
-    def _end(self, req: Request, sender: KVSender, reason: FinishReason, message: str) -> RequestEvent:
+    def _end(
+        self, scheduler: Scheduler, req: Request, sender: KVSender, reason: FinishReason, message: str
+    ) -> RequestEvent:
         sender.abort(message)
-        self.stats.transfers_failed += 1
-        self.cache.release(req.kv, req.tokens(req.kv.kv_len))
+        self.counters.transfers_failed += 1
+        scheduler.cache.release(req.kv, req.tokens(req.kv.kv_len))
         return RequestEvent(req.rid, (), finish_reason=reason, error=message)
 
     # ---- the end of a request: send what decode needs --------------------------------------------
 
-    def _append_token(self, req: Request, token: int, logprob: TokenLogprob | None) -> RequestEvent:
-        self._first_logprob[req.rid] = logprob
-        return super()._append_token(req, token, logprob)
-
-    def _release(self, req: Request) -> None:
-        """Every way a request ends passes here, its pages still held: finished with its first token,
-        it sends; otherwise (aborted, failed) decode is told."""
+    def release(self, scheduler: Scheduler, req: Request, logprob: TokenLogprob | None) -> None:
+        """Every way a request ends passes here, its pages still held: finished with its first token
+        (its only one, so `logprob` is the first token's), it sends; otherwise (aborted, failed) decode
+        is told."""
         sender = self._senders.pop(req.rid, None)
-        logprob = self._first_logprob.pop(req.rid, None)
-        if sender is not None:
-            meta = sender.metadata()
-            if req.output_ids and not req.aborted and meta is not None:
-                kv = stage(self.runner.pool, req.kv.pages, meta.decode_prefix_len, req.prompt_len)
-                sender.send(kv, PrefillResult(req.output_ids[0], logprob, dict(req.kv.cached_tokens_by_tier)))
-                self.stats.sent_tokens += kv.end - kv.start
-                self.stats.transfers_ok += 1
-            else:
-                sender.abort("the prefill request was aborted before its KV was computed")
-                self.stats.transfers_failed += 1
-        super()._release(req)
+        if sender is None:
+            return
+        meta = sender.metadata()
+        if req.output_ids and not req.aborted and meta is not None:
+            kv = stage(scheduler.runner.pool, req.kv.pages, meta.decode_prefix_len, req.prompt_len)
+            sender.send(kv, PrefillResult(req.output_ids[0], logprob, dict(req.kv.cached_tokens_by_tier)))
+            self.counters.sent_tokens += kv.end - kv.start
+            self.counters.transfers_ok += 1
+        else:
+            sender.abort("the prefill request was aborted before its KV was computed")
+            self.counters.transfers_failed += 1
 
-    def abort_all(self, reason: FinishReason, message: str) -> list[RequestEvent]:
-        events = [self._end(req, sender, reason, message) for req, sender in self.bootstrapping]
+    def abort_all(self, scheduler: Scheduler, reason: FinishReason, message: str) -> list[RequestEvent]:
+        events = [self._end(scheduler, req, sender, reason, message) for req, sender in self.bootstrapping]
         self.bootstrapping = []
-        return events + super().abort_all(reason, message)
+        return events
+
+    # ---- what the control commands see -----------------------------------------------------------
+
+    def info(self) -> dict[str, Any]:
+        host, port = self.bootstrap
+        return {"bootstrap_host": host, "bootstrap_port": port, "handshake": self.handshake.to_json()}
+
+    def stats(self) -> DisaggStats:
+        return replace(self.counters.snapshot(), sent_bytes=self.transfer.moved_bytes)
+
+    def close(self) -> None:
+        self.transfer.shutdown()
