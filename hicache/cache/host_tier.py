@@ -99,9 +99,10 @@ class HostTier:
         load_back_threshold: int,
         debug_delay_s: float = 0.0,
         transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
-        load_fail_rate: float = 0.0,
+        load_faults: LoadFaults | None = None,
     ) -> None:
-        """`tree` must free removed nodes' host pages into `host` (its on_host_free)."""
+        """`tree` must free removed nodes' host pages into `host` (its on_host_free). `load_faults`:
+        which loads fail (fault injection, wired in by build.py)."""
         self.pool = pool
         self.host = host
         self.tree = tree
@@ -117,7 +118,7 @@ class HostTier:
         # rank, so a reader that does not wait for a layer's event reads pages not restored yet.
         self._layer_delay_s = debug_delay_s
         self._layer_rng = random.Random(rank * 16 + 3)
-        self._load_faults = LoadFaults(load_fail_rate, seed=rank * 16 + 5) if load_fail_rate > 0 else None
+        self._load_faults = load_faults
         self.ledger = LoadLedger(consensus)  # loads to judge after the step that needed them
         self.backups = AckQueue()
         self.loads = AckQueue()

@@ -332,6 +332,10 @@ class StorageTier:
 
     # ---- maintenance ---------------------------------------------------------------------------
 
+    @property
+    def workers(self) -> list[SupervisedWorker]:
+        return [self.worker]
+
     def leak_report(self) -> list[str]:
         return [f"{len(self.prefetches)} prefetches not consumed"] if self.prefetches else []
 
