@@ -99,7 +99,7 @@ def hierarchical_cache(
     delay = debug.debug_transfer_delay_ms / 1000
     policy = WritePolicy(cfg.hicache_write_policy)
     host = HostTier(
-        pool, host_pool, device.tree, consensus, policy, cfg.hicache_load_back_threshold, delay,
+        pool, host_pool, device.tree, device.budget, consensus, policy, cfg.hicache_load_back_threshold, delay,
         cfg.hicache_transfer_timeout, load_faults(debug, rank),
     )  # fmt: skip
     storage = None

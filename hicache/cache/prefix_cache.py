@@ -10,8 +10,9 @@ moving it deeper (after its prompt is cached) locks the new node before unlockin
 NOTE (memory invariant): a request is admitted only if the pages it may ever need (prompt + max new
 tokens, less its cached prefix) fit in free + evictable pages minus what admitted requests were
 promised (`reserved_pages`); so a READY handle can always `extend`, evicting unlocked cache if needed,
-and never runs out of KV memory mid-way. With sharded pages this holds per owner class
-(`reserved_by_class`; the handle's pages cycle through the classes from its `rotation`).
+and never runs out of KV memory mid-way. With sharded pages this holds per owner class (the page
+budget, page_budget.py, keeps the promises and answers room; the handle's pages cycle through the
+classes from its `rotation`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Callable, Sequence
 from hicache.cache.api import Admission, KVHandle, KVState, PrefixMatch, RestoreStatus
 from hicache.cache.device_tier import DeviceTier
 from hicache.cache.failed_loads import FailedLoads, IssuedLoad
-from hicache.cache.gather_budget import GatherBudget
 from hicache.cache.lower_tiers import NO_PAGES, LowerTiers
 from hicache.cache.page_keys import Tokens
 from hicache.cache.radix import TreeNode
@@ -34,7 +34,7 @@ from hicache.debug.consensus_checker import consensus_checked
 logger = logging.getLogger(__name__)
 
 # What must agree across ranks about an admission: its inputs, the decision, the matched length by tier.
-ADMIT_PARAMS = {"rid": "handle.rid", "total_pages": "total_pages", "reserved_elsewhere": "self.reserved_pages"}
+ADMIT_PARAMS = {"rid": "handle.rid", "total_pages": "total_pages", "reserved_elsewhere": "self.budget.reserved_pages"}
 ADMIT_RESULTS = {
     "result": "result.admitted",
     "kv_len": "handle.kv_len",
@@ -78,9 +78,7 @@ class PrefixCache:
         self.pool = device.pool
         self.page_size = self.pool.page_size
         self.tree = device.tree
-        self.reserved_pages = 0  # promised to READY handles, not yet allocated by them
-        self.reserved_by_class = [0] * self.pool.allocator.num_classes
-        self.gather = GatherBudget(self.pool, self.tree)  # the CP gather's scratch (sharded pages only)
+        self.budget = device.budget
         # What `reserve` restores, judged by the host tier's ledger (nothing restores without one).
         self.restores = Restores(lower.host.ledger, lower.consensus) if lower is not None else Restores()
         self._keep_on_evict = lower.keep_on_evict if lower is not None else None
@@ -152,8 +150,8 @@ class PrefixCache:
         is cached later either."""
         if self.radix:
             return self._reserve_prefix(handle, tokens, total_pages)
-        handle.rotation = self.device.new_rotation()
-        if not self._room(handle, 0, total_pages):
+        handle.rotation = self.budget.new_rotation()
+        if not self.budget.room(handle.rotation, 0, total_pages):
             return None
         handle.enter(KVState.RESERVED)
         return Reserved(PrefixMatch(), None, None)
@@ -171,9 +169,9 @@ class PrefixCache:
         handle.enter(KVState.MATCHED)
         self.tree.lock(match.last_node)  # also keeps a host-resident continuation from host eviction
         handle.enter(KVState.LOCKED)
-        handle.rotation = match.rotation if match.rotation is not None else self.device.new_rotation()
+        handle.rotation = match.rotation if match.rotation is not None else self.budget.new_rotation()
         need = total_pages - len(match.device_pages)
-        if not self._room(handle, len(match.device_pages), need):
+        if not self.budget.room(handle.rotation, len(match.device_pages), need):
             self.tree.unlock(match.last_node)
             handle.enter(KVState.WAITING)
             return None
@@ -197,17 +195,19 @@ class PrefixCache:
         handle.committed_len = handle.kv_len  # those pages are the tree's
         return Reserved(cached, deepest, load)
 
-    def _room(self, handle: KVHandle, first: int, n: int) -> bool:
-        """Whether pages first..first+n-1 of the handle's prefix fit, class by class, in the pool and in
-        the gather's scratch."""
-        classes = self.device.classes(handle.rotation, first, n)
-        return self.device.room(classes, self.reserved_by_class) and self.gather.fits(classes, self.reserved_by_class)
+    @property
+    def reserved_pages(self) -> int:
+        """Pages promised to handles and not yet allocated by them."""
+        return self.budget.reserved_pages
+
+    @property
+    def reserved_by_class(self) -> list[int]:
+        """The same, by owner class."""
+        return self.budget.reserved_by_class
 
     def _promise(self, handle: KVHandle, n: int, sign: int) -> None:
         """Count (sign +1) or uncount (-1) the handle's next n pages, from len(pages) on, as promised."""
-        self.reserved_pages += sign * n
-        for c in self.device.classes(handle.rotation, len(handle.pages), n):
-            self.reserved_by_class[c] += sign
+        self.budget.promise(handle.rotation, len(handle.pages), n, sign)
 
     def _reserve_rest(self, handle: KVHandle, reserve: int, cached: PrefixMatch, lock: TreeNode | None) -> None:
         """Promise the handle `reserve` more pages (counted against admission, by owner class) and
@@ -232,8 +232,8 @@ class PrefixCache:
         if want > handle.reserved_pages:
             raise RuntimeError("KV reservation invariant broken: a request outgrew its reservation")
         self._promise(handle, want, -1)
-        self.gather.hold(handle.rotation, len(handle.pages), want, +1)
-        classes = self.device.classes(handle.rotation, len(handle.pages), want)
+        self.budget.hold(handle.rotation, len(handle.pages), want, +1)
+        classes = self.budget.classes(handle.rotation, len(handle.pages), want)
         handle.pages.extend(self.device.alloc(want, keep_if=self._keep_on_evict, classes=classes))
         handle.reserved_pages -= want
 
@@ -258,7 +258,7 @@ class PrefixCache:
         handle.lock = res.last_node
         shared = handle.committed_len // self.page_size
         if n // self.page_size > shared:  # those pages are the tree's now
-            self.gather.hold(handle.rotation, shared, n // self.page_size - shared, -1)
+            self.budget.hold(handle.rotation, shared, n // self.page_size - shared, -1)
         handle.committed_len = max(handle.committed_len, n)
         if self.lower is not None:
             self.lower.on_new_nodes(res.new_nodes)
@@ -279,7 +279,7 @@ class PrefixCache:
                 handle.lock = None
                 kept = handle.committed_len // self.page_size  # the tree's: its full pages, unless refused
             self._promise(handle, handle.reserved_pages, -1)
-            self.gather.hold(handle.rotation, kept, len(handle.pages) - kept, -1)
+            self.budget.hold(handle.rotation, kept, len(handle.pages) - kept, -1)
             self.device.free(handle.pages[kept:])
             handle.pages = []
             handle.reserved_pages = 0
@@ -315,11 +315,7 @@ class PrefixCache:
         self.tree.reset()
 
     def leak_report(self) -> list[str]:
-        problems = self.device.leak_report() + self.restores.leak_report()
-        if self.reserved_pages:
-            problems.append(f"{self.reserved_pages} pages still reserved")
-        if any(self.gather.private_by_class):
-            problems.append(f"pages still counted as requests' own: {self.gather.private_by_class}")
+        problems = self.device.leak_report() + self.restores.leak_report() + self.budget.leak_report()
         return problems + (self.lower.leak_report() if self.lower is not None else [])
 
     def usage(self) -> dict[str, tuple[int, int]]:
@@ -334,7 +330,7 @@ class PrefixCache:
         return self.lower.stats() if self.lower is not None else CacheStats()
 
     def checked_parts(self) -> list[object]:
-        return [self, self.device, self.tree] + (self.lower.checked_parts() if self.lower is not None else [])
+        return [self, self.device, self.budget, self.tree] + (self.lower.checked_parts() if self.lower is not None else [])
 
     def shutdown(self) -> None:
         """Finish the lower tiers' copies in flight and stop their workers."""

@@ -194,7 +194,7 @@ class StorageTier:
                 self._lose(PrefetchLoss.BELOW_THRESHOLD, hit)
                 prefetch.done = True
                 continue
-            classes = self.placement.rotation_classes(prefetch.rotation, prefetch.start_page, hit)
+            classes = self.host.budget.classes(prefetch.rotation, prefetch.start_page, hit)
             host_pages = self.host.alloc(hit, classes)
             if host_pages is None:
                 self._lose(PrefetchLoss.HOST_FULL, hit)

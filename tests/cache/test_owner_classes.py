@@ -1,4 +1,4 @@
-"""Sharded pages through the cache (hicache/cache/device_tier.py, radix.py, prefix_cache.py), as
+"""Sharded pages through the cache (hicache/cache/page_budget.py, device_tier.py, radix.py, prefix_cache.py), as
 properties over random request streams: owners cycle along every prefix; each prefix's pages spread
 over the owner classes within one page; the rotation check refuses exactly the conflicting inserts;
 allocation by class always terminates, and succeeds whenever admission said it would fit."""
@@ -107,7 +107,7 @@ def test_eviction_until_every_class_has_room_terminates(shards, local_pages, str
         cache.release(handle, tokens)
     device: DeviceTier = cache.device
     classes = [c % shards for c in wanted]
-    fits = device.room(classes, [0] * shards)
+    fits = device.budget.pool_room(classes)  # nothing is promised: every handle was released
     nodes_before = len(list(device.tree.nodes()))
     calls = []
     evict = device.tree.evict
