@@ -330,7 +330,8 @@ class PrefixCache:
         return self.lower.stats() if self.lower is not None else CacheStats()
 
     def checked_parts(self) -> list[object]:
-        return [self, self.device, self.budget, self.tree] + (self.lower.checked_parts() if self.lower is not None else [])
+        lower = self.lower.checked_parts() if self.lower is not None else []
+        return [self, self.device, self.budget, self.tree, *lower]
 
     def shutdown(self) -> None:
         """Finish the lower tiers' copies in flight and stop their workers."""
