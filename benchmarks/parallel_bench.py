@@ -5,7 +5,7 @@ same run (not a test).
 
 1. One consensus check, in µs, at TP2, PP2 and TP2xPP2 (real rank processes, gloo on loopback):
    `Consensus.agree_min` alone (the TP MIN all-reduce on its gloo group, or the pp_sync receive and
-   forward) and a whole `HierarchicalCache.check()` with empty queues (what every scheduler step pays
+   forward) and a whole hierarchical `PrefixCache.check()` with empty queues (what every scheduler step pays
    when nothing completed), against one decode step of 8 requests with 512-token contexts at the same
    topology, and against one gloo all-reduce of a scalar (the physical floor of any agreement); also
    the rank worker's per-step broadcast of (empty) inputs from rank 0, and the disabled consensus

@@ -1,0 +1,36 @@
+"""The cache (docs/DESIGN.md, "cache API"): what the parts above it use, in one place. A scheduler
+drives a `KVCache` through `KVHandle`s; `build_cache` puts one together from the configuration."""
+
+from hicache.cache.api import (
+    TIERS, Admission, KVCache, KVHandle, KVState, PrefixMatch, RestoreState, RestoreStatus,
+)  # fmt: skip
+from hicache.cache.build import build_cache, check_unified, storage_identity, storage_layout
+from hicache.cache.failed_loads import FailedLoads
+from hicache.cache.host_tier import WritePolicy
+from hicache.cache.prefix_cache import PrefixCache
+from hicache.cache.stats import CacheStats, HostStats, PrefetchLoss, StorageTierStats, WorkerStats
+from hicache.cache.storage_tier import PrefetchPolicy
+
+__all__ = [
+    "TIERS",
+    "Admission",
+    "CacheStats",
+    "FailedLoads",
+    "HostStats",
+    "KVCache",
+    "KVHandle",
+    "KVState",
+    "PrefetchLoss",
+    "PrefetchPolicy",
+    "PrefixCache",
+    "PrefixMatch",
+    "RestoreState",
+    "RestoreStatus",
+    "StorageTierStats",
+    "WorkerStats",
+    "WritePolicy",
+    "build_cache",
+    "check_unified",
+    "storage_identity",
+    "storage_layout",
+]

@@ -116,7 +116,7 @@ class KVHandle:
     # was restored with (the effective hit is their MIN); the draft computes the rest.
     draft_len: int | None = None
     # Owner class of its first page when pages are sharded over ranks (page P on (rotation + P) mod N):
-    # its cached path's base, or where a new prefix starts (hicache/cache/device_tier.py). 0 unsharded.
+    # its cached path's base, or where a new prefix starts (hicache/cache/page_budget.py). 0 unsharded.
     rotation: int = 0
     # False after a load of its host part failed (hicache/cache/failed_loads.py): admission then
     # recomputes that part instead of loading it again.

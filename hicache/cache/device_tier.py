@@ -3,23 +3,18 @@
 It allocates device pages (evicting unlocked cache, least recently used first, when the free list is
 short), inserts computed pages into the tree (returning a duplicate when another request cached the
 same tokens first), and reports what it holds. The tree itself is shared with the host tier, whose
-pages live in the same nodes.
-
-Sharded pages (hicache/parallel/placement.py): page P of a prefix comes from owner class (b + P) mod N,
-b the prefix's rotation base, kept on its tree nodes; a new prefix starts on the class with the most
-free pages (`new_rotation`). Room is counted per class (`room`: the tightest class decides, not the
-total), and eviction repeats until every class asked for has room. Every input of these decisions
-(free lists, evictable pages by class, the tree) is mirrored on every shard rank, so they are pure
-functions of mirrored state; the consensus checker records them.
+pages live in the same nodes; so is the page budget (page_budget.py) over its pool and tree, which says
+which owner class each page comes from when pages are sharded: eviction then repeats until every class
+asked for has room.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from hicache.cache.page_budget import PageBudget
 from hicache.cache.radix import PagesFn, RadixTree, TreeNode
 from hicache.debug.consensus_checker import consensus_checked
 from hicache.mem.device_pool import DeviceKVPool
@@ -42,32 +37,16 @@ class DeviceTier:
         self.pool = pool
         self.allocator = pool.allocator
         self.page_size = pool.page_size
-        self.placement = pool.placement
         self.tree = RadixTree(
             self.page_size, on_device_free=self.allocator.free, on_host_free=on_host_free,
             num_classes=self.allocator.num_classes,
         )  # fmt: skip
+        self.budget = PageBudget(pool, self.tree)
         self._evict = evict
 
     def available_pages(self) -> int:
         """Pages an allocation can get: free ones plus what eviction can free."""
         return self.allocator.free_pages + self.tree.evictable_pages
-
-    def classes(self, rotation: int, first: int, n: int) -> list[int]:
-        """Owner classes of pages first..first+n-1 of a prefix with rotation base `rotation`."""
-        return self.placement.rotation_classes(rotation, first, n)
-
-    @consensus_checked(params=(), results=("result",))
-    def new_rotation(self) -> int:
-        """Where a new prefix starts: the class with the most free pages (the lowest on a tie)."""
-        return self.allocator.emptiest_class()
-
-    def room(self, classes: Sequence[int], reserved_by_class: Sequence[int]) -> bool:
-        """Whether pages of `classes` fit in each class's free and evictable pages, less what admitted
-        requests were promised there: the tightest class decides."""
-        wanted = Counter(classes)
-        free, evictable = self.allocator.free_by_class(), self.tree.evictable_by_class
-        return all(k <= free[c] + evictable[c] - reserved_by_class[c] for c, k in wanted.items())
 
     # The pages' ids name their classes (class = id mod N), so the result records those too.
     @consensus_checked(params=("n",), results=("result",))
@@ -78,11 +57,9 @@ class DeviceTier:
         every class asked for has room (`keep_if`: see RadixTree.evict). Callers only ask for what
         admission reserved, so this cannot fail."""
         if classes is None:
-            classes = self.classes(self.allocator.emptiest_class(), 0, n)
-        wanted = Counter(classes)
+            classes = self.budget.classes(self.allocator.emptiest_class(), 0, n)
         while self._evict:
-            free = self.allocator.free_by_class()
-            short = sum(max(0, k - free[c]) for c, k in wanted.items())
+            short = self.budget.short(self.allocator, classes)
             # Eviction frees least recently used pages of any class: repeat until this one has room.
             if short <= 0 or self.tree.evict(short, keep_if=keep_if) == 0:
                 break

@@ -10,7 +10,8 @@
   on how many ACKs to consume, then fold the identities of what they consumed into the chain the next
   agreement compares.
 - Sharded pages (hicache/parallel/placement.py): a host page takes the owner class of the device page it
-  backs up, and a load-back allocates device pages through the nodes' rotation base, so every page
+  backs up, and a load-back allocates device pages through the nodes' rotation base (both asked of the
+  page budget, page_budget.py), so every page
   returns to its owner whatever its new physical page; each rank copies only its own pairs (the host
   pool's copy boundary), about 1/N of the bytes. The tree, the queues and the ACKs stay logical.
 """
@@ -22,13 +23,13 @@ import logging
 import random
 import threading
 import time
-from collections import Counter
 from typing import Callable, Sequence
 
 from hicache.cache.controller import (
     DEFAULT_TRANSFER_TIMEOUT_S, AckQueue, CopyStream, SupervisedWorker, TransferOp, TransferTimeout,
 )  # fmt: skip
 from hicache.cache.failed_loads import FailedLoads, IssuedLoad, LoadLedger
+from hicache.cache.page_budget import PageBudget
 from hicache.cache.page_keys import key_digest
 from hicache.cache.radix import MatchResult, RadixTree, TreeNode
 from hicache.cache.stats import HostStats
@@ -94,17 +95,20 @@ class HostTier:
         pool: DeviceKVPool,
         host: HostKVPool,
         tree: RadixTree,
+        budget: PageBudget,
         consensus: Consensus,
         policy: WritePolicy,
         load_back_threshold: int,
         debug_delay_s: float = 0.0,
         transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
-        load_fail_rate: float = 0.0,
+        load_faults: LoadFaults | None = None,
     ) -> None:
-        """`tree` must free removed nodes' host pages into `host` (its on_host_free)."""
+        """`tree` must free removed nodes' host pages into `host` (its on_host_free). `load_faults`:
+        which loads fail (fault injection, wired in by build.py)."""
         self.pool = pool
         self.host = host
         self.tree = tree
+        self.budget = budget
         self.consensus = consensus
         self.policy = policy
         self.load_back_threshold = load_back_threshold
@@ -117,7 +121,7 @@ class HostTier:
         # rank, so a reader that does not wait for a layer's event reads pages not restored yet.
         self._layer_delay_s = debug_delay_s
         self._layer_rng = random.Random(rank * 16 + 3)
-        self._load_faults = LoadFaults(load_fail_rate, seed=rank * 16 + 5) if load_fail_rate > 0 else None
+        self._load_faults = load_faults
         self.ledger = LoadLedger(consensus)  # loads to judge after the step that needed them
         self.backups = AckQueue()
         self.loads = AckQueue()
@@ -135,19 +139,10 @@ class HostTier:
         first, then the host copies of device-resident prefixes (LRU), until every class asked for has
         room; None if even that is not enough."""
         classes = list(classes) if classes is not None else [0] * n
-        wanted = Counter(classes)
         for make_room in (self.tree.evict_host, self._drop_host_copies):
-            while (short := self._short(wanted)) > 0 and make_room(short) > 0:
+            while (short := self.budget.short(self.host.allocator, classes)) > 0 and make_room(short) > 0:
                 pass
         return self.host.allocator.alloc(n, classes)
-
-    def _short(self, wanted: Counter) -> int:
-        free = self.host.allocator.free_by_class()
-        return sum(max(0, k - free[c]) for c, k in wanted.items())
-
-    def _classes_of(self, device_pages: list[int]) -> list[int]:
-        """A backup's host pages take the owner classes of the device pages they copy."""
-        return [self.host.allocator.class_of(p) for p in device_pages]
 
     def _drop_host_copies(self, num_pages: int) -> int:
         """Free host copies of unlocked device-resident nodes, least recently used first. Without this a
@@ -178,7 +173,7 @@ class HostTier:
         """Start copying a device node to the host (nothing if it has a host copy or no device pages)."""
         if node.host_pages is not None or node.device_pages is None:
             return
-        host_pages = self.alloc(len(node.device_pages), self._classes_of(node.device_pages))
+        host_pages = self.alloc(len(node.device_pages), self.budget.classes_of(node.device_pages))
         if host_pages is None:
             self.stats.backup_skipped_host_full_pages += len(node.device_pages)
             return
@@ -213,7 +208,7 @@ class HostTier:
         if not self.policy.backs_up_on_evict or node.host_pages is not None:
             return False
         device_pages = list(node.device_pages or [])
-        host_pages = self.alloc(len(device_pages), self._classes_of(device_pages))
+        host_pages = self.alloc(len(device_pages), self.budget.classes_of(device_pages))
         if host_pages is None:
             self.stats.backup_skipped_host_full_pages += len(device_pages)
             return False
@@ -286,8 +281,8 @@ class HostTier:
             return None
         # Through the path's rotation base: each page returns to the owner its host copy is on.
         rotation, first = match.last_node.rotation, len(match.device_pages)
-        classes = self.pool.placement.rotation_classes(rotation, first, len(host_pages))
-        assert classes == self._classes_of(host_pages), "a host page is off its prefix's owner cycle"
+        classes = self.budget.classes(rotation, first, len(host_pages))
+        assert classes == self.budget.classes_of(host_pages), "a host page is off its prefix's owner cycle"
         device_pages = alloc(len(host_pages), classes)
         offset = 0
         for node in match.host_nodes:

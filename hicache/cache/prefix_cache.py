@@ -1,6 +1,8 @@
 """The radix prefix cache behind the cache API (docs/DESIGN.md, "cache API"): it owns the requests' KV
-handles and the reservations, and runs admission over the device tier. `HierarchicalCache`
-(hierarchical.py) adds the host and storage tiers through the hooks marked below.
+handles and the reservations, and runs admission over the device tier. It is composed, not extended:
+the device tier always, and, with the hierarchical cache on, the `LowerTiers` below it (lower_tiers.py:
+the host tier, and the storage tier when configured), asked wherever a lower tier takes part. build.py
+puts the parts together from the configuration.
 
 Lease contract: a READY handle holds exactly one tree lock (`handle.lock`) until it is released;
 moving it deeper (after its prompt is cached) locks the new node before unlocking the old one.
@@ -8,8 +10,9 @@ moving it deeper (after its prompt is cached) locks the new node before unlockin
 NOTE (memory invariant): a request is admitted only if the pages it may ever need (prompt + max new
 tokens, less its cached prefix) fit in free + evictable pages minus what admitted requests were
 promised (`reserved_pages`); so a READY handle can always `extend`, evicting unlocked cache if needed,
-and never runs out of KV memory mid-way. With sharded pages this holds per owner class
-(`reserved_by_class`; the handle's pages cycle through the classes from its `rotation`).
+and never runs out of KV memory mid-way. With sharded pages this holds per owner class (the page
+budget, page_budget.py, keeps the promises and answers room; the handle's pages cycle through the
+classes from its `rotation`).
 """
 
 from __future__ import annotations
@@ -21,18 +24,17 @@ from typing import Callable, Sequence
 from hicache.cache.api import Admission, KVHandle, KVState, PrefixMatch, RestoreStatus
 from hicache.cache.device_tier import DeviceTier
 from hicache.cache.failed_loads import FailedLoads, IssuedLoad
-from hicache.cache.gather_budget import GatherBudget
+from hicache.cache.lower_tiers import NO_PAGES, LowerTiers
 from hicache.cache.page_keys import Tokens
-from hicache.cache.radix import MatchResult, PagesFn, TreeNode
+from hicache.cache.radix import TreeNode
 from hicache.cache.restores import Restores
 from hicache.cache.stats import CacheStats
 from hicache.debug.consensus_checker import consensus_checked
-from hicache.mem.device_pool import DeviceKVPool
 
 logger = logging.getLogger(__name__)
 
 # What must agree across ranks about an admission: its inputs, the decision, the matched length by tier.
-ADMIT_PARAMS = {"rid": "handle.rid", "total_pages": "total_pages", "reserved_elsewhere": "self.reserved_pages"}
+ADMIT_PARAMS = {"rid": "handle.rid", "total_pages": "total_pages", "reserved_elsewhere": "self.budget.reserved_pages"}
 ADMIT_RESULTS = {
     "result": "result.admitted",
     "kv_len": "handle.kv_len",
@@ -41,88 +43,57 @@ ADMIT_RESULTS = {
 }
 RELEASE_PARAMS = {"rid": "handle.rid", "kv_len": "handle.kv_len"}
 
-NO_PAGES = range(0)
-
 
 @dataclass(frozen=True)
 class Reserved:
     """What `PrefixCache._reserve_prefix` matched and locked."""
 
     cached: PrefixMatch  # the reused prefix by the tier that holds it
-    lock: TreeNode  # the deepest node of that prefix, locked for the handle
+    lock: TreeNode | None  # the deepest node of that prefix, locked for the handle (None: radix off)
     load: IssuedLoad | None  # the load of its host-only part back to the device (None: nothing loads)
 
 
 class PrefixCache:
     def __init__(
-        self, pool: DeviceKVPool, enabled: bool = True, on_host_free: PagesFn | None = None, draft: bool = False
+        self,
+        device: DeviceTier,
+        lower: LowerTiers | None = None,
+        radix: bool = True,
+        draft: bool = False,
+        skip_draft_restore: bool = False,
     ) -> None:
-        """`draft`: a speculative draft's pools share the device pages (hicache/spec/): handles then
-        track the draft's length beside the target's (`KVHandle.draft_len`)."""
+        """`lower`: the host (and storage) tiers below the device; None: the device tier alone.
+        `radix`: False with the radix cache off, where no prompt is matched or cached (nor any lower
+        tier possible). `draft`: a speculative draft's pools share the device pages (hicache/spec/):
+        handles then track the draft's length beside the target's (`KVHandle.draft_len`);
+        `skip_draft_restore`: loads restore the target's layers only, so the draft recomputes what
+        came from a lower tier (a negative control)."""
+        if lower is not None and not radix:
+            raise ValueError("lower tiers hold what the radix tree caches: they need it on")
+        self.device = device
+        self.lower = lower
+        self.radix = radix
         self.draft = draft
-        self.device = DeviceTier(pool, on_host_free, evict=enabled)
-        self.pool = pool
-        self.page_size = pool.page_size
-        self.tree = self.device.tree
-        self.enabled = enabled
-        self.reserved_pages = 0  # promised to READY handles, not yet allocated by them
-        self.reserved_by_class = [0] * pool.allocator.num_classes
-        self.gather = GatherBudget(pool, self.tree)  # the CP gather's scratch (sharded pages only)
-        self.restores = Restores()  # what `reserve` restores (the hierarchical cache gives it its ledger)
-
-    # ---- hooks for the hierarchical tiers ------------------------------------------------------
-
-    def _on_open(self, handle: KVHandle) -> None:
-        """A request arrived (a storage tier starts its prefetch)."""
-
-    def _fetched(self, handle: KVHandle) -> range:
-        """Just before matching: prompt pages a storage prefetch has put on the host for this request."""
-        return NO_PAGES
-
-    def _load_back(self, match: MatchResult, budget: int) -> IssuedLoad | None:
-        """The load of the whole host-resident part of `match` into device pages (all or nothing: None
-        when it is not worth it or more than `budget` pages). The device tier has nothing to load."""
-        return None
-
-    def _on_admitted(self, handle: KVHandle) -> None:
-        """The handle is READY, its prefix locked (selective write-through backs up hot nodes)."""
-
-    def _on_new_nodes(self, nodes: list[TreeNode]) -> None:
-        """Nodes were just created on the device tier (write-through backs them up)."""
-
-    def _keep_on_evict(self, node: TreeNode) -> bool:
-        """Called for a node leaving the device without a host copy; True if it was backed up now."""
-        return False
-
-    def _on_release(self, handle: KVHandle) -> None:
-        """The request went away (a prefetch still running for it is cancelled)."""
-
-    def _draft_unrestored(self, handle: KVHandle) -> int:
-        """Tokens of the handle's cached prefix whose draft state was not restored with the target's
-        (every pool of a device page holds its state: nothing, on the device tier)."""
-        return 0
-
-    def ready_to_admit(self, handle: KVHandle, busy: bool) -> bool:
-        return True
-
-    def check(self) -> None:
-        """Consume completed asynchronous transfers (a scheduler check point)."""
-
-    def before_layer(self) -> Callable[[int], None] | None:
-        return None
-
-    def failed_loads(self) -> FailedLoads:
-        return FailedLoads()  # nothing loads without a host tier
-
-    def drop_failed_loads(self, failed: FailedLoads, requests: int) -> None:
-        pass
+        self.skip_draft_restore = skip_draft_restore
+        self.pool = device.pool
+        self.page_size = self.pool.page_size
+        self.tree = device.tree
+        self.budget = device.budget
+        # What `reserve` restores, judged by the host tier's ledger (nothing restores without one).
+        self.restores = Restores(lower.host.ledger, lower.consensus) if lower is not None else Restores()
+        self._keep_on_evict = lower.keep_on_evict if lower is not None else None
 
     # ---- a handle's life -----------------------------------------------------------------------
 
     def open(self, rid: int, prompt: Sequence[int], namespace: str) -> KVHandle:
         handle = KVHandle(rid, prompt, namespace, self.page_size, draft_len=0 if self.draft else None)
-        self._on_open(handle)
+        if self.lower is not None:
+            self.lower.open(handle)
         return handle
+
+    @consensus_checked(params={"rid": "handle.rid", "busy": "busy"}, results=("result",))
+    def ready_to_admit(self, handle: KVHandle, busy: bool) -> bool:
+        return self.lower is None or self.lower.ready_to_admit(handle, busy)
 
     def lookup(self, prompt: Sequence[int], namespace: str) -> PrefixMatch:
         # The prefix admission matches (`admit`): all of the prompt but its last token.
@@ -133,37 +104,28 @@ class PrefixCache:
     def admit(self, handle: KVHandle, total_pages: int) -> Admission:
         if handle.state is not KVState.WAITING:
             raise RuntimeError(f"request {handle.rid}: admission of a {handle.state.value} handle")
-        if not self.enabled:
-            if not self._reserve_without_tree(handle, total_pages):
-                return Admission(False)
-            return self._ready(handle, total_pages, PrefixMatch(), None)
         if self.restores.blocks_admission():
             return Admission(False)  # a hit on a restore's pages would read them before they land
         # At least the last prompt token is always computed: its logits give the first output token.
-        reserved = self._reserve_prefix(handle, handle.packed_prompt.view(len(handle.prompt) - 1), total_pages)
+        reserved = self._reserve(handle, handle.packed_prompt.view(len(handle.prompt) - 1), total_pages)
         if reserved is None:
             return Admission(False)
         admission = self._ready(handle, total_pages - len(handle.pages), reserved.cached, reserved.lock)
-        self._on_admitted(handle)
+        if self.lower is not None:
+            self.lower.on_admitted(handle)
         return admission
 
     @consensus_checked(params=ADMIT_PARAMS, results=ADMIT_RESULTS)
     def reserve(self, handle: KVHandle, total_pages: int) -> Admission:
         if handle.state is not KVState.WAITING:
             raise RuntimeError(f"request {handle.rid}: reservation of a {handle.state.value} handle")
-        cached, lock = PrefixMatch(), None
-        if not self.enabled:  # without a tree the whole prompt's KV comes from outside
-            if not self._reserve_without_tree(handle, total_pages):
-                return Admission(False)
-        else:
-            reserved = self._reserve_prefix(handle, handle.packed_prompt, total_pages)
-            if reserved is None:
-                return Admission(False)
-            self.restores.track(handle, reserved.load)
-            cached, lock = reserved.cached, reserved.lock
-        self._reserve_rest(handle, total_pages - len(handle.pages), cached, lock)
+        reserved = self._reserve(handle, handle.packed_prompt, total_pages)
+        if reserved is None:
+            return Admission(False)
+        self.restores.track(handle, reserved.load)
+        self._reserve_rest(handle, total_pages - len(handle.pages), reserved.cached, reserved.lock)
         self.extend(handle, len(handle.prompt))  # the pages the outside KV lands in
-        return Admission(True, cached, handle.reserved_pages)
+        return Admission(True, reserved.cached, handle.reserved_pages)
 
     def restore_status(self, handle: KVHandle) -> RestoreStatus:
         return self.restores.status(handle)
@@ -174,20 +136,25 @@ class PrefixCache:
         self.restores.landed(handle)
         handle.enter(KVState.READY)
         handle.advance(len(handle.prompt))
-        if handle.lock is not None:
-            self._on_admitted(handle)
+        if handle.lock is not None and self.lower is not None:
+            self.lower.on_admitted(handle)
         self.cache_prefix(handle, handle.prompt)
 
     def fail(self, handle: KVHandle) -> None:
         self.release(handle, handle.prompt[: handle.kv_len])  # the prefix's pages were the tree's all along
 
-    def _reserve_without_tree(self, handle: KVHandle, total_pages: int) -> bool:
-        """WAITING → RESERVED with nothing cached (radix cache off), if `total_pages` fit; else False."""
-        handle.rotation = self.device.new_rotation()
-        if not self._room(handle, 0, total_pages):
-            return False
+    def _reserve(self, handle: KVHandle, tokens: Tokens, total_pages: int) -> Reserved | None:
+        """WAITING → RESERVED over the cached prefix of `tokens` (`_reserve_prefix`), or, with the radix
+        cache off, over nothing (no lock, no load) if `total_pages` fit; else WAITING (None). The one
+        place where the radix cache being off matters: without a tree path (`handle.lock` None) nothing
+        is cached later either."""
+        if self.radix:
+            return self._reserve_prefix(handle, tokens, total_pages)
+        handle.rotation = self.budget.new_rotation()
+        if not self.budget.room(handle.rotation, 0, total_pages):
+            return None
         handle.enter(KVState.RESERVED)
-        return True
+        return Reserved(PrefixMatch(), None, None)
 
     def _reserve_prefix(self, handle: KVHandle, tokens: Tokens, total_pages: int) -> Reserved | None:
         """WAITING → MATCHED → LOCKED → RESERVED over the cached prefix of `tokens`: match it (a finished
@@ -197,20 +164,21 @@ class PrefixCache:
         the prefix's pages (kv_len = committed_len = their tokens) and one lock, on `Reserved.lock`;
         promising the rest is the caller's: `admit` goes on to READY, `reserve` stops here while the
         rest of the prompt's KV arrives from outside. Changes the tree: yes."""
-        fetched = self._fetched(handle)
+        fetched = self.lower.fetched(handle) if self.lower is not None else NO_PAGES
         match = self.tree.match_prefix(tokens, handle.namespace, count_hit=True)
         handle.enter(KVState.MATCHED)
         self.tree.lock(match.last_node)  # also keeps a host-resident continuation from host eviction
         handle.enter(KVState.LOCKED)
-        handle.rotation = match.rotation if match.rotation is not None else self.device.new_rotation()
+        handle.rotation = match.rotation if match.rotation is not None else self.budget.new_rotation()
         need = total_pages - len(match.device_pages)
-        if not self._room(handle, len(match.device_pages), need):
+        if not self.budget.room(handle.rotation, len(match.device_pages), need):
             self.tree.unlock(match.last_node)
             handle.enter(KVState.WAITING)
             return None
         handle.enter(KVState.RESERVED)
         handle.pages = list(match.device_pages)
-        load = self._load_back(match, need) if handle.load_host else None
+        # Without a lower tier no node is host-only, so nothing loads.
+        load = self.lower.load_back(match, need, self.alloc) if self.lower is not None and handle.load_host else None
         loaded = load.device_pages if load is not None else []
         handle.pages.extend(loaded)
         deepest = match.host_nodes[-1] if loaded else match.last_device_node
@@ -227,17 +195,19 @@ class PrefixCache:
         handle.committed_len = handle.kv_len  # those pages are the tree's
         return Reserved(cached, deepest, load)
 
-    def _room(self, handle: KVHandle, first: int, n: int) -> bool:
-        """Whether pages first..first+n-1 of the handle's prefix fit, class by class, in the pool and in
-        the gather's scratch."""
-        classes = self.device.classes(handle.rotation, first, n)
-        return self.device.room(classes, self.reserved_by_class) and self.gather.fits(classes, self.reserved_by_class)
+    @property
+    def reserved_pages(self) -> int:
+        """Pages promised to handles and not yet allocated by them."""
+        return self.budget.reserved_pages
+
+    @property
+    def reserved_by_class(self) -> list[int]:
+        """The same, by owner class."""
+        return self.budget.reserved_by_class
 
     def _promise(self, handle: KVHandle, n: int, sign: int) -> None:
         """Count (sign +1) or uncount (-1) the handle's next n pages, from len(pages) on, as promised."""
-        self.reserved_pages += sign * n
-        for c in self.device.classes(handle.rotation, len(handle.pages), n):
-            self.reserved_by_class[c] += sign
+        self.budget.promise(handle.rotation, len(handle.pages), n, sign)
 
     def _reserve_rest(self, handle: KVHandle, reserve: int, cached: PrefixMatch, lock: TreeNode | None) -> None:
         """Promise the handle `reserve` more pages (counted against admission, by owner class) and
@@ -250,7 +220,8 @@ class PrefixCache:
     def _ready(self, handle: KVHandle, reserve: int, cached: PrefixMatch, lock: TreeNode | None) -> Admission:
         self._reserve_rest(handle, reserve, cached, lock)
         if handle.draft_len is not None:  # the effective hit is the MIN over every pool it needs
-            handle.draft_len = handle.kv_len - self._draft_unrestored(handle)
+            unrestored = handle.cached.host + handle.cached.storage if self.skip_draft_restore else 0
+            handle.draft_len = handle.kv_len - unrestored
         handle.enter(KVState.READY)
         return Admission(True, cached, reserve)
 
@@ -261,8 +232,8 @@ class PrefixCache:
         if want > handle.reserved_pages:
             raise RuntimeError("KV reservation invariant broken: a request outgrew its reservation")
         self._promise(handle, want, -1)
-        self.gather.hold(handle.rotation, len(handle.pages), want, +1)
-        classes = self.device.classes(handle.rotation, len(handle.pages), want)
+        self.budget.hold(handle.rotation, len(handle.pages), want, +1)
+        classes = self.budget.classes(handle.rotation, len(handle.pages), want)
         handle.pages.extend(self.device.alloc(want, keep_if=self._keep_on_evict, classes=classes))
         handle.reserved_pages -= want
 
@@ -273,7 +244,7 @@ class PrefixCache:
 
     def cache_prefix(self, handle: KVHandle, tokens: Sequence[int]) -> None:
         n = len(tokens) - len(tokens) % self.page_size
-        if not self.enabled or n == 0:
+        if handle.lock is None or n == 0:  # no tree path: the radix cache is off
             return
         # `tokens` is the request's sequence, its prompt first: the prompt is packed once per request
         # and only what follows it (the output, at release) is converted here.
@@ -283,31 +254,32 @@ class PrefixCache:
             return
         handle.pages[: len(res.pages)] = res.pages
         self.tree.lock(res.last_node)
-        assert handle.lock is not None
         self.tree.unlock(handle.lock)
         handle.lock = res.last_node
         shared = handle.committed_len // self.page_size
         if n // self.page_size > shared:  # those pages are the tree's now
-            self.gather.hold(handle.rotation, shared, n // self.page_size - shared, -1)
+            self.budget.hold(handle.rotation, shared, n // self.page_size - shared, -1)
         handle.committed_len = max(handle.committed_len, n)
-        self._on_new_nodes(res.new_nodes)
+        if self.lower is not None:
+            self.lower.on_new_nodes(res.new_nodes)
 
     @consensus_checked(params=RELEASE_PARAMS, results=())
     def release(self, handle: KVHandle, tokens: Sequence[int]) -> None:
         if handle.state is KVState.READY and len(tokens) < handle.kv_len:
             raise ValueError(f"release of request {handle.rid}: {len(tokens)} tokens for {handle.kv_len} computed")
-        self._on_release(handle)
+        if self.lower is not None:
+            self.lower.on_release(handle)
         failed = self.restores.leave(handle)  # RESERVED: restores its prefix needed
         # RESERVED: a P/D decode request whose suffix never arrived; kv_len covers only its tree prefix.
         if handle.state in (KVState.READY, KVState.RESERVED):
             kept = 0
-            if self.enabled and handle.lock is not None:
+            if handle.lock is not None:
                 self.cache_prefix(handle, tokens[: handle.kv_len])
                 self.tree.unlock(handle.lock)
                 handle.lock = None
                 kept = handle.committed_len // self.page_size  # the tree's: its full pages, unless refused
             self._promise(handle, handle.reserved_pages, -1)
-            self.gather.hold(handle.rotation, kept, len(handle.pages) - kept, -1)
+            self.budget.hold(handle.rotation, kept, len(handle.pages) - kept, -1)
             self.device.free(handle.pages[kept:])
             handle.pages = []
             handle.reserved_pages = 0
@@ -315,32 +287,53 @@ class PrefixCache:
         self.device.free(self.restores.take_back(failed, self.tree.detach_device))
         handle.enter(KVState.RELEASED)
 
+    # ---- asynchronous results of the lower tiers ----------------------------------------------
+
+    def check(self) -> None:
+        if self.lower is not None:
+            self.lower.check()
+
+    def before_layer(self) -> Callable[[int], None] | None:
+        return self.lower.host.before_layer() if self.lower is not None else None
+
+    @consensus_checked(params=(), results={"pages": lambda ns: sorted(ns["result"].pages)})
+    def failed_loads(self) -> FailedLoads:
+        return self.lower.host.settle_loads() if self.lower is not None else FailedLoads()
+
+    def drop_failed_loads(self, failed: FailedLoads, requests: int) -> None:
+        assert self.lower is not None, "a load failed without a host tier"
+        self.lower.drop_failed_loads(failed, requests)
+
     # ---- maintenance ---------------------------------------------------------------------------
 
     def flush(self) -> None:
-        self.check()
+        if self.lower is not None:
+            self.lower.drain()  # a backup locks its node until it is taken in
         self.device.evict_all()
+        if self.lower is not None:
+            self.lower.host.evict_all()  # with what the device's eviction left host-only
         self.tree.reset()
 
     def leak_report(self) -> list[str]:
-        problems = self.device.leak_report() + self.restores.leak_report()
-        if self.reserved_pages:
-            problems.append(f"{self.reserved_pages} pages still reserved")
-        if any(self.gather.private_by_class):
-            problems.append(f"pages still counted as requests' own: {self.gather.private_by_class}")
-        return problems
+        problems = self.device.leak_report() + self.restores.leak_report() + self.budget.leak_report()
+        return problems + (self.lower.leak_report() if self.lower is not None else [])
 
     def usage(self) -> dict[str, tuple[int, int]]:
-        return {"device": self.device.usage()}
+        lower = {"host": self.lower.host.usage()} if self.lower is not None else {}
+        return {"device": self.device.usage(), **lower}
 
     def resident_bytes(self) -> dict[str, int]:
-        return {"device": self.pool.resident_bytes()}
+        lower = {"host": self.lower.host.host.resident_bytes()} if self.lower is not None else {}
+        return {"device": self.pool.resident_bytes(), **lower}
 
     def stats(self) -> CacheStats:
-        return CacheStats()
+        return self.lower.stats() if self.lower is not None else CacheStats()
 
     def checked_parts(self) -> list[object]:
-        return [self, self.device, self.tree]
+        lower = self.lower.checked_parts() if self.lower is not None else []
+        return [self, self.device, self.budget, self.tree, *lower]
 
     def shutdown(self) -> None:
-        """Stop background work (the hierarchical tiers' workers)."""
+        """Finish the lower tiers' copies in flight and stop their workers."""
+        if self.lower is not None:
+            self.lower.shutdown()

@@ -194,7 +194,7 @@ class StorageTier:
                 self._lose(PrefetchLoss.BELOW_THRESHOLD, hit)
                 prefetch.done = True
                 continue
-            classes = self.placement.rotation_classes(prefetch.rotation, prefetch.start_page, hit)
+            classes = self.host.budget.classes(prefetch.rotation, prefetch.start_page, hit)
             host_pages = self.host.alloc(hit, classes)
             if host_pages is None:
                 self._lose(PrefetchLoss.HOST_FULL, hit)
@@ -331,6 +331,10 @@ class StorageTier:
             self._lose(PrefetchLoss.CANCELLED, len(prefetch.host_pages))
 
     # ---- maintenance ---------------------------------------------------------------------------
+
+    @property
+    def workers(self) -> list[SupervisedWorker]:
+        return [self.worker]
 
     def leak_report(self) -> list[str]:
         return [f"{len(self.prefetches)} prefetches not consumed"] if self.prefetches else []

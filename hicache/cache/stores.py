@@ -11,11 +11,10 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from hicache.config import DebugConfig, HiCacheConfig
-from hicache.debug.faults import FlakyReads
+from hicache.config import HiCacheConfig
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_pool import PagePart
-from hicache.storage import Namespace, UnifiedStore, VerifiedStore, make_backend
+from hicache.storage import Namespace, StorageBackend, UnifiedStore, VerifiedStore
 from hicache.storage.unified import Grid, KVGeometry, Shard, UnifiedNamespace
 
 
@@ -48,9 +47,9 @@ logger = logging.getLogger(__name__)
 
 def open_store(
     cfg: HiCacheConfig, pool: DeviceKVPool, page_bytes: int, model_identity: str, rank_suffix: str,
-    debug: DebugConfig, rank: int, unified: UnifiedPlacement | None = None, writer: bool = True,
+    backend: StorageBackend, unified: UnifiedPlacement | None = None, writer: bool = True,
 ) -> VerifiedStore:  # fmt: skip
-    """The configured backend under this model's namespace (with fault injection where asked)."""
+    """`backend` (the configured one, build.py) under this model's namespace."""
     kv_dtype = str(pool.dtype).removeprefix("torch.")
     namespace = Namespace(
         model=model_identity,
@@ -60,13 +59,6 @@ def open_store(
         rank=rank_suffix,
         schema_version=KV_SCHEMA_VERSION,
     )
-    backend = make_backend(
-        cfg.hicache_storage_backend, cfg.hicache_storage_dir, cfg.hicache_storage_url, cfg.hicache_storage_max_bytes
-    )
-    if debug.debug_storage_fail_rate > 0 and rank == debug.debug_storage_fail_rank:
-        backend = FlakyReads(backend, debug.debug_storage_fail_rate, seed=rank)
-        rate = 100 * debug.debug_storage_fail_rate
-        logger.warning("rank %d fails %.0f%% of storage reads (fault injection)", rank, rate)
     if unified is None:
         return VerifiedStore(backend, namespace, payload_bytes=page_bytes)
     uns = unified_namespace(cfg, unified.geometry, model_identity, kv_dtype, pool.page_size)

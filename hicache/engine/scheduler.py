@@ -71,14 +71,14 @@ def check_request_fits(cfg: EngineConfig, context_length: int, prompt_len: int, 
             )
         return
     # With CP each rank holds only its owner class of the request's pages, and admission counts class
-    # by class (hicache/cache/device_tier.py): the tightest class must fit one rank's pool, not the total.
+    # by class (hicache/cache/page_budget.py): the tightest class must fit one rank's pool, not the total.
     per_rank = _most_pages_per_rank(need, shards)
     figures = f"{what} needs up to {per_rank} KV pages on each of the {shards} CP ranks ({need} in all)"
     pool = cfg.num_pages - 1  # a rank's local page 0 is its padding page (hicache/parallel/placement.py)
     if per_rank > pool:
         raise RequestTooLargeError(f"{figures} but each rank's pool has {pool} (raise --max-total-tokens)")
     # A request whose pages outgrow the gather's scratch alone could never be admitted
-    # (hicache/cache/gather_budget.py): refused here instead of waiting forever.
+    # (hicache/cache/page_budget.py): refused here instead of waiting forever.
     gather = cfg.cp_gather_pages
     if gather is not None and per_rank > gather:
         raise RequestTooLargeError(f"{figures} but the CP gather holds {gather} per rank (raise --cp-gather-tokens)")

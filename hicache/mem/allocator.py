@@ -8,7 +8,7 @@ by rank q mod N, so the pages of one owner form a class and each class has its o
 shard rank keeps the same allocator (the whole logical state, every class), so ranks that apply the
 same operations hand out the same page ids: what a page's owner stores physically is decided at the
 copy boundary, not here. Callers choose the classes (a prefix's pages cycle through them from its
-rotation base, hicache/cache/device_tier.py); at N = 1 there is one class and this is a plain free list.
+rotation base, hicache/cache/page_budget.py); at N = 1 there is one class and this is a plain free list.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence, TypeVar
 
 from hicache.cache.api import TIERS
+from hicache.cache.build import storage_layout
 from hicache.cache.stats import CacheStats
 from hicache.config import EngineConfig
 from hicache.disagg.stats import DisaggStats
@@ -39,7 +40,7 @@ from hicache.engine.scheduler import check_request_fits
 from hicache.errors import UserError
 from hicache.parallel.parallel import ParallelContext
 from hicache.runtime.base import Runtime, check_usable
-from hicache.runtime.build import build_scheduler, check_topology, context_length, load_engine_model, storage_layout
+from hicache.runtime.build import build_scheduler, check_topology, context_length, load_engine_model
 from hicache.runtime.commands import DISAGG_INFO, FLUSH, INVARIANCE, LEAK_REPORT, SNAPSHOT, Command
 from hicache.runtime.deadlines import DeadlineWatch
 from hicache.runtime.local import LocalRuntime

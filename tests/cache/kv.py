@@ -79,7 +79,7 @@ def tiers(
     pool = device_pool(device_pages)
     host_pool = HostKVPool(pool, host_pages, layout)
     device = DeviceTier(pool, on_host_free=host_pool.allocator.free)
-    return device, HostTier(pool, host_pool, device.tree, one_rank(), policy, threshold)
+    return device, HostTier(pool, host_pool, device.tree, device.budget, one_rank(), policy, threshold)
 
 
 def compute(device: DeviceTier, tokens: Sequence[int]) -> list:

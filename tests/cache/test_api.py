@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.cache.api import TIERS, KVCache, KVState, PrefixMatch
+from hicache.cache.build import device_cache
 from hicache.cache.prefix_cache import PrefixCache
 from tests.cache.kv import PAGE, assert_kv, device_pool, write_kv
 
@@ -38,7 +39,7 @@ def run_prompt(cache: PrefixCache, rid: int, prompt: list[int], new_tokens: int 
 
 
 def test_a_handles_life():
-    cache = PrefixCache(device_pool(16))
+    cache = device_cache(device_pool(16))
     assert isinstance(cache, KVCache)
     handle = cache.open(1, PROMPT, "")
     assert handle.state is KVState.WAITING and handle.pages == [] and handle.kv_len == 0
@@ -62,7 +63,7 @@ def test_a_handles_life():
 
 
 def test_a_second_request_reuses_the_first_ones_pages():
-    cache = PrefixCache(device_pool(16))
+    cache = device_cache(device_pool(16))
     _, first, _ = run_prompt(cache, 1, PROMPT)
     shared = list(first.pages[:3])
     cache.release(first, PROMPT + [200])
@@ -78,7 +79,7 @@ def test_a_second_request_reuses_the_first_ones_pages():
 
 
 def test_refused_admission_holds_nothing_and_promises_count():
-    cache = PrefixCache(device_pool(8))
+    cache = device_cache(device_pool(8))
     big = cache.open(1, list(range(20)), "")
     assert cache.admit(big, 6).admitted
     small = cache.open(2, list(range(50, 60)), "")
@@ -92,7 +93,7 @@ def test_refused_admission_holds_nothing_and_promises_count():
 
 
 def test_extend_within_the_reservation_only():
-    cache = PrefixCache(device_pool(16))
+    cache = device_cache(device_pool(16))
     handle = cache.open(1, PROMPT, "")
     cache.admit(handle, 4)
     cache.extend(handle, 4 * PAGE)
@@ -109,7 +110,7 @@ def test_extend_within_the_reservation_only():
 
 
 def test_truncate_rolls_back_speculative_tokens():
-    cache = PrefixCache(device_pool(16))
+    cache = device_cache(device_pool(16))
     _, handle, tokens = run_prompt(cache, 1, PROMPT, new_tokens=5)
     pages = list(handle.pages)
     kv_len = handle.kv_len
@@ -135,7 +136,7 @@ def test_truncate_rolls_back_speculative_tokens():
 
 
 def test_release_in_any_state_and_only_once():
-    cache = PrefixCache(device_pool(16))
+    cache = device_cache(device_pool(16))
     waiting = cache.open(1, PROMPT, "")
     cache.release(waiting, PROMPT)  # aborted before admission
     assert waiting.state is KVState.RELEASED
@@ -149,7 +150,7 @@ def test_release_in_any_state_and_only_once():
 
 
 def test_radix_cache_off_reserves_without_caching():
-    cache = PrefixCache(device_pool(16), enabled=False)
+    cache = device_cache(device_pool(16), radix=False)
     _, first, tokens = run_prompt(cache, 1, PROMPT)
     cache.release(first, tokens)
     second = cache.open(2, PROMPT, "")
@@ -159,7 +160,7 @@ def test_radix_cache_off_reserves_without_caching():
 
 
 def test_namespaces_never_share():
-    cache = PrefixCache(device_pool(16))
+    cache = device_cache(device_pool(16))
     _, first, tokens = run_prompt(cache, 1, PROMPT)
     cache.release(first, tokens)
     other = cache.open(2, PROMPT, "salt")
@@ -184,7 +185,7 @@ lives = st.lists(
 @settings(max_examples=60, deadline=None)
 @given(lives=lives, concurrent=st.integers(1, 4))
 def test_every_page_and_promise_comes_back(lives, concurrent):
-    cache = PrefixCache(device_pool(24))
+    cache = device_cache(device_pool(24))
     open_ = []
     for rid, (prompt, new, end) in enumerate(lives):
         handle = cache.open(rid, prompt, "")

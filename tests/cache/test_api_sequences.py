@@ -12,7 +12,8 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from hicache.cache.api import KVState, RestoreState
-from hicache.cache.hierarchical import HierarchicalCache
+from hicache.cache.build import hierarchical_cache
+from hicache.cache.prefix_cache import PrefixCache
 from hicache.config import HiCacheConfig
 from tests.cache.kv import PAGE, assert_kv, device_pool, one_rank, write_kv
 from tests.cache.test_hierarchical import settle
@@ -35,16 +36,16 @@ def prompt_of(spans: list[int], slot: int) -> list[int]:
 @given(calls=calls, failing=st.booleans())
 def test_any_sequence_of_calls_returns_every_page_and_lock(calls, failing):
     config = HiCacheConfig(enable_hierarchical_cache=True, hicache_load_back_threshold=PAGE)
-    cache = HierarchicalCache(device_pool(24), config, one_rank(), "test-model")
+    cache = hierarchical_cache(device_pool(24), config, one_rank(), "test-model")
     if failing:  # every other layer copy fails, so every load of more than one layer does
-        real, copies = cache.host.host.load_layer, itertools.count()
+        real, copies = cache.lower.host.host.load_layer, itertools.count()
 
         def flaky(pool, layer, host_pages, device_pages):
             if next(copies) % 2:
                 raise RuntimeError("injected copy failure")
             real(pool, layer, host_pages, device_pages)
 
-        cache.host.host.load_layer = flaky
+        cache.lower.host.host.load_layer = flaky
     handles: dict[int, tuple] = {}  # slot -> (handle, prompt)
     try:
         for rid, (action, slot, spans) in enumerate(calls):
@@ -96,7 +97,7 @@ def test_any_sequence_of_calls_returns_every_page_and_lock(calls, failing):
         cache.shutdown()
 
 
-def compute(cache: HierarchicalCache, handle, prompt: list[int]) -> None:
+def compute(cache: PrefixCache, handle, prompt: list[int]) -> None:
     """What the scheduler does with an admitted handle: one step over its prompt, waiting for its loads;
     a load that did not land sends it back (released, its prefix recomputed later), as
     Scheduler._recompute_failed_loads does."""

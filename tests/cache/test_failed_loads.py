@@ -10,7 +10,8 @@ import time
 import pytest
 
 from hicache import Engine
-from hicache.cache.hierarchical import HierarchicalCache
+from hicache.cache.build import hierarchical_cache
+from hicache.cache.prefix_cache import PrefixCache
 from hicache.cache.radix import RadixTree
 from hicache.config import DebugConfig, HiCacheConfig, ParallelConfig
 from hicache.mem.host_pool import HostKVPool
@@ -114,12 +115,12 @@ SECOND = SYSTEM + list(range(200, 200 + 2 * PAGE)) + [1]
 THIRD = SYSTEM + list(range(300, 300 + 2 * PAGE)) + [1]
 
 
-def small_cache() -> HierarchicalCache:
+def small_cache() -> PrefixCache:
     cfg = HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=2.0, hicache_load_back_threshold=PAGE)
-    return HierarchicalCache(device_pool(16), cfg, one_rank(), "test-model")
+    return hierarchical_cache(device_pool(16), cfg, one_rank(), "test-model")
 
 
-def only_host(cache: HierarchicalCache, *prompts: list[int]) -> None:
+def only_host(cache: PrefixCache, *prompts: list[int]) -> None:
     """Serve `prompts`, back them up and push them off the device."""
     for rid, prompt in enumerate(prompts):
         serve(cache, rid, prompt)
@@ -141,7 +142,7 @@ def fail_the_next_load(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(HostKVPool, "load_layer", load_layer)
 
 
-def step_recomputing(cache: HierarchicalCache, prompts: list[list[int]]) -> None:
+def step_recomputing(cache: PrefixCache, prompts: list[list[int]]) -> None:
     """Admit `prompts` in one step, every one of them holding a page of the first load, which fails; then
     what the scheduler does after the forward: the requests go back to waiting (released), and the cache takes
     the failed load's pages back."""
@@ -158,7 +159,7 @@ def step_recomputing(cache: HierarchicalCache, prompts: list[list[int]]) -> None
     cache.drop_failed_loads(failed, len(handles))
 
 
-def assert_flushed_clean(cache: HierarchicalCache) -> None:
+def assert_flushed_clean(cache: PrefixCache) -> None:
     cache.flush()
     assert cache.leak_report() == []
     assert cache.usage()["device"][0] == 0

@@ -11,7 +11,8 @@ import time
 import pytest
 
 from hicache.cache.api import KVCache, KVHandle, PrefixMatch
-from hicache.cache.hierarchical import HierarchicalCache
+from hicache.cache.build import hierarchical_cache
+from hicache.cache.prefix_cache import PrefixCache
 from hicache.cache.stats import CacheStats, HostStats, PrefetchLoss, StorageTierStats, WorkerStats
 from hicache.config import HiCacheConfig
 from hicache.debug.consensus_checker import ENV_ENABLE, ENV_LOG_DIR, ConsensusChecker, load_logs
@@ -21,16 +22,16 @@ A = list(range(10, 10 + 4 * PAGE + 1))  # four full pages to cache, and the last
 B = list(range(60, 60 + 4 * PAGE + 1))
 
 
-def cache_for(tmp_path, storage: bool = False, **cfg) -> HierarchicalCache:
+def cache_for(tmp_path, storage: bool = False, **cfg) -> PrefixCache:
     fields = {"hicache_ratio": 2.0, "hicache_load_back_threshold": PAGE, "hicache_storage_prefetch_threshold": PAGE}
     if storage:
         fields |= {"hicache_storage_backend": "file", "hicache_storage_dir": str(tmp_path / "store")}
         fields["hicache_storage_prefetch_policy"] = "wait_complete"
     config = HiCacheConfig(enable_hierarchical_cache=True, **{**fields, **cfg})
-    return HierarchicalCache(device_pool(6), config, one_rank(), "test-model")
+    return hierarchical_cache(device_pool(6), config, one_rank(), "test-model")
 
 
-def serve(cache: HierarchicalCache, rid: int, prompt: list[int]) -> KVHandle:
+def serve(cache: PrefixCache, rid: int, prompt: list[int]) -> KVHandle:
     """One request to the end of its prompt, as the scheduler drives the API; returns its handle,
     released, with what it reused in `handle.cached`."""
     handle = cache.open(rid, prompt, "")
@@ -54,9 +55,9 @@ def serve(cache: HierarchicalCache, rid: int, prompt: list[int]) -> KVHandle:
     return handle
 
 
-def settle(cache: HierarchicalCache) -> None:
+def settle(cache: PrefixCache) -> None:
     """Let every copy in flight land and take it in at a check."""
-    for op in cache.host.backups.running() + cache.host.loads.running():
+    for op in cache.lower.host.backups.running() + cache.lower.host.loads.running():
         op.done.wait()
     cache.check()
 
@@ -131,12 +132,12 @@ def test_the_checker_records_every_admission_decision(tmp_path, monkeypatch):
     logs, _ = load_logs(tmp_path / "logs")
     entries = logs[0]
     by_call = {e["call"]: e for e in entries}
-    admit = by_call["HierarchicalCache.admit"]
+    admit = by_call["PrefixCache.admit"]
     assert admit["params"] == {"rid": 7, "total_pages": 5, "reserved_elsewhere": 0}
     nothing_cached = {"device": 0, "host": 0, "storage": 0}
     assert admit["result"] == {"result": True, "kv_len": 0, "cached_tokens_by_tier": nothing_cached, "reserved_pages": 5}
-    assert by_call["HierarchicalCache.release"]["params"] == {"rid": 7, "kv_len": len(A)}
-    assert by_call["HierarchicalCache.ready_to_admit"]["params"] == {"rid": 7, "busy": False}
+    assert by_call["PrefixCache.release"]["params"] == {"rid": 7, "kv_len": len(A)}
+    assert by_call["PrefixCache.ready_to_admit"]["params"] == {"rid": 7, "busy": False}
     assert by_call["StorageTier.consume"]["params"] == {"rid": 7}
     assert by_call["DeviceTier.alloc"]["params"] == {"n": 5}
 

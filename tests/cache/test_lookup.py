@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.cache.api import PrefixMatch
-from hicache.cache.prefix_cache import PrefixCache
+from hicache.cache.build import device_cache
 from hicache.cache.radix import RadixTree, TreeNode
 from hicache.cache.radix_lru import LRUCandidates
 from tests.cache.kv import PAGE, device_pool
@@ -96,7 +96,7 @@ served = st.lists(st.lists(st.integers(0, 2), min_size=1, max_size=5 * PAGE), mi
 @settings(max_examples=80, deadline=None)
 @given(prompts=served, data=st.data())
 def test_lookup_changes_nothing_and_is_what_admission_reuses(prompts, data):
-    cache = PrefixCache(device_pool(24))
+    cache = device_cache(device_pool(24))
     for rid, prompt in enumerate(prompts):
         _, handle, tokens = run_prompt(cache, rid, prompt)
         cache.release(handle, tokens)
@@ -129,7 +129,7 @@ def test_open_with_a_storage_tier_changes_nothing_and_still_prefetches(tmp_path)
         handle = cache.open(rid, prompt, "")
         assert dump(cache.tree) == before, f"{name}: open changed the tree"
         matched = 2 if name == "mid-host" else 3
-        prefetch = cache.storage.prefetches[rid]
+        prefetch = cache.lower.storage.prefetches[rid]
         assert prefetch.start_page == matched, f"{name}: the prefetch does not start after the tree's match"
         assert len(prefetch.hashes) == (len(prompt) - 1) // PAGE - matched
         cache.release(handle, [])
@@ -160,7 +160,7 @@ def test_without_storage_open_and_lookup_change_nothing_and_tell_what_admission_
 
 
 def test_lookup_leaves_the_last_prompt_token_and_unknown_namespaces_alone():
-    cache = PrefixCache(device_pool(16))
+    cache = device_cache(device_pool(16))
     prompt = list(range(10, 10 + 3 * PAGE))
     _, handle, tokens = run_prompt(cache, 1, prompt + [5])
     cache.release(handle, tokens)

@@ -1,4 +1,4 @@
-"""Sharded pages through the cache (hicache/cache/device_tier.py, radix.py, prefix_cache.py), as
+"""Sharded pages through the cache (hicache/cache/page_budget.py, device_tier.py, radix.py, prefix_cache.py), as
 properties over random request streams: owners cycle along every prefix; each prefix's pages spread
 over the owner classes within one page; the rotation check refuses exactly the conflicting inserts;
 allocation by class always terminates, and succeeds whenever admission said it would fit."""
@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hicache.cache.build import device_cache
 from hicache.cache.device_tier import DeviceTier
-from hicache.cache.prefix_cache import PrefixCache
 from hicache.cache.radix import RadixTree
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
@@ -46,7 +46,7 @@ requests = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 6), st.integers(
 @given(st.integers(2, 4), st.integers(3, 10), requests)
 def test_owners_cycle_along_every_prefix_after_any_allocs_and_frees(shards, local_pages, stream):
     pool = sharded_pool(shards, local_pages)
-    cache = PrefixCache(pool)
+    cache = device_cache(pool)
     live = []
     for rid, (base, length, tail, finish_early) in enumerate(stream):
         tokens = [base * 100 + i for i in range(length * PAGE)] + [1000 + rid] * tail
@@ -97,7 +97,7 @@ def test_the_rotation_check_refuses_exactly_the_conflicting_inserts(shards, stre
 @given(st.integers(2, 3), st.integers(4, 9), requests, st.lists(st.integers(0, 3), min_size=1, max_size=12))
 def test_eviction_until_every_class_has_room_terminates(shards, local_pages, stream, wanted):
     pool = sharded_pool(shards, local_pages)
-    cache = PrefixCache(pool)
+    cache = device_cache(pool)
     for rid, (base, length, tail, _) in enumerate(stream):  # fill the cache with unlocked prefixes
         tokens = [base * 100 + i for i in range(length * PAGE)] + [1000 + rid] * tail
         handle = cache.open(rid, tokens, "")
@@ -107,7 +107,7 @@ def test_eviction_until_every_class_has_room_terminates(shards, local_pages, str
         cache.release(handle, tokens)
     device: DeviceTier = cache.device
     classes = [c % shards for c in wanted]
-    fits = device.room(classes, [0] * shards)
+    fits = device.budget.pool_room(classes)  # nothing is promised: every handle was released
     nodes_before = len(list(device.tree.nodes()))
     calls = []
     evict = device.tree.evict

@@ -11,7 +11,7 @@ import threading
 import time
 
 from hicache.cache.api import KVState, PrefixMatch, RestoreState
-from hicache.cache.hierarchical import HierarchicalCache
+from hicache.cache.build import device_cache, hierarchical_cache
 from hicache.cache.prefix_cache import PrefixCache
 from hicache.config import HiCacheConfig
 from tests.cache.kv import PAGE, assert_kv, device_pool, one_rank, write_kv
@@ -26,9 +26,9 @@ def pages(tokens: int) -> int:
     return -(-tokens // PAGE)
 
 
-def decode_cache(device_pages: int = 16) -> HierarchicalCache:
+def decode_cache(device_pages: int = 16) -> PrefixCache:
     config = HiCacheConfig(enable_hierarchical_cache=True, hicache_load_back_threshold=PAGE)
-    return HierarchicalCache(device_pool(device_pages), config, one_rank(), "test-model")
+    return hierarchical_cache(device_pool(device_pages), config, one_rank(), "test-model")
 
 
 def figure5_state(tmp_path):
@@ -124,7 +124,7 @@ def test_failure_from_reserved_gives_everything_back_and_keeps_the_prefix(tmp_pa
 
 def test_a_failed_restore_fails_and_leaves_no_unwritten_device_page(tmp_path, monkeypatch):
     cache = figure5_state(tmp_path)
-    host_pool = cache.host.host
+    host_pool = cache.lower.host.host
 
     def broken(*args, **kwargs):
         raise RuntimeError("injected copy failure")
@@ -148,7 +148,7 @@ def test_a_failed_restore_fails_and_leaves_no_unwritten_device_page(tmp_path, mo
 
 
 def test_without_a_tree_everything_is_transferred():
-    cache = PrefixCache(device_pool(16), enabled=False)
+    cache = device_cache(device_pool(16), radix=False)
     prompt = A + C
     for rid in range(3):
         handle = cache.open(rid, prompt, "")
@@ -203,7 +203,7 @@ def test_a_failed_restore_fails_only_the_requests_whose_prefix_needs_it(monkeypa
     land_and_complete(cache, running, A + [9, 9])
     b_host_pages = list(cache.tree.match_prefix(A + B).host_pages)
     gate = threading.Event()
-    real = cache.host.host.load_layer
+    real = cache.lower.host.host.load_layer
 
     def b_fails(pool, layer, host_pages, device_pages):
         if list(host_pages) == b_host_pages:
@@ -211,7 +211,7 @@ def test_a_failed_restore_fails_only_the_requests_whose_prefix_needs_it(monkeypa
             raise RuntimeError("injected copy failure of B")
         real(pool, layer, host_pages, device_pages)
 
-    monkeypatch.setattr(cache.host.host, "load_layer", b_fails)
+    monkeypatch.setattr(cache.lower.host.host, "load_layer", b_fails)
     other = cache.open(6, X + C, "")  # restores X, which lands (first: one worker runs the loads in turn)
     assert cache.reserve(other, pages(len(X + C) + 4)).cached == PrefixMatch(host=len(X))
     assert restore_done(cache, other) is RestoreState.LANDED

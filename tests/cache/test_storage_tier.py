@@ -8,6 +8,7 @@ import threading
 
 import pytest
 
+from hicache.cache.build import storage_backend
 from hicache.cache.controller import TransferOp
 from hicache.cache.device_tier import DeviceTier
 from hicache.cache.storage_tier import StorageTier
@@ -47,7 +48,8 @@ def storage_tier(backend: dict, host_pages: int = 32, fail_rate: float = 0.0, **
     defaults = {"hicache_storage_prefetch_threshold": PAGE, "hicache_storage_prefetch_policy": "wait_complete"}
     config = HiCacheConfig(enable_hierarchical_cache=True, **{**defaults, **backend, **cfg})
     debug = DebugConfig(debug_storage_fail_rate=fail_rate, debug_storage_fail_rank=0)
-    store = open_store(config, device.pool, host.host.page_bytes, "test-model", "", debug, rank=0)
+    backend = storage_backend(config, debug, rank=0)
+    store = open_store(config, device.pool, host.host.page_bytes, "test-model", "", backend)
     _opened.append(StorageTier(store, host, one_rank(), config))
     return _opened[-1], device
 

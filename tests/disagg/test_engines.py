@@ -87,7 +87,7 @@ def demote_all_but(engine: Engine, keep: list[int]) -> None:
     cache = scheduler_of(engine).cache
 
     def run() -> None:
-        for op in cache.host.backups.running():
+        for op in cache.lower.host.backups.running():
             op.done.wait()
         cache.check()
         kept = cache.tree.match_prefix(keep)  # splits where `keep` ends, and makes it the most recent

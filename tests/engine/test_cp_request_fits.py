@@ -12,7 +12,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.cache.device_tier import DeviceTier
-from hicache.cache.gather_budget import GatherBudget
 from hicache.config import EngineConfig, ParallelConfig
 from hicache.engine.scheduler import check_request_fits
 from hicache.errors import RequestTooLargeError
@@ -40,9 +39,7 @@ def empty_engine_admits(cfg: EngineConfig, pages: int, rotation: int) -> bool:
     pool = DeviceKVPool(KVLayout.mha(1, 1), 1, cfg.num_pages, cfg.page_size, torch.float32, torch.device("cpu"),
                         shards, 0, gather)  # fmt: skip
     device = DeviceTier(pool)
-    classes = device.classes(rotation, 0, pages)
-    nothing_promised = [0] * shards
-    return device.room(classes, nothing_promised) and GatherBudget(pool, device.tree).fits(classes, nothing_promised)
+    return device.budget.room(rotation, 0, pages)  # nothing is promised yet
 
 
 @settings(max_examples=400, deadline=None)

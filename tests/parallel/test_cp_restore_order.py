@@ -62,9 +62,9 @@ def rank_main(rank: int, init: str, results) -> None:
     pool = DeviceKVPool(LAYOUT, LAYERS, 8, PAGE, torch.float32, torch.device("cpu"), shards=2, shard_rank=pctx.cp_rank)
     host_pool = HostKVPool(pool, 16)
     device = DeviceTier(pool, on_host_free=host_pool.allocator.free)
-    host = HostTier(pool, host_pool, device.tree, Consensus(pctx), WritePolicy.WRITE_THROUGH, 0, DELAY_S)
+    host = HostTier(pool, host_pool, device.tree, device.budget, Consensus(pctx), WritePolicy.WRITE_THROUGH, 0, DELAY_S)
     tokens = list(range(100, 100 + PAGES * PAGE))
-    pages = device.alloc(PAGES, classes=device.classes(0, 0, PAGES))
+    pages = device.alloc(PAGES, classes=device.budget.classes(0, 0, PAGES))
     slots = pool.allocator.slots(pages)
     for layer in range(LAYERS):
         pool.write_rows(layer, pool.owned(slots), expected(slots, layer))  # this rank's pages only

@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hicache.cache.build import device_cache
 from hicache.cache.prefix_cache import PrefixCache
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
@@ -50,7 +51,7 @@ def test_figure_1a_two_ranks_share_a_b_and_d_lands_on_rank_1_local_page_2():
     """Every CP rank keeps this same tree and pages; the pool translates a logical page to its owner
     and local page. Convention: logical pages 0 and 1 are ranks 0 and 1's padding pages."""
     pool = DeviceKVPool(KVLayout.mha(1, 2), 1, 8, 4, torch.float32, torch.device("cpu"), shards=2, shard_rank=0)
-    cache = PrefixCache(pool)
+    cache = device_cache(pool)
     a, b, c, d, e = ([letter] * 4 for letter in (65, 66, 67, 68, 69))
     abc = _run(cache, 1, a + b + c)
     abe = _run(cache, 2, a + b + e)

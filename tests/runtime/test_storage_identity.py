@@ -4,8 +4,8 @@ namespaces its pages by the count, so a server of another TP size or thread coun
 
 import torch
 
+from hicache.cache.build import storage_identity
 from hicache.model.kernels.invariance import InvarianceReport
-from hicache.runtime.build import storage_identity
 
 
 def test_pages_are_kept_apart_by_thread_count_only_where_the_kernels_change_with_it() -> None:

@@ -72,7 +72,7 @@ def test_device_host_and_storage_hits_keep_outputs_and_acceptance(
     cfg = tiers(tmp_path, hicache_mem_layout=layout)
     expected_layout = "packed" if draft == "tiny-draft-packed" else "sidecar"
     with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(draft)) as engine:
-        assert engine._runtime.scheduler.cache.host.host.draft_layout == expected_layout  # auto chose it
+        assert engine._runtime.scheduler.cache.lower.host.host.draft_layout == expected_layout  # auto chose it
         turns = run_turns(engine, CONVS, TURNS, NEW)
         assert tokens(turns) == reference
         assert hits(turns)["device"] > 0 and hits(turns)["host"] > 0

@@ -28,7 +28,7 @@ def test_smollm2_draft_keeps_the_answers_and_the_acceptance_on_every_tier(tmp_pa
                         hicache_storage_dir=str(tmp_path), hicache_storage_prefetch_threshold=64)  # fmt: skip
     for tier in ("host", "storage"):  # the second engine restarts on the first one's store
         with Engine(model="smollm2", max_total_tokens=256, hicache=cfg, speculative=SPEC) as engine:
-            assert engine._runtime.scheduler.cache.host.host.draft_layout == "packed"
+            assert engine._runtime.scheduler.cache.lower.host.host.draft_layout == "packed"
             got = chat(engine)
             assert [r.token_ids for r in got] == reference
             assert sum(r.cached_tokens_by_tier[tier] for r in got) > 0, tier

@@ -128,7 +128,7 @@ class GatheredAttention:
         return pieces
 
     def _ensure_scratch(self, pool: DeviceKVPool) -> None:
-        # What admission lets one layer's gather hold (hicache/cache/gather_budget.py), or a whole
+        # What admission lets one layer's gather hold (hicache/cache/page_budget.py), or a whole
         # layer of the logical pool.
         per_class = pool.gather_pages if pool.gather_pages is not None else pool.local_pages
         rows = self.sharding.size * per_class * pool.page_size

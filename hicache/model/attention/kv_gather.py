@@ -17,7 +17,7 @@ own, in layer order, each step ordered by events, never by timing:
 
 so layer l + 1's gather runs while layer l's attention and MLP compute, and the assembled KV never
 exceeds two layers' buffers. The buffers hold what admission lets a gather hold, --cp-gather-tokens
-per owner class (hicache/cache/gather_budget.py), by default a whole layer of the logical pool; their
+per owner class (hicache/cache/page_budget.py), by default a whole layer of the logical pool; their
 bytes are reported with the pool's (`scratch_bytes`).
 """
 
