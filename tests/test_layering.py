@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import hicache
 
@@ -89,3 +90,121 @@ def test_no_module_is_over_the_line_limit():
         if (n := len(path.read_text(encoding="utf-8").splitlines())) > MAX_MODULE_LINES
     }
     assert long == {}
+
+
+# ---- the cache API is the only door into the cache ------------------------------------------------
+
+CACHE = PACKAGE / "cache"
+
+
+def cache_api() -> set[str]:
+    """The names hicache/cache/__init__.py declares public (its `__all__`), read from the source."""
+    tree = ast.parse((CACHE / "__init__.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+            return set(ast.literal_eval(node.value))
+    return set()
+
+
+def outside_cache() -> list[pathlib.Path]:
+    return [p for p in sorted(PACKAGE.rglob("*.py")) if CACHE not in p.parents]
+
+
+def test_outside_the_cache_only_its_api_is_imported():
+    api, wrong = cache_api(), []
+    assert api, "hicache/cache/__init__.py declares no __all__"
+    for path in outside_cache():
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            where = f"{path.relative_to(PACKAGE.parent)}:{getattr(node, 'lineno', 0)}"
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                if node.module.startswith("hicache.cache."):
+                    wrong.append(f"{where}: imports the cache's module {node.module}")
+                elif node.module == "hicache.cache":
+                    wrong += [f"{where}: {a.name} is not cache API" for a in node.names if a.name not in api]
+            elif isinstance(node, ast.Import):
+                wrong += [f"{where}: imports {a.name}" for a in node.names if a.name.startswith("hicache.cache.")]
+    assert wrong == []
+
+
+# A call into the cache, by the names callers hold it under: a handle (`kv`), the cache, a tier.
+CACHE_CALL = re.compile(r"\b(cache|kv|handle|host|storage_tier|device_tier)\.\w+")
+
+
+def test_no_type_ignore_on_a_cache_call():
+    ignored = [
+        f"{path.relative_to(PACKAGE.parent)}:{n}: {line.strip()}"
+        for path in outside_cache()
+        for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1)
+        if "# type: ignore" in line and CACHE_CALL.search(line.split("#")[0])
+    ]
+    assert ignored == []
+
+
+# ---- no import cycle between modules ------------------------------------------------------------
+
+
+def module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports_at_load(path: pathlib.Path, modules: set[str]) -> set[str]:
+    """The hicache modules `path` imports when it is loaded (its top-level statements; an import inside
+    a function runs later and cannot take part in a cycle of loading)."""
+    out = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            if node.module in modules:
+                out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names if f"{node.module}.{a.name}" in modules}
+        elif isinstance(node, ast.Import):
+            out |= {a.name for a in node.names if a.name in modules}
+    return out
+
+
+def test_no_import_cycle():
+    paths = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    # A package's __init__ importing its own modules is no cycle (Python loads it first, then them).
+    graph = {m: imports_at_load(p, set(paths)) - {m} for m, p in paths.items()}
+    cycles = [sorted(c) for c in strongly_connected(graph) if len(c) > 1]
+    assert cycles == []
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's components of `graph` (iterative: the package is deeper than Python's recursion is safe)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, edges = work[-1]
+            nxt = next((e for e in edges if e in graph), None)
+            if nxt is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == node:
+                            break
+                    components.append(component)
+            elif nxt not in index:
+                index[nxt] = low[nxt] = len(index)
+                stack.append(nxt)
+                on_stack.add(nxt)
+                work.append((nxt, iter(sorted(graph[nxt]))))
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+    return components

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from hicache.cache.api import TIERS
+from hicache.cache import TIERS
 
 
 def _common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:

@@ -17,7 +17,7 @@ matplotlib.use("Agg")  # files only; never a display
 import matplotlib.pyplot as plt
 import numpy as np
 
-from hicache.cache.api import TIERS
+from hicache.cache import TIERS
 from hicache.errors import UserError
 
 logger = logging.getLogger(__name__)

@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-from hicache.cache.api import PrefixMatch, RestoreState
+from hicache.cache import PrefixMatch, RestoreState
 from hicache.disagg.agreement import agree_min
 from hicache.disagg.handshake import Handshake
 from hicache.disagg.stats import DisaggStats

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from hicache.cache.api import TIERS
+from hicache.cache import TIERS
 
 
 @dataclass

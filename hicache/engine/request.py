@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache.cache.api import KVHandle
+from hicache.cache import KVHandle
 from hicache.errors import UserError
 
 

@@ -29,8 +29,7 @@ from collections import deque
 
 import torch
 
-from hicache.cache.api import KVCache, KVState
-from hicache.cache.failed_loads import FailedLoads
+from hicache.cache import FailedLoads, KVCache, KVState
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker, consensus_checked
 from hicache.engine.model_runner import ModelRunner, StepCompute, WorkItem

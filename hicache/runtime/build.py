@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from hicache.cache.build import build_cache, check_unified
+from hicache.cache import build_cache, check_unified
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker
 from hicache.disagg.roles import pd_role, radix_enabled

@@ -22,9 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence, TypeVar
 
-from hicache.cache.api import TIERS
-from hicache.cache.build import storage_layout
-from hicache.cache.stats import CacheStats
+from hicache.cache import TIERS, CacheStats, storage_layout
 from hicache.config import EngineConfig
 from hicache.disagg.stats import DisaggStats
 from hicache.engine.request import (

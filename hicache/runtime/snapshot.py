@@ -8,7 +8,7 @@ import copy
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from hicache.cache.stats import CacheStats
+from hicache.cache import CacheStats
 from hicache.disagg import roles
 from hicache.disagg.stats import DisaggStats
 from hicache.engine.scheduler import Scheduler

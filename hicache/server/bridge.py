@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
-from hicache.cache.api import TIERS
+from hicache.cache import TIERS
 from hicache.engine.request import Bootstrap, DisaggUsage, FinishReason, RequestEvent, SamplingParams, TokenLogprob
 from hicache.runtime.engine import Engine, RequestHandle
 from hicache.server.errors import APIError

@@ -15,8 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hicache.cache.api import TIERS
-from hicache.cache.stats import CacheStats
+from hicache.cache import TIERS, CacheStats
 from hicache.disagg.stats import DisaggStats
 from hicache.engine.request import FinishReason
 from hicache.runtime.engine import Engine

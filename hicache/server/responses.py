@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Protocol
 
-from hicache.cache.api import TIERS
+from hicache.cache import TIERS
 from hicache.engine.request import TokenLogprob
 from hicache.model.tokenizer import Tokenizer
 from hicache.server.bridge import Choice

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from hicache.cache.api import KVCache
+from hicache.cache import KVCache
 from hicache.config import EngineConfig
 from hicache.engine.model_runner import ModelRunner
 from hicache.mem.device_pool import DeviceKVPool

@@ -36,7 +36,7 @@ from collections.abc import Callable
 
 import torch
 
-from hicache.cache.api import KVCache
+from hicache.cache import KVCache
 from hicache.engine.model_runner import ModelRunner, StepOutput, WorkItem
 from hicache.engine.request import Request
 from hicache.engine.sampler import sample
