@@ -13,7 +13,7 @@ from typing import Self
 import httpx
 import torch
 
-from hicache.runtime.launch import free_port
+from hicache.engine.launch import free_port
 
 
 def best_time(fn, repeat: int = 5, warmup: int = 1) -> float:

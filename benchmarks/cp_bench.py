@@ -34,7 +34,7 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
 from hicache import Engine, SamplingParams  # noqa: E402
 from hicache.config import ParallelConfig  # noqa: E402
-from hicache.runtime.launch import free_port  # noqa: E402
+from hicache.engine.launch import free_port  # noqa: E402
 
 
 def prompts(count: int, length: int, seed: int) -> list[list[int]]:

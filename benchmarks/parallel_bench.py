@@ -37,11 +37,11 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 from hicache import Engine, SamplingParams  # noqa: E402
 from hicache.config import EngineConfig, HiCacheConfig, ParallelConfig  # noqa: E402
 from hicache.debug.consensus_checker import ConsensusChecker  # noqa: E402
-from hicache.engine.request import FinishReason, Request  # noqa: E402
+from hicache.engine.build import build_scheduler  # noqa: E402
+from hicache.engine.launch import free_port  # noqa: E402
+from hicache.engine.rank_worker import RankSpec, init_distributed  # noqa: E402
 from hicache.model.loading.loader import load_model  # noqa: E402
-from hicache.runtime.build import build_scheduler  # noqa: E402
-from hicache.runtime.launch import free_port  # noqa: E402
-from hicache.runtime.rank_worker import RankSpec, init_distributed  # noqa: E402
+from hicache.scheduler.request import FinishReason, Request  # noqa: E402
 
 DECODE_BATCH = 8
 DECODE_CONTEXT = 512

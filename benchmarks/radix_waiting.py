@@ -47,7 +47,7 @@ def main() -> None:
     try:
         from hicache.cache.page_keys import PackedTokens, pack
     except ImportError:  # the tree before packed keys
-        from hicache.engine.scheduler import common_prefix_len
+        from hicache.scheduler.scheduler import common_prefix_len
 
         print(
             f"| in-batch prefix check, 64-token list slices | {best_ms(lambda: common_prefix_len(prompt, other)):.2f} ms |"

@@ -2,8 +2,8 @@
 external storage, and never changes an answer."""
 
 from hicache.config import EngineConfig
-from hicache.engine.request import SamplingParams
-from hicache.runtime.engine import Engine, GenerationResult
+from hicache.engine.engine import Engine, GenerationResult
+from hicache.scheduler.request import SamplingParams
 
 __all__ = ["Engine", "EngineConfig", "GenerationResult", "SamplingParams"]
 __version__ = "0.1.0"

@@ -43,7 +43,7 @@ def _read_prompts(args: argparse.Namespace) -> list[str]:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from hicache import Engine, SamplingParams
-    from hicache.runtime.launch import rank_only_node
+    from hicache.engine.launch import rank_only_node
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     cfg = EngineConfig.from_args(args)

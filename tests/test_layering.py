@@ -1,4 +1,4 @@
-"""The parts import downward only (docs/DESIGN.md, "Layering": server / bench → runtime → engine → cache
+"""The parts import downward only (docs/DESIGN.md, "Layering": server / bench → engine → scheduler → cache
 → mem, storage, model → parallel primitives): read from the source, every import of one hicache part by
 another goes to a lower layer, so no part imports the one above it and there is no cycle between parts.
 And no module grows past the size of one concept."""
@@ -23,10 +23,10 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "model",  # reads the KV layout from mem
         "config debug",  # debug: the consensus checker and fault injection, below what they instrument
         "cache",
-        "engine",
-        "spec",  # speculative decoding: a way of computing the scheduler's steps, built on the engine's runner
-        "disagg",  # prefill-decode roles over the engine, transports
-        "runtime",
+        "scheduler",
+        "spec",  # speculative decoding: a way of computing the scheduler's steps, built on its model runner
+        "disagg",  # prefill-decode roles of the scheduler, transports
+        "engine",  # Engine, the runtimes under it, what builds a rank
         "web",  # the HTTP plumbing the server and the router share
         "server bench router",
         "demo __init__",

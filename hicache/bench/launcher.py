@@ -20,8 +20,8 @@ from typing import IO
 
 import httpx
 
+from hicache.engine.launch import free_port
 from hicache.errors import UserError
-from hicache.runtime.launch import free_port
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from hicache.bench.launcher import HOST, ServerProcess
-from hicache.runtime.launch import free_port
+from hicache.engine.launch import free_port
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,14 @@
 drives a `KVCache` through `KVHandle`s; `build_cache` puts one together from the configuration."""
 
 from hicache.cache.api import (
-    TIERS, Admission, KVCache, KVHandle, KVState, PrefixMatch, RestoreState, RestoreStatus,
+    TIERS,
+    Admission,
+    KVCache,
+    KVHandle,
+    KVState,
+    PrefixMatch,
+    RestoreState,
+    RestoreStatus,
 )  # fmt: skip
 from hicache.cache.build import build_cache, check_unified, storage_identity, storage_layout
 from hicache.cache.failed_loads import FailedLoads

@@ -25,8 +25,8 @@ from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_group import DraftPools, make_host_pool
 from hicache.model.base import DecoderModel
 from hicache.model.config import ModelConfig
-from hicache.model.kernels.invariance import InvarianceReport
 from hicache.model.families.mla import MLAConfig
+from hicache.model.kernels.invariance import InvarianceReport
 from hicache.parallel.consensus import Consensus
 from hicache.parallel.parallel import ParallelContext
 from hicache.parallel.placement import storage_shard

@@ -26,7 +26,12 @@ import time
 from typing import Callable, Sequence
 
 from hicache.cache.controller import (
-    DEFAULT_TRANSFER_TIMEOUT_S, AckQueue, CopyStream, SupervisedWorker, TransferOp, TransferTimeout,
+    DEFAULT_TRANSFER_TIMEOUT_S,
+    AckQueue,
+    CopyStream,
+    SupervisedWorker,
+    TransferOp,
+    TransferTimeout,
 )  # fmt: skip
 from hicache.cache.failed_loads import FailedLoads, IssuedLoad, LoadLedger
 from hicache.cache.page_budget import PageBudget

@@ -17,7 +17,6 @@ from hicache.mem.host_pool import PagePart
 from hicache.storage import Namespace, StorageBackend, UnifiedStore, VerifiedStore
 from hicache.storage.unified import Grid, KVGeometry, Shard, UnifiedNamespace
 
-
 # The meaning of a stored page's bytes changed without any namespace field changing: since the TP sums
 # are cut into fixed groups (hicache/model/kernels/tp_groups.py) every topology computes other bits than
 # before, so pages written by an earlier version are another namespace's, never served.

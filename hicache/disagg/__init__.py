@@ -8,7 +8,7 @@ own tree (device and, with `--enable-hierarchical-cache`, host memory): it reser
 pages through the cache API (`KVCache.reserve`), reports the page-aligned prefix it already holds as
 `decode_prefix_len`, restores the host part while prefill sends only the KV after it, and starts
 decoding when both have landed (`decode_role.py`; prefill's side is `prefill_role.py`: each a role
-part of the one scheduler, hicache/engine/role.py).
+part of the one scheduler, hicache/scheduler/role.py).
 `hicache router` (hicache/router/) pairs a prefill and a decode server per request.
 
 The modules, one concept each: `roles.py` (which role part a server's scheduler gets), `handshake.py` (what a pair

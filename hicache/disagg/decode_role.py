@@ -1,4 +1,4 @@
-"""P/D disaggregation: the decode role, the part of the scheduler (hicache/engine/role.py) that serves
+"""P/D disaggregation: the decode role, the part of the scheduler (hicache/scheduler/role.py) that serves
 the generation half of a request.
 
 A request arrives with its bootstrap information and waits, first come first served, for decode-side
@@ -28,10 +28,10 @@ from hicache.disagg.handshake import Handshake
 from hicache.disagg.stats import DisaggStats
 from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVReceiver, KVTransferBackend
 from hicache.disagg.wire import prompt_digest
-from hicache.engine.request import DisaggUsage, FinishReason, Request, RequestEvent, TokenLogprob
-from hicache.engine.role import checked_intake
-from hicache.engine.scheduler import Scheduler
 from hicache.parallel.parallel import ParallelContext
+from hicache.scheduler.request import DisaggUsage, FinishReason, Request, RequestEvent, TokenLogprob
+from hicache.scheduler.role import checked_intake
+from hicache.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

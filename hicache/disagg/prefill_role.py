@@ -1,4 +1,4 @@
-"""P/D disaggregation: the prefill role, the part of the scheduler (hicache/engine/role.py) that serves
+"""P/D disaggregation: the prefill role, the part of the scheduler (hicache/scheduler/role.py) that serves
 the prompt half of a request.
 
 A request first waits, holding nothing, until its decode server's metadata has arrived on every rank
@@ -25,10 +25,10 @@ from hicache.disagg.kv_rows import stage
 from hicache.disagg.stats import DisaggStats
 from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVSender, KVTransferBackend, PrefillResult
 from hicache.disagg.wire import prompt_digest
-from hicache.engine.request import FinishReason, Request, RequestEvent, TokenLogprob
-from hicache.engine.role import checked_intake
-from hicache.engine.scheduler import Scheduler
 from hicache.parallel.parallel import ParallelContext
+from hicache.scheduler.request import FinishReason, Request, RequestEvent, TokenLogprob
+from hicache.scheduler.role import checked_intake
+from hicache.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

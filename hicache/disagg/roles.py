@@ -1,7 +1,7 @@
 """P/D disaggregation: roles (`--disaggregation-mode null|prefill|decode`), what each one runs.
 
 `null` is one server doing everything (the `Scheduler` with no role part). `prefill` and `decode` give
-the scheduler their role's part (`PrefillRole`, `DecodeRole`; hicache/engine/role.py says where the
+the scheduler their role's part (`PrefillRole`, `DecodeRole`; hicache/scheduler/role.py says where the
 scheduler calls it) over a transfer backend of this rank, and are refused where the batch-invariance
 self-check failed: moving KV computed in one batch shape to be extended in another is exactly what
 invariance protects. A decode server keeps a radix tree only with `--disaggregation-decode-enable-radix-cache`.
@@ -20,11 +20,11 @@ from hicache.disagg.prefill_role import PrefillRole
 from hicache.disagg.stats import DisaggStats
 from hicache.disagg.zmq_decode import ZmqDecodeBackend
 from hicache.disagg.zmq_prefill import ZmqPrefillBackend
-from hicache.engine.model_runner import ModelRunner
-from hicache.engine.role import Role
-from hicache.engine.scheduler import Scheduler
 from hicache.errors import UserError
 from hicache.parallel.parallel import ParallelContext
+from hicache.scheduler.model_runner import ModelRunner
+from hicache.scheduler.role import Role
+from hicache.scheduler.scheduler import Scheduler
 
 PREFILL, DECODE = "prefill", "decode"
 

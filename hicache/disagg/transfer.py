@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from hicache.disagg.handshake import Handshake
-from hicache.engine.request import Bootstrap, TokenLogprob
+from hicache.scheduler.request import Bootstrap, TokenLogprob
 
 
 class KVPoll(enum.IntEnum):

@@ -18,7 +18,7 @@ from typing import Any
 
 from hicache.disagg.handshake import Handshake
 from hicache.disagg.transfer import DecodeMetadata, PrefillResult
-from hicache.engine.request import TokenLogprob
+from hicache.scheduler.request import TokenLogprob
 
 META, ACK, ABORT, KV, DONE, ERROR = (b"meta", b"ack", b"abort", b"kv", b"done", b"error")
 KINDS = (META, ACK, ABORT, KV, DONE, ERROR)

@@ -24,8 +24,8 @@ from hicache.disagg import wire
 from hicache.disagg.kv_rows import land
 from hicache.disagg.transfer import DecodeMetadata, KVPoll, PrefillResult
 from hicache.disagg.zmq_io import IOLoop
-from hicache.engine.request import Bootstrap
 from hicache.mem.device_pool import DeviceKVPool
+from hicache.scheduler.request import Bootstrap
 
 logger = logging.getLogger(__name__)
 

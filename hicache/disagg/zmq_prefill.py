@@ -22,8 +22,8 @@ from hicache.disagg import wire
 from hicache.disagg.kv_rows import frames_of
 from hicache.disagg.transfer import DecodeMetadata, KVPoll, PrefillResult, StagedKV
 from hicache.disagg.zmq_io import IOLoop
-from hicache.engine.request import Bootstrap
 from hicache.errors import UserError
+from hicache.scheduler.request import Bootstrap
 
 logger = logging.getLogger(__name__)
 

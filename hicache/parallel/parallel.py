@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Mapping
 
-import torch
 import torch.distributed as dist
 
 # Slowest-varying first: ranks are laid out PP-major, TP fastest, so a TP group is a run of consecutive

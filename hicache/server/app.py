@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from hicache.runtime.engine import Engine
+from hicache.engine.engine import Engine
 from hicache.server.auth import BearerAuthMiddleware
 from hicache.server.bridge import EngineClient
 from hicache.server.errors import APIError, install_error_handlers

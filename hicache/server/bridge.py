@@ -21,8 +21,8 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 from hicache.cache import TIERS
-from hicache.engine.request import Bootstrap, DisaggUsage, FinishReason, RequestEvent, SamplingParams, TokenLogprob
-from hicache.runtime.engine import Engine, RequestHandle
+from hicache.engine.engine import Engine, RequestHandle
+from hicache.scheduler.request import Bootstrap, DisaggUsage, FinishReason, RequestEvent, SamplingParams, TokenLogprob
 from hicache.server.errors import APIError
 from hicache.server.metrics import ServerMetrics
 

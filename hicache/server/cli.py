@@ -51,8 +51,8 @@ def _server_class():  # uvicorn is imported only by the command that needs it
 def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from hicache.runtime.engine import Engine
-    from hicache.runtime.launch import rank_only_node
+    from hicache.engine.engine import Engine
+    from hicache.engine.launch import rank_only_node
     from hicache.server.app import create_app
 
     cfg = EngineConfig.from_args(args)

@@ -17,8 +17,8 @@ from prometheus_client.registry import Collector
 
 from hicache.cache import TIERS, CacheStats
 from hicache.disagg.stats import DisaggStats
-from hicache.engine.request import FinishReason
-from hicache.runtime.engine import Engine
+from hicache.engine.engine import Engine
+from hicache.scheduler.request import FinishReason
 from hicache.spec.stats import SpecStats
 
 REQUEST_STATUSES = tuple(r.value for r in FinishReason) + ("rejected",)

@@ -13,8 +13,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator
 
-from hicache.engine.request import Bootstrap, SamplingParams
 from hicache.errors import UserError
+from hicache.scheduler.request import Bootstrap, SamplingParams
 
 # Below this a temperature is greedy: dividing logits by it would overflow float32 to inf, and a
 # distribution with inf in it cannot be sampled.

@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from hicache.cache import TIERS
-from hicache.engine.request import TokenLogprob
 from hicache.model.tokenizer import Tokenizer
+from hicache.scheduler.request import TokenLogprob
 from hicache.server.bridge import Choice
 
 # JSON has no -inf; OpenAI-compatible servers report an impossible token's log-probability like this.

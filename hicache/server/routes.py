@@ -8,7 +8,6 @@ a streaming request. A stream that ends early (client gone, server shutting down
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 from collections.abc import AsyncIterator
@@ -20,8 +19,8 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from hicache.engine.request import FinishReason, SamplingParams
 from hicache.errors import UserError, error_body
+from hicache.scheduler.request import FinishReason, SamplingParams
 from hicache.server.bridge import Choice, EngineClient, Generation
 from hicache.server.errors import APIError
 from hicache.server.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest

@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 from hicache.cache import KVCache
 from hicache.config import EngineConfig
-from hicache.engine.model_runner import ModelRunner
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_group import DraftPools
 from hicache.model.build import build_decoder
 from hicache.model.config import LoadedModel
 from hicache.model.loading.draft import load_draft
 from hicache.parallel.parallel import ParallelContext
+from hicache.scheduler.model_runner import ModelRunner
 from hicache.spec.decoder import SpeculativeDecoder
 from hicache.spec.draft_state import KVGeometry, choose_layout
 

@@ -37,10 +37,10 @@ from collections.abc import Callable
 import torch
 
 from hicache.cache import KVCache
-from hicache.engine.model_runner import ModelRunner, StepOutput, WorkItem
-from hicache.engine.request import Request
-from hicache.engine.sampler import sample
 from hicache.mem.host_group import draft_event_layer
+from hicache.scheduler.model_runner import ModelRunner, StepOutput, WorkItem
+from hicache.scheduler.request import Request
+from hicache.scheduler.sampler import sample
 from hicache.spec.stats import SpecStats
 
 logger = logging.getLogger(__name__)

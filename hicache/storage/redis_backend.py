@@ -29,7 +29,15 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from hicache.storage.backend import Blob, BytesLike, StorageBackend, StorageUnavailable, check_key, check_range, join_blob
+from hicache.storage.backend import (
+    Blob,
+    BytesLike,
+    StorageBackend,
+    StorageUnavailable,
+    check_key,
+    check_range,
+    join_blob,
+)
 
 logger = logging.getLogger(__name__)
 

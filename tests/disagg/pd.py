@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 from hicache import Engine, SamplingParams
 from hicache.config import DisaggConfig, EngineConfig, HiCacheConfig, ParallelConfig
-from hicache.engine.request import Bootstrap
-from hicache.runtime.engine import GenerationResult, RequestHandle
-from hicache.runtime.launch import free_port
+from hicache.engine.engine import GenerationResult, RequestHandle
+from hicache.engine.launch import free_port
+from hicache.scheduler.request import Bootstrap
 
 
 def free_ports(n: int) -> int:

@@ -12,7 +12,7 @@ from hicache.disagg.handshake import Handshake
 from hicache.disagg.prefill_role import metadata_problem
 from hicache.disagg.transfer import DecodeMetadata
 from hicache.disagg.wire import WireError, decode, encode, metadata_header, parse_metadata, prompt_digest
-from hicache.engine.request import Request, SamplingParams
+from hicache.scheduler.request import Request, SamplingParams
 
 BASE = Handshake(
     model="m" * 64,

@@ -1,10 +1,10 @@
-"""P/D roles are parts of the one scheduler (hicache/engine/role.py), never subclasses of it, so that a
+"""P/D roles are parts of the one scheduler (hicache/scheduler/role.py), never subclasses of it, so that a
 role combines with any other part (the model step, plain or speculative) by configuration."""
 
 from hicache.disagg.decode_role import DecodeRole
 from hicache.disagg.prefill_role import PrefillRole
-from hicache.engine.role import Role
-from hicache.engine.scheduler import Scheduler
+from hicache.scheduler.role import Role
+from hicache.scheduler.scheduler import Scheduler
 
 
 def test_roles_are_parts_of_the_one_scheduler_not_subclasses():

@@ -7,8 +7,8 @@ import dataclasses
 
 import pytest
 
-from hicache.router.upstreams import Pairing, Upstream, affinity_key, check_pairs
 from hicache.errors import UserError
+from hicache.router.upstreams import Pairing, Upstream, affinity_key, check_pairs
 from tests.disagg.test_handshake import BASE
 
 

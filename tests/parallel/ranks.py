@@ -8,8 +8,8 @@ from typing import Any, Callable
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from hicache.engine.launch import free_port
 from hicache.parallel.parallel import ParallelContext
-from hicache.runtime.launch import free_port
 
 RankTarget = Callable[[int, str, Any], None]  # (rank, init method, results queue), a module-level function
 

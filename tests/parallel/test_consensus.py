@@ -17,8 +17,8 @@ import pytest
 from hicache.cache.controller import AckQueue, TransferOp
 from hicache.config import EngineConfig, ParallelConfig
 from hicache.debug.consensus_checker import RankDivergenceError
+from hicache.engine.rank_worker import RankSpec, init_distributed
 from hicache.parallel.consensus import Consensus
-from hicache.runtime.rank_worker import RankSpec, init_distributed
 from tests.parallel.ranks import outcomes_of, report
 
 TP, PP = 2, 2

@@ -12,12 +12,12 @@ import torch
 from hicache.cache.device_tier import DeviceTier
 from hicache.cache.host_tier import HostTier, WritePolicy
 from hicache.config import EngineConfig, ParallelConfig
+from hicache.engine.rank_worker import RankSpec, init_distributed
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_pool import HostKVPool
 from hicache.mem.kv_layout import KVLayout
 from hicache.model.attention.kv_gather import GatherPlan, GatherStats, PrefixGather, ScratchBuffers
 from hicache.parallel.consensus import Consensus
-from hicache.runtime.rank_worker import RankSpec, init_distributed
 from tests.parallel.ranks import outcomes_of, report
 
 PAGE, LAYERS, PAGES = 4, 4, 6

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from hicache.runtime.launch import free_port
+from hicache.engine.launch import free_port
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 STARTUP_DEADLINE_S = 60.0

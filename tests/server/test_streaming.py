@@ -8,8 +8,8 @@ from types import SimpleNamespace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from hicache.engine.engine import Engine
 from hicache.model.tokenizer import ByteTokenizer
-from hicache.runtime.engine import Engine
 from hicache.server.streaming import IncrementalDetokenizer
 
 # Engine.detokenize only needs the tokenizer: test the engine's own final-text rule, not a copy of it.

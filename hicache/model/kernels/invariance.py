@@ -16,7 +16,7 @@ also fed at one thread: a rank whose kernels round alike at its thread count and
 a rank of any other TP size computes. Every rank runs it, whatever its count: the sums inside are
 collectives every TP rank must enter. A difference there does not refuse the cache (it is exact at
 this topology); it keeps the rank's stored pages apart from other thread counts'
-(hicache/runtime/build.py).
+(hicache/engine/build.py).
 """
 
 from __future__ import annotations

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from hicache.config import EngineConfig
-from hicache.engine.model_runner import WorkItem
-from hicache.engine.request import Request, SamplingParams
+from hicache.engine.build import build_scheduler
 from hicache.model.families.tiny import load_tiny
 from hicache.parallel.parallel import ParallelContext
-from hicache.runtime.build import build_scheduler
+from hicache.scheduler.model_runner import WorkItem
+from hicache.scheduler.request import Request, SamplingParams
 
 PAGE = 16
 

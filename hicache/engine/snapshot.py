@@ -11,8 +11,8 @@ from typing import Sequence
 from hicache.cache import CacheStats
 from hicache.disagg import roles
 from hicache.disagg.stats import DisaggStats
-from hicache.engine.scheduler import Scheduler
 from hicache.model.attention.kv_gather import GatherStats
+from hicache.scheduler.scheduler import Scheduler
 from hicache.spec.stats import SpecStats
 
 

@@ -5,8 +5,8 @@ import time
 import pytest
 
 from hicache import Engine, SamplingParams
-from hicache.engine.request import FinishReason
 from hicache.errors import RequestTooLargeError, UserError
+from hicache.scheduler.request import FinishReason
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 
 from hicache import Engine, SamplingParams
 from hicache.config import ParallelConfig
-from hicache.runtime.launch import free_port
+from hicache.engine.launch import free_port
 from tests.server.server_harness import REPO, spawn_server
 
 PROMPTS = ["The cache keeps the history; " * 12, "The cache keeps the history; " * 12 + "and the answer?"]

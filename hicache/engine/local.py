@@ -1,4 +1,4 @@
-"""The local runtime (docs/DESIGN.md, "runtime"): at one rank, the scheduler runs on a background thread of the
+"""The local runtime (docs/DESIGN.md, "engine"): at one rank, the scheduler runs on a background thread of the
 caller's process. The engine front hands it requests, cancels and control commands and receives events
 through a callback. (With several ranks, rank_front.py plays this role over rank processes.)"""
 
@@ -11,12 +11,12 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from hicache.engine.request import FinishReason, Request, RequestEvent
-from hicache.engine.scheduler import Scheduler
-from hicache.runtime.base import check_usable
+from hicache.engine.base import check_usable
+from hicache.engine.commands import Command
+from hicache.engine.threads import use_threads
 from hicache.parallel.parallel import ParallelContext
-from hicache.runtime.commands import Command
-from hicache.runtime.threads import use_threads
+from hicache.scheduler.request import FinishReason, Request, RequestEvent
+from hicache.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

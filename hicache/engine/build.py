@@ -1,4 +1,4 @@
-"""Build (docs/DESIGN.md, "runtime"): one rank's scheduler (model shard, device pool, cache tiers, consensus,
+"""Build (docs/DESIGN.md, "engine"): one rank's scheduler (model shard, device pool, cache tiers, consensus,
 checker) from the configuration and a ParallelContext. The single-rank engine and every rank process
 of a TP/PP deployment build it here, so both run the same code."""
 
@@ -10,8 +10,6 @@ from hicache.cache import build_cache, check_unified
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker
 from hicache.disagg.roles import pd_role, radix_enabled
-from hicache.engine.model_runner import ModelRunner
-from hicache.engine.scheduler import Scheduler
 from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.build import build_decoder, resolve_quantization, with_weight_format
@@ -19,6 +17,8 @@ from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.kernels.invariance import InvarianceReport
 from hicache.model.loading.loader import load_model
 from hicache.parallel.parallel import ParallelContext
+from hicache.scheduler.model_runner import ModelRunner
+from hicache.scheduler.scheduler import Scheduler
 from hicache.spec.build import build_decoder_for, build_draft
 
 logger = logging.getLogger(__name__)

@@ -12,7 +12,7 @@ are scheduled (`extend`), and takes everything back when it ends (`release`).
 What is not plain comes from parts the scheduler holds, not from subclasses, so that any of them
 combine by configuration: how a step is computed (`compute`, a `StepCompute`: the runner's plain pass
 or speculative decoding, hicache/spec/decoder.py), and where requests come from and where their
-results go (`role`, a `Role`: a P/D role, hicache/engine/role.py states the points it is called at;
+results go (`role`, a `Role`: a P/D role, hicache/scheduler/role.py states the points it is called at;
 none for one server doing everything). Pipeline stages are the runner's: every stage runs this
 scheduler, and hidden states travel to the next stage inside the step (hicache/parallel/pipeline.py).
 
@@ -32,11 +32,11 @@ import torch
 from hicache.cache import FailedLoads, KVCache, KVState
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker, consensus_checked
-from hicache.engine.model_runner import ModelRunner, StepCompute, WorkItem
-from hicache.engine.request import FinishReason, Request, RequestEvent, TokenLogprob
-from hicache.engine.role import Role
 from hicache.errors import RequestTooLargeError
 from hicache.model.tokenizer import Tokenizer
+from hicache.scheduler.model_runner import ModelRunner, StepCompute, WorkItem
+from hicache.scheduler.request import FinishReason, Request, RequestEvent, TokenLogprob
+from hicache.scheduler.role import Role
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The rank front (docs/DESIGN.md, "runtime"): the engine front's side of a multi-rank deployment (tp_size x
+"""The rank front (docs/DESIGN.md, "engine"): the engine front's side of a multi-rank deployment (tp_size x
 pp_size > 1), the `Runtime` that `Engine` uses in place of the single-rank scheduler thread.
 
 It starts this node's ranks (launch.py), waits until every rank has joined and built its
@@ -20,12 +20,12 @@ from concurrent.futures import Future
 from typing import Any, Callable, TypeVar
 
 from hicache.config import EngineConfig
-from hicache.engine.request import Request, RequestEvent
+from hicache.engine.base import check_usable
+from hicache.engine.commands import Command
+from hicache.engine.launch import LocalRanks
+from hicache.engine.rank_worker import RankFailure
 from hicache.errors import UserError
-from hicache.runtime.base import check_usable
-from hicache.runtime.commands import Command
-from hicache.runtime.launch import LocalRanks
-from hicache.runtime.rank_worker import RankFailure
+from hicache.scheduler.request import Request, RequestEvent
 
 logger = logging.getLogger(__name__)
 

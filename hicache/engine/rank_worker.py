@@ -1,4 +1,4 @@
-"""The rank worker (docs/DESIGN.md, "runtime"): one rank's process. It joins the job (the process groups of its
+"""The rank worker (docs/DESIGN.md, "engine"): one rank's process. It joins the job (the process groups of its
 ParallelContext, each with a finite timeout, --dist-timeout, so a rank that never arrives makes its
 peers fail instead of waiting forever), builds this rank's scheduler (its layers, its KV heads, its own
 radix tree, pools and transfer workers) and runs the SPMD loop.
@@ -29,13 +29,13 @@ import torch
 import torch.distributed as dist
 
 from hicache.config import EngineConfig
-from hicache.engine.request import FinishReason, RequestEvent
-from hicache.engine.scheduler import Scheduler
+from hicache.engine.build import build_scheduler, load_engine_model
+from hicache.engine.commands import COMMANDS
 from hicache.errors import UserError
 from hicache.parallel.divergence import RankDivergenceError
 from hicache.parallel.parallel import Mesh, ParallelContext
-from hicache.runtime.build import build_scheduler, load_engine_model
-from hicache.runtime.commands import COMMANDS
+from hicache.scheduler.request import FinishReason, RequestEvent
+from hicache.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -13,10 +13,10 @@ from hypothesis import strategies as st
 
 from hicache.cache.device_tier import DeviceTier
 from hicache.config import EngineConfig, ParallelConfig
-from hicache.engine.scheduler import check_request_fits
 from hicache.errors import RequestTooLargeError
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
+from hicache.scheduler.scheduler import check_request_fits
 
 NO_CONTEXT_LIMIT = 1 << 30  # the context length is checked before the pages; not what these tests vary
 
@@ -33,7 +33,7 @@ def refusal(cfg: EngineConfig, prompt_len: int, max_new_tokens: int) -> str | No
 def empty_engine_admits(cfg: EngineConfig, pages: int, rotation: int) -> bool:
     """Whether an engine's admission, with nothing else cached or running, finds room for `pages` pages
     starting on owner class `rotation`: the per-class checks of the pool and of the gather's scratch,
-    on a pool built as every rank builds it (hicache/runtime/build.py)."""
+    on a pool built as every rank builds it (hicache/engine/build.py)."""
     shards = cfg.parallel.cp_size
     gather = cfg.cp_gather_pages if shards > 1 else None
     pool = DeviceKVPool(KVLayout.mha(1, 1), 1, cfg.num_pages, cfg.page_size, torch.float32, torch.device("cpu"),

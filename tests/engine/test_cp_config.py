@@ -7,9 +7,9 @@ import pytest
 
 from hicache.config import EngineConfig, ParallelConfig
 from hicache.config.flags import add_engine_args
+from hicache.engine.build import check_topology
 from hicache.errors import UserError
 from hicache.model.families.tiny import TINY_CONFIG
-from hicache.runtime.build import check_topology
 
 
 def test_cp_size_flag_sets_the_world_size():

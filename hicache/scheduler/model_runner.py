@@ -13,12 +13,12 @@ from typing import Callable, Protocol
 
 import torch
 
-from hicache.engine.request import Request, TokenLogprob
-from hicache.engine.sampler import sample
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.families.llama import LlamaModel
 from hicache.parallel.pipeline import StageLink
+from hicache.scheduler.request import Request, TokenLogprob
+from hicache.scheduler.sampler import sample
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""`Engine`: the offline and serving front of hicache (docs/DESIGN.md, "runtime").
+"""`Engine`: the offline and serving front of hicache (docs/DESIGN.md, "engine").
 
 It loads the tokenizer and model configuration and starts a runtime (base.Runtime): at one rank, the
 scheduler loop on a background thread of this process (local.py); with --tp-size x --pp-size > 1, one
@@ -8,9 +8,9 @@ servers). Tokenization and validation happen in the caller's thread, so a bad re
 a `UserError` and never reaches a scheduler. If a rank dies, every in-flight request fails with the
 reason, the engine refuses new work, and `on_fatal` callbacks run (the server exits on them).
 
-Why here and not in engine/: the front chooses the runtime, so it sits above the runtimes, and they run
-the engine's scheduler; a front in engine/ would make engine and runtime import each other. The server
-and the benchmark build on it, and `hicache` re-exports it (`from hicache import Engine`).
+The front chooses the runtime, so it sits beside the runtimes in this package, above the scheduler
+they run (hicache/scheduler/). The server and the benchmark build on it, and `hicache` re-exports it
+(`from hicache import Engine`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,17 @@ from typing import Callable, Sequence, TypeVar
 from hicache.cache import TIERS, CacheStats, storage_layout
 from hicache.config import EngineConfig
 from hicache.disagg.stats import DisaggStats
-from hicache.engine.request import (
+from hicache.engine.base import Runtime, check_usable
+from hicache.engine.build import build_scheduler, check_topology, context_length, load_engine_model
+from hicache.engine.commands import DISAGG_INFO, FLUSH, INVARIANCE, LEAK_REPORT, SNAPSHOT, Command
+from hicache.engine.deadlines import DeadlineWatch
+from hicache.engine.local import LocalRuntime
+from hicache.engine.rank_front import RankRuntime
+from hicache.engine.snapshot import Snapshot
+from hicache.engine.threads import cpu_threads, use_threads
+from hicache.errors import UserError
+from hicache.parallel.parallel import ParallelContext
+from hicache.scheduler.request import (
     Bootstrap,
     DisaggUsage,
     FinishReason,
@@ -34,17 +44,7 @@ from hicache.engine.request import (
     SamplingParams,
     TokenLogprob,
 )
-from hicache.engine.scheduler import check_request_fits
-from hicache.errors import UserError
-from hicache.parallel.parallel import ParallelContext
-from hicache.runtime.base import Runtime, check_usable
-from hicache.runtime.build import build_scheduler, check_topology, context_length, load_engine_model
-from hicache.runtime.commands import DISAGG_INFO, FLUSH, INVARIANCE, LEAK_REPORT, SNAPSHOT, Command
-from hicache.runtime.deadlines import DeadlineWatch
-from hicache.runtime.local import LocalRuntime
-from hicache.runtime.rank_front import RankRuntime
-from hicache.runtime.snapshot import Snapshot
-from hicache.runtime.threads import cpu_threads, use_threads
+from hicache.scheduler.scheduler import check_request_fits
 from hicache.spec.stats import SpecStats
 
 logger = logging.getLogger(__name__)
@@ -295,7 +295,7 @@ class Engine:
         return self._control(DISAGG_INFO)
 
     def storage_layout(self) -> dict:
-        """The storage key scheme and, for the unified layout, its namespace and grid (runtime/build.py)."""
+        """The storage key scheme and, for the unified layout, its namespace and grid (engine/build.py)."""
         return storage_layout(self.config, self.model_config, self.model_identity)
 
     def disagg_stats(self) -> DisaggStats | None:

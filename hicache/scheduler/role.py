@@ -1,4 +1,4 @@
-"""The scheduler's role part (docs/DESIGN.md, "engine"): where a request comes from before this scheduler
+"""The scheduler's role part (docs/DESIGN.md, "scheduler"): where a request comes from before this scheduler
 schedules it, and where its result goes once it ends, where that is not the plain way (a request waits
 in the scheduler's queue from `add`, streams its tokens to its client, and ends in the cache's release).
 
@@ -9,7 +9,7 @@ KVConnector: the scheduler calls the role at a few fixed points and knows nothin
 role is combined with the other parts (the model step, plain or speculative: `StepCompute`) by
 configuration alone; a combination that is not supported yet is refused at start-up, not by the code.
 
-The scheduler calls (hicache/engine/scheduler.py):
+The scheduler calls (hicache/scheduler/scheduler.py):
 
 - `add(scheduler, req)` for every new request, in place of putting it in the waiting queue: the role
   opens its KV handle when it takes it, and puts it into `scheduler.waiting` (to be admitted and
@@ -23,7 +23,7 @@ The scheduler calls (hicache/engine/scheduler.py):
   aborted, failed), its pages still held, before the cache takes them back; `logprob` is that of the
   token it finished on (None when it ended otherwise).
 - `abort(rid)`, `has_work`, `abort_all(scheduler, reason, message)` for the requests the role holds
-  itself; `info()`, `stats()` for the control commands (hicache/runtime/commands.py); `close()` when
+  itself; `info()`, `stats()` for the control commands (hicache/engine/commands.py); `close()` when
   the scheduler stops.
 
 A role reaches the scheduler only through what the calls pass: its `cache`, `runner.pool`, `cfg`,
@@ -35,10 +35,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Mapping, Protocol
 
 from hicache.debug.consensus_checker import consensus_checked
-from hicache.engine.request import FinishReason, Request, RequestEvent, TokenLogprob
+from hicache.scheduler.request import FinishReason, Request, RequestEvent, TokenLogprob
 
 if TYPE_CHECKING:
-    from hicache.engine.scheduler import Scheduler
+    from hicache.scheduler.scheduler import Scheduler
 
 
 def _ended_or_started(namespace: Mapping[str, Any]) -> list[tuple[int, FinishReason | None, tuple[int, ...]]]:

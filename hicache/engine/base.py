@@ -1,4 +1,4 @@
-"""The runtime protocol (docs/DESIGN.md, "runtime"): what `Engine` needs from whatever runs the schedulers,
+"""The runtime protocol (docs/DESIGN.md, "engine"): what `Engine` needs from whatever runs the schedulers,
 whether one scheduler on a thread of this process (`local.LocalRuntime`) or one per rank process in
 lockstep (`rank_front.RankRuntime`). Events flow the other way, through the `dispatch` callback each
 runtime is given when it starts.
@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Protocol, TypeVar
 
-from hicache.engine.request import Request
-from hicache.runtime.commands import Command
+from hicache.engine.commands import Command
+from hicache.scheduler.request import Request
 
 A = TypeVar("A")
 T = TypeVar("T")
@@ -23,7 +23,7 @@ class Runtime(Protocol):
         """Abort request `rid` at the next step if it is still running (a no-op otherwise)."""
 
     def control(self, command: Command[A, T]) -> T:
-        """Run a command (runtime/commands.py) between two steps on every rank; one combined answer."""
+        """Run a command (engine/commands.py) between two steps on every rank; one combined answer."""
 
     @property
     def num_running(self) -> int: ...

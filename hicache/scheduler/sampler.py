@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from hicache.engine.request import Request, TokenLogprob
+from hicache.scheduler.request import Request, TokenLogprob
 
 
 def sample(logits: torch.Tensor, req: Request) -> tuple[int, TokenLogprob | None]:

@@ -1,4 +1,4 @@
-"""Control commands (docs/DESIGN.md, "runtime") the engine front runs on the scheduler between two steps,
+"""Control commands (docs/DESIGN.md, "engine") the engine front runs on the scheduler between two steps,
 declared once: what each rank answers (`run`) and how the ranks' answers in rank order become one
 (`combine`, given each rank's tp/pp/cp name). A command travels to the ranks by its name, so with
 several ranks the same command is broadcast and the answers gathered; at one rank the scheduler's
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
 from hicache.disagg import roles
-from hicache.engine.scheduler import Scheduler
-from hicache.runtime.snapshot import RankSnapshot, Snapshot, take_snapshot
+from hicache.engine.snapshot import RankSnapshot, Snapshot, take_snapshot
+from hicache.scheduler.scheduler import Scheduler
 
 A = TypeVar("A")  # one rank's answer
 T = TypeVar("T")  # the combined answer

@@ -6,7 +6,7 @@ import os
 import torch
 
 from hicache import Engine
-from hicache.runtime.threads import cpu_threads, usable_cpus
+from hicache.engine.threads import cpu_threads, usable_cpus
 
 
 def test_threads_follow_the_affinity_mask_and_the_user(monkeypatch):

@@ -1,4 +1,4 @@
-"""Launch (docs/DESIGN.md, "runtime"): where each rank's process comes from (spawned by the engine front, by a
+"""Launch (docs/DESIGN.md, "engine"): where each rank's process comes from (spawned by the engine front, by a
 follower node, or by torchrun) and the rendezvous address it joins (rank_worker.py joins it).
 
 Launch modes:
@@ -23,9 +23,9 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 from hicache.config import EngineConfig
+from hicache.engine.rank_worker import RankSpec, rank_main
+from hicache.engine.threads import cpu_threads
 from hicache.errors import UserError
-from hicache.runtime.rank_worker import RankSpec, rank_main
-from hicache.runtime.threads import cpu_threads
 
 logger = logging.getLogger(__name__)
 

@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.engine.request import Request, SamplingParams
-from hicache.engine.sampler import sample
+from hicache.scheduler.request import Request, SamplingParams
+from hicache.scheduler.sampler import sample
 
 LOGITS = torch.tensor([0.5, 3.0, 2.9, -1.0, 1.0])
 

@@ -1,4 +1,4 @@
-"""Request deadlines (`--request-timeout`), kept by the engine front (docs/DESIGN.md, "runtime").
+"""Request deadlines (`--request-timeout`), kept by the engine front (docs/DESIGN.md, "engine").
 
 The front, not the schedulers, watches the clock: with several ranks the schedulers run in lockstep
 and must take the same decisions, so a deadline becomes an ordinary cancel that rank 0 broadcasts.
