@@ -37,11 +37,15 @@ def _named_problems(reports: Sequence[list[str]], names: Sequence[str]) -> list[
 
 
 def _all_verified(checks: Sequence[dict], names: Sequence[str]) -> dict:
-    """Every rank checked its own shard: the deployment is verified only if all of them are."""
+    """Every rank checked its own shard: the deployment is verified (and the same at every thread
+    count) only if all of them are. One rank's report is the deployment's as it is."""
+    if len(checks) == 1:
+        return checks[0]
     return {
         "verified": all(c["verified"] for c in checks),
         "mechanisms": checks[0]["mechanisms"],
         "detail": "; ".join(f"{name}: {c['detail']}" for name, c in zip(names, checks) if c["detail"]),
+        "thread_count_invariant": all(c["thread_count_invariant"] for c in checks),
     }
 
 
