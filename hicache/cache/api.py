@@ -121,6 +121,9 @@ class KVHandle:
     # False after a load of its host part failed (hicache/cache/failed_loads.py): admission then
     # recomputes that part instead of loading it again.
     load_host: bool = True
+    # Prompt pages its storage prefetch put on the host, taken in at its first admission attempt and
+    # kept, so an attempt refused for room does not make a retry count them as host hits.
+    from_storage: range = range(0)
 
     @cached_property
     def packed_prompt(self) -> PackedTokens:

@@ -24,7 +24,7 @@ from typing import Callable, Sequence
 from hicache.cache.api import Admission, KVHandle, KVState, PrefixMatch, RestoreStatus
 from hicache.cache.device_tier import DeviceTier
 from hicache.cache.failed_loads import FailedLoads, IssuedLoad
-from hicache.cache.lower_tiers import NO_PAGES, LowerTiers
+from hicache.cache.lower_tiers import LowerTiers
 from hicache.cache.page_keys import Tokens
 from hicache.cache.radix import TreeNode
 from hicache.cache.restores import Restores
@@ -164,7 +164,9 @@ class PrefixCache:
         the prefix's pages (kv_len = committed_len = their tokens) and one lock, on `Reserved.lock`;
         promising the rest is the caller's: `admit` goes on to READY, `reserve` stops here while the
         rest of the prompt's KV arrives from outside. Changes the tree: yes."""
-        fetched = self.lower.fetched(handle) if self.lower is not None else NO_PAGES
+        if self.lower is not None and (fetched := self.lower.fetched(handle)):
+            handle.from_storage = fetched
+        fetched = handle.from_storage
         match = self.tree.match_prefix(tokens, handle.namespace, count_hit=True)
         handle.enter(KVState.MATCHED)
         self.tree.lock(match.last_node)  # also keeps a host-resident continuation from host eviction

@@ -97,6 +97,33 @@ def test_after_a_restart_storage_serves_the_prefix(tmp_path):
     restarted.shutdown()
 
 
+def test_a_refused_admission_keeps_what_storage_brought_counted_as_storage(tmp_path):
+    """The first admission attempt takes the prefetch in (its pages become host-only nodes); when that
+    attempt is refused for room, the retry still reports those pages as storage hits, not host ones."""
+    first = cache_for(tmp_path, storage=True)
+    serve(first, 1, A)
+    first.flush()
+    first.shutdown()
+    restarted = cache_for(tmp_path, storage=True)
+    holder = restarted.open(2, B, "")
+    assert restarted.admit(holder, 6).admitted  # every device page promised to another request
+    handle = restarted.open(1, A, "")
+    deadline = time.monotonic() + 10
+    while not restarted.ready_to_admit(handle, busy=False):
+        assert time.monotonic() < deadline, "the prefetch never finished"
+        time.sleep(0.001)
+        restarted.check()  # the read advances at the scheduler's check points
+    assert not restarted.admit(handle, -(-len(A) // PAGE)).admitted
+    restarted.release(holder, [])
+    assert restarted.admit(handle, -(-len(A) // PAGE)).admitted
+    assert handle.cached == PrefixMatch(storage=4 * PAGE), f"the retry lost the storage tier: {handle.cached}"
+    restarted.release(handle, A[: handle.kv_len])
+    settle(restarted)
+    restarted.flush()
+    assert restarted.leak_report() == []
+    restarted.shutdown()
+
+
 def test_selective_write_through_waits_for_the_second_hit(tmp_path):
     cache = cache_for(tmp_path, hicache_write_policy="write_through_selective")
     serve(cache, 1, A)
