@@ -1,7 +1,8 @@
 """The tiers below the device (docs/DESIGN.md, "tiers"): the host tier (host_tier.py) and, when a
 storage backend is configured, the storage tier (storage_tier.py) under it. The prefix cache holds one
 `LowerTiers` when the hierarchical cache is on and asks it at each point of a handle's life where a
-lower tier takes part; this module routes each to the tier concerned and runs the one agreement per
+lower tier takes part (what only the host tier does, loading back and backing up new nodes, it asks
+`host` for directly); this module routes each to the tier concerned and runs the one agreement per
 scheduler check that every asynchronous result of either tier passes through. The optional storage
 tier is asked only here.
 """
@@ -9,12 +10,11 @@ tier is asked only here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Sequence
 
 from hicache.cache.api import KVHandle
-from hicache.cache.failed_loads import FailedLoads, IssuedLoad
+from hicache.cache.failed_loads import FailedLoads
 from hicache.cache.host_tier import HostTier
-from hicache.cache.radix import MatchResult, TreeNode
+from hicache.cache.radix import TreeNode
 from hicache.cache.stats import CacheStats, WorkerStats
 from hicache.cache.storage_tier import StorageTier
 from hicache.parallel.consensus import Consensus
@@ -47,11 +47,6 @@ class LowerTiers:
             return NO_PAGES
         return self.storage.consume(handle.rid, handle.prompt, handle.namespace).pages
 
-    def load_back(
-        self, match: MatchResult, budget: int, alloc: Callable[[int, Sequence[int]], list[int]]
-    ) -> IssuedLoad | None:
-        return self.host.load_back(match, budget, alloc)
-
     def on_admitted(self, handle: KVHandle) -> None:
         """The handle is READY, its prefix locked: selective write-through backs up hot nodes, and puts
         that found the store down are tried again."""
@@ -60,9 +55,6 @@ class LowerTiers:
         self.host.on_hit(path)
         if self.storage is not None:
             self.storage.puts.retry(path)
-
-    def on_new_nodes(self, nodes: list[TreeNode]) -> None:
-        self.host.on_new_nodes(nodes)
 
     def keep_on_evict(self, node: TreeNode) -> bool:
         """A node leaving the device without a host copy: True if write-back copied it now."""

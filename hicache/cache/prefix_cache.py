@@ -180,7 +180,8 @@ class PrefixCache:
         handle.enter(KVState.RESERVED)
         handle.pages = list(match.device_pages)
         # Without a lower tier no node is host-only, so nothing loads.
-        load = self.lower.load_back(match, need, self.alloc) if self.lower is not None and handle.load_host else None
+        host = self.lower.host if self.lower is not None and handle.load_host else None
+        load = host.load_back(match, need, self.alloc) if host is not None else None
         loaded = load.device_pages if load is not None else []
         handle.pages.extend(loaded)
         deepest = match.host_nodes[-1] if loaded else match.last_device_node
@@ -263,7 +264,7 @@ class PrefixCache:
             self.budget.hold(handle.rotation, shared, n // self.page_size - shared, -1)
         handle.committed_len = max(handle.committed_len, n)
         if self.lower is not None:
-            self.lower.on_new_nodes(res.new_nodes)
+            self.lower.host.on_new_nodes(res.new_nodes)
 
     @consensus_checked(params=RELEASE_PARAMS, results=())
     def release(self, handle: KVHandle, tokens: Sequence[int]) -> None:
