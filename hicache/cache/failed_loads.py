@@ -8,10 +8,11 @@ step is not failed for it: the forward runs to its end (its other requests are u
 KV being its own), and then, on every rank at once:
 
 1. `settle`: the loads issued since the last settle are judged landed or not (every layer's copy done
-   here), and the ranks agree (MIN over the first stage's TP x CP ranks, sent down the pipeline): a
-   load that failed on any of them failed on all, since pages split over TP or sharded over CP are
-   only whole when every rank's part landed. (A later pipeline stage's failed load still fails its
-   step, as before: its stage cannot tell the first stage in time.)
+   here), and every rank agrees (MIN over all ranks, pipeline stages included, once the forward is
+   over on every stage): a load that failed on any of them failed on all, since pages split over TP,
+   sharded over CP or cut into layer ranges over PP are only whole when every rank's part landed. A
+   later stage's failed load therefore degrades like the first stage's: the forward goes on over its
+   unfilled pages, and the step's output for the requests reading them is dropped.
 2. the scheduler sends every request holding a failed load's page back to waiting, its output of the
    step dropped, to be admitted again without loading its host part (it recomputes from the last good
    page: the device prefix before the failed load);
@@ -124,7 +125,7 @@ class LoadLedger:
         if not self.unsettled:
             return FailedLoads()
         loads, self.unsettled = self.unsettled, []
-        agreed = self.consensus.agree_min("loads_landed", [int(load.landed()) for load in loads])
+        agreed = self.consensus.agree_min_world("loads_landed", [int(load.landed()) for load in loads])
         failed = tuple(load for load, ok in zip(loads, agreed) if not ok)
         for load in failed:
             if load.op.error is None and load.op.done.is_set():  # landed here, failed elsewhere

@@ -324,15 +324,13 @@ class HostTier:
 
     def before_layer(self) -> Callable[[int], None] | None:
         """Wait (bounded) for layer i of every load in flight now but restores, which no step reads
-        before they land (restores.py) (None: nothing in flight). On the first
-        pipeline stage a load the ledger settles that failed or timed out is only noted: the step goes
-        on and the load is settled after it (failed_loads.py); any other load's failure, or one on a
-        later stage (which cannot report it in time), fails the step."""
+        before they land (restores.py) (None: nothing in flight). A load the ledger settles that failed
+        or timed out, on any pipeline stage, is only noted: the step goes on and the load is settled
+        after it, over every rank (failed_loads.py); any other load's failure fails the step."""
         pending = [op for op in self.loads.running() if self.ledger.awaited(op)]
         if not pending:
             return None
-        first_stage = self.consensus.pctx.is_first_stage
-        loads = [(op, self.ledger.degradable(op) if first_stage else None) for op in pending]
+        loads = [(op, self.ledger.degradable(op)) for op in pending]
 
         def wait(layer: int) -> None:
             for op, load in loads:

@@ -8,6 +8,9 @@ load ACKs, storage hit lengths, prefetch progress, stop decisions) decides how m
   exactly that prefix of its ACK queues (AckQueue.pop waits for a copy still running here; extra
   ready ACKs stay queued). Every rank calls at every check, even with nothing ready: an early return
   would leave the others waiting in the collective.
+- `agree_min_world(name, values)` (scheduler thread, after a forward): MIN over every rank, pipeline
+  stages included, for what a later stage may be the only one to know (a host -> device load that did
+  not land in its layers).
 - `agree_min_all(name, values)` (storage threads only): MIN over every rank, on the storage group, for
   values where any rank's view can only shorten everyone's (storage hit length, pages read so far).
 - Identities, not only counts: each agreement carries a digest chain of everything agreed and consumed
@@ -81,6 +84,21 @@ class Consensus:
         if not self._single:
             self.chain = _fold(self.chain, zlib.crc32(name.encode()), identities)
 
+    def agree_min_world(self, name: str, values: Sequence[int]) -> list[int]:
+        """Element-wise MIN of `values` over every rank, pipeline stages included (scheduler thread, at a
+        point every rank reaches in the same step: after the forward, so a later stage's view counts
+        too); identical on every rank. Costs one collective over the world group where `agree_min`
+        costs a send down the pipeline, so it is for what only a later stage may know."""
+        if self._single:
+            return list(values)
+        self.count += 1
+        name_hash = zlib.crc32(name.encode())
+        # With --debug-disable-pp-sync the stages' chains part by design (the checker is to find it).
+        chained = self.chain if self.pp_sync else 0
+        agreed = self._reduce(name, name_hash, values, self.pctx.world_group, chained, "ranks")
+        self.chain = _fold(self.chain, name_hash, agreed)
+        return agreed
+
     def agree_min_all(self, name: str, values: Sequence[int]) -> list[int]:
         """Element-wise MIN over every rank. Storage threads only: it blocks until all ranks' storage
         threads reach the same operation, which they do in the same order (FIFO workers fed in the
@@ -94,19 +112,24 @@ class Consensus:
     # ---- the two halves of an agreement ---------------------------------------------------------
 
     def _reduce_tp(self, name: str, name_hash: int, values: Sequence[int]) -> list[int]:
-        n = len(values)
         if self.pctx.tree_size == 1:
             return list(values)
-        tensor = torch.tensor([*values, self.chain, -self.chain, name_hash, -name_hash], dtype=torch.int64)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=self.pctx.tree_cpu_group)
+        return self._reduce(name, name_hash, values, self.pctx.tree_cpu_group, self.chain, "TP ranks")
+
+    def _reduce(self, name: str, name_hash: int, values: Sequence[int], group, chain: int, who: str) -> list[int]:
+        """MIN over `group`, checking on the way that its ranks call the same agreement with the same
+        chain (MIN of x and of -x gives min and max)."""
+        n = len(values)
+        tensor = torch.tensor([*values, chain, -chain, name_hash, -name_hash], dtype=torch.int64)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
         reduced = tensor.tolist()
         low_chain, high_chain, low_name, high_name = reduced[n:]
         where = f"agreement #{self.count} '{name}' on rank {self.pctx.rank} ({self.pctx.suffix})"
         if low_name != -high_name:
-            raise RankDivergenceError(f"TP ranks call different agreements at {where}: their call orders diverged")
+            raise RankDivergenceError(f"{who} call different agreements at {where}: their call orders diverged")
         if low_chain != -high_chain:
             raise RankDivergenceError(
-                f"TP ranks agreed on or consumed different operations before {where}: their cache states diverged"
+                f"{who} agreed on or consumed different operations before {where}: their cache states diverged"
             )
         return reduced[:n]
 
