@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 
 def context_length(cfg: EngineConfig, model: ModelConfig) -> int:
-    return min(cfg.context_length or model.max_position, model.max_position)
+    """--context-length, or the model's default, within what the model allows (ModelConfig.context_limit)."""
+    return min(cfg.context_length or model.max_position, model.context_limit or model.max_position)
 
 
 def check_topology(cfg: EngineConfig, model: ModelConfig) -> None:
