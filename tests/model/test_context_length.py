@@ -21,9 +21,8 @@ MILLION = 1 << 20
 
 def test_tiny_mla_and_the_tiny_drafts_accept_a_million_positions_and_no_more() -> None:
     tiny = load_model("tiny")
-    configs = [load_model("tiny-mla").config] + [load_draft(d, tiny).config for d in ("tiny-draft-packed",
-                                                                                       "tiny-draft-sidecar")]  # fmt: skip
-    for config in configs:
+    drafts = [load_draft(name, tiny).config for name in ("tiny-draft-packed", "tiny-draft-sidecar")]
+    for config in [load_model("tiny-mla").config, *drafts]:
         assert context_length(EngineConfig(), config) == 4096
         assert context_length(EngineConfig(context_length=MILLION), config) == MILLION
         with pytest.raises(UserError, match=f"--context-length {MILLION + 1} is more than the model's {MILLION}"):
