@@ -6,6 +6,8 @@ import sys
 
 import pytest
 
+from tests.model.test_hf_loader import write_hf_dir
+
 
 def hicache(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hicache", *args], capture_output=True, text=True, timeout=300)
@@ -42,3 +44,18 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0], proc.stderr
+
+
+def test_a_prompt_past_a_1m_context_is_one_line_and_exit_2(tmp_path):
+    prompts = tmp_path / "long.jsonl"
+    prompts.write_text(json.dumps("a" * (1 << 20)) + "\n")
+    proc = hicache("generate", "--model", "tiny", "--context-length", "1048576", "--prompts-file", str(prompts))
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "context length of 1048576 tokens" in lines[0], proc.stderr
+
+
+def test_an_unknown_rope_scaling_is_one_line_and_exit_2(tmp_path):
+    write_hf_dir(tmp_path / "m", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    proc = hicache("generate", "--model", str(tmp_path / "m"), "--prompt", "x")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "rope scaling 'dynamic' is not supported" in lines[0]

@@ -18,7 +18,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
                    help="most prompt tokens prefilled in one step")
     g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
-    g.add_argument("--context-length", type=int, default=None, help="defaults to the model's")
+    g.add_argument("--context-length", type=int, default=None,
+                   help="defaults to the model's; at most what it supports (tiny, tiny-mla: 1048576)")
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     g.add_argument("--dtype", default=d.dtype, help="auto, float32 or bfloat16")
     g.add_argument("--quantization", default=d.quantization,

@@ -25,7 +25,12 @@ logger = logging.getLogger(__name__)
 
 
 def context_length(cfg: EngineConfig, model: ModelConfig) -> int:
-    return min(cfg.context_length or model.max_position, model.max_position)
+    """--context-length, or the model's default. Asking past what the model allows (ModelConfig.context_limit)
+    is refused rather than clamped: a server quietly shorter than asked would fail requests its caller sized."""
+    limit = model.context_limit or model.max_position
+    if cfg.context_length is not None and cfg.context_length > limit:
+        raise UserError(f"--context-length {cfg.context_length} is more than the model's {limit} positions")
+    return cfg.context_length or model.max_position
 
 
 def check_topology(cfg: EngineConfig, model: ModelConfig) -> None:

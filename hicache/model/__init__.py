@@ -7,6 +7,6 @@ behind it, each importing only the rooms below it:
 - kernels/: the batch-invariant ops, their calibration and start-up self-check, quantized weights,
   TP's fixed groups.
 
-The modules here are what every room shares (the config, the step's batch, tokenizers, chat
-templates) and build.py, which builds one rank's decoder from all of them.
+The modules here are what every room shares (the config, RoPE and its scaling, the step's batch,
+tokenizers, chat templates) and build.py, which builds one rank's decoder from all of them.
 """

@@ -12,12 +12,19 @@ from dataclasses import dataclass, field
 import torch
 
 from hicache.model.kernels.quant import QuantizedWeight
+from hicache.model.rope import RopeScaling
 from hicache.model.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Shape of a Llama-family decoder. `head_dim` may differ from hidden_size // num_heads."""
+    """Shape of a Llama-family decoder. `head_dim` may differ from hidden_size // num_heads.
+
+    `max_position` is the context served by default; `context_limit` the most `--context-length` may raise it
+    to (None: max_position). A checkpoint's positions stop where it was trained (or its RoPE scaling
+    stretches them, hicache/model/rope.py); the built-in models' seeded weights were trained at no length
+    and RoPE computes any position, so they default to 4,096 and allow 1,048,576.
+    """
 
     vocab_size: int
     hidden_size: int
@@ -30,6 +37,8 @@ class ModelConfig:
     rms_norm_eps: float
     max_position: int
     tie_word_embeddings: bool
+    rope_scaling: RopeScaling | None = None
+    context_limit: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

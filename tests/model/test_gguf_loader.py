@@ -7,6 +7,7 @@ import json
 import pathlib
 import re
 import sys
+from typing import Callable
 
 import gguf
 import pytest
@@ -186,9 +187,12 @@ _GGUF_LAYER_NAMES = {
 }
 
 
-def _write_tiny_gguf(path: pathlib.Path, arch: str = "llama") -> dict[str, torch.Tensor]:
-    """A 2-layer float32 GGUF with an untied output head; returns its weights in Hugging Face form."""
-    hidden, ffn, n_head, n_kv, head_dim, layers = 8, 12, 2, 1, 4, 2
+def write_tiny_gguf(
+    path: pathlib.Path, arch: str = "llama", head_dim: int = 4, extra: Callable[[gguf.GGUFWriter], None] | None = None
+) -> dict[str, torch.Tensor]:
+    """A 2-layer float32 GGUF with an untied output head; returns its weights in Hugging Face form.
+    `extra` adds metadata or tensors of its own (RoPE scaling) before the file is written."""
+    hidden, ffn, n_head, n_kv, layers = 8, 12, 2, 1, 2
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     tokens = specials + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["he", "Ġt"]
     torch.manual_seed(0)
@@ -237,6 +241,8 @@ def _write_tiny_gguf(path: pathlib.Path, arch: str = "llama") -> dict[str, torch
             elif short == "self_attn.k_proj":
                 weight = _llama_cpp_permute(weight, n_kv)
             writer.add_tensor(f"blk.{i}.{_GGUF_LAYER_NAMES[short]}.weight", weight.numpy())
+    if extra is not None:
+        extra(writer)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
@@ -246,7 +252,7 @@ def _write_tiny_gguf(path: pathlib.Path, arch: str = "llama") -> dict[str, torch
 
 def test_tiny_gguf_round_trips_weights(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "tiny.gguf"
-    hf = _write_tiny_gguf(path)
+    hf = write_tiny_gguf(path)
     model = load_gguf(path, "tiny-gguf")
     c = model.config
     assert (c.num_layers, c.hidden_size, c.intermediate_size) == (2, 8, 12)
@@ -264,7 +270,7 @@ def test_tiny_gguf_round_trips_weights(tmp_path: pathlib.Path) -> None:
 
 def test_truncated_file_is_user_error(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "tiny.gguf"
-    _write_tiny_gguf(path)
+    write_tiny_gguf(path)
     data = path.read_bytes()
     path.write_bytes(data[: len(data) - 100])
     with pytest.raises(UserError, match="not a readable GGUF file"):
@@ -273,7 +279,7 @@ def test_truncated_file_is_user_error(tmp_path: pathlib.Path) -> None:
 
 def test_other_architecture_is_user_error(tmp_path: pathlib.Path) -> None:
     path = tmp_path / "other.gguf"
-    _write_tiny_gguf(path, arch="gpt2")
+    write_tiny_gguf(path, arch="gpt2")
     with pytest.raises(UserError, match="architecture 'gpt2' is not supported"):
         load_gguf(path, "x")
 

@@ -55,7 +55,7 @@ def _weights(vocab: int, tied: bool, dtype: torch.dtype) -> dict[str, torch.Tens
     return {name: w.to(dtype) for name, w in weights.items()}
 
 
-def _write_dir(
+def write_hf_dir(
     root: pathlib.Path, *, tied: bool = False, dtype: torch.dtype = torch.float32, **config_overrides: object
 ) -> dict[str, torch.Tensor]:
     """A complete tiny Llama checkpoint directory; returns the weights it holds."""
@@ -91,7 +91,7 @@ def _write_dir(
 
 
 def test_round_trip(tmp_path: pathlib.Path) -> None:
-    weights = _write_dir(tmp_path / "m")
+    weights = write_hf_dir(tmp_path / "m")
     model = load_hf_dir(tmp_path / "m", "tiny-hf")
     c = model.config
     assert (c.num_layers, c.hidden_size, c.intermediate_size) == (LAYERS, HIDDEN, FFN)
@@ -106,7 +106,7 @@ def test_round_trip(tmp_path: pathlib.Path) -> None:
 
 
 def test_tokenizer_and_chat_template(tmp_path: pathlib.Path) -> None:
-    _write_dir(tmp_path / "m")
+    write_hf_dir(tmp_path / "m")
     tok = load_hf_dir(tmp_path / "m", "tiny-hf").tokenizer
     reference = Tokenizer.from_file(str(tmp_path / "m" / "tokenizer.json"))
     assert tok.vocab_size == reference.get_vocab_size()
@@ -123,7 +123,7 @@ def test_tokenizer_and_chat_template(tmp_path: pathlib.Path) -> None:
 
 
 def test_tied_bf16_checkpoint(tmp_path: pathlib.Path) -> None:
-    weights = _write_dir(tmp_path / "m", tied=True, dtype=torch.bfloat16)
+    weights = write_hf_dir(tmp_path / "m", tied=True, dtype=torch.bfloat16)
     model = load_hf_dir(tmp_path / "m", "tiny-hf")
     assert model.config.tie_word_embeddings and "lm_head.weight" not in model.weights
     for name, weight in weights.items():
@@ -133,7 +133,7 @@ def test_tied_bf16_checkpoint(tmp_path: pathlib.Path) -> None:
 
 def test_transformers5_rope_parameters_and_jinja_template(tmp_path: pathlib.Path) -> None:
     root = tmp_path / "m"
-    _write_dir(root, rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 1234.0})
+    write_hf_dir(root, rope_theta=None, rope_parameters={"rope_type": "default", "rope_theta": 1234.0})
     (root / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>", "eos_token": "</s>"}))
     (root / "chat_template.jinja").write_text(TEMPLATE)
     model = load_hf_dir(root, "m")
@@ -143,7 +143,7 @@ def test_transformers5_rope_parameters_and_jinja_template(tmp_path: pathlib.Path
 
 def test_sharded_checkpoint(tmp_path: pathlib.Path) -> None:
     root = tmp_path / "m"
-    weights = _write_dir(root)
+    weights = write_hf_dir(root)
     (root / "model.safetensors").unlink()
     names = sorted(weights)
     shards = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
@@ -159,22 +159,31 @@ def test_sharded_checkpoint(tmp_path: pathlib.Path) -> None:
 
 
 def test_identity_tracks_weights(tmp_path: pathlib.Path) -> None:
-    _write_dir(tmp_path / "a")
-    _write_dir(tmp_path / "b", tied=True)
+    write_hf_dir(tmp_path / "a")
+    write_hf_dir(tmp_path / "b", tied=True)
     assert load_hf_dir(tmp_path / "a", "a").identity == load_hf_dir(tmp_path / "a", "a").identity
     assert load_hf_dir(tmp_path / "a", "a").identity != load_hf_dir(tmp_path / "b", "b").identity
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "gpt2", None])
 def test_unsupported_model_type(tmp_path: pathlib.Path, model_type: str | None) -> None:
-    _write_dir(tmp_path / "m", model_type=model_type)
+    write_hf_dir(tmp_path / "m", model_type=model_type)
     with pytest.raises(UserError, match="model_type"):
         load_hf_dir(tmp_path / "m", "m")
 
 
-def test_rope_scaling_refused(tmp_path: pathlib.Path) -> None:
-    _write_dir(tmp_path / "m", rope_scaling={"rope_type": "llama3", "factor": 8.0})
-    with pytest.raises(UserError, match="rope scaling 'llama3'"):
+@pytest.mark.parametrize(
+    "scaling,message",
+    [
+        ({"rope_type": "dynamic", "factor": 2.0}, "rope scaling 'dynamic' is not supported"),
+        ({"type": "longrope", "factor": 2.0}, "rope scaling 'longrope' is not supported"),
+        ({"rope_type": "llama3", "factor": 8.0}, "rope scaling 'llama3' lacks low_freq_factor"),
+        ({"rope_type": "linear", "factor": "x"}, "rope scaling 'linear' is invalid"),
+    ],
+)
+def test_unknown_or_incomplete_rope_scaling_refused(tmp_path: pathlib.Path, scaling: dict, message: str) -> None:
+    write_hf_dir(tmp_path / "m", rope_scaling=scaling)
+    with pytest.raises(UserError, match=message):
         load_hf_dir(tmp_path / "m", "m")
 
 
@@ -192,17 +201,17 @@ def test_missing_directory(tmp_path: pathlib.Path) -> None:
     ],
 )
 def test_missing_files(tmp_path: pathlib.Path, missing: str, message: str) -> None:
-    _write_dir(tmp_path / "m")
+    write_hf_dir(tmp_path / "m")
     (tmp_path / "m" / missing).unlink()
     with pytest.raises(UserError, match=message):
         load_hf_dir(tmp_path / "m", "m")
 
 
 def test_wrong_shapes_and_corrupt_weights(tmp_path: pathlib.Path) -> None:
-    _write_dir(tmp_path / "m", hidden_size=HIDDEN * 2)
+    write_hf_dir(tmp_path / "m", hidden_size=HIDDEN * 2)
     with pytest.raises(UserError, match="shape"):
         load_hf_dir(tmp_path / "m", "m")
-    _write_dir(tmp_path / "n")
+    write_hf_dir(tmp_path / "n")
     (tmp_path / "n" / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(UserError, match="not a readable safetensors file"):
         load_hf_dir(tmp_path / "n", "n")

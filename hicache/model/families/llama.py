@@ -27,30 +27,11 @@ from hicache.model.config import ModelConfig
 from hicache.model.kernels import ops
 from hicache.model.kernels.invariance import InvarianceReport
 from hicache.model.kernels.tp_groups import ColumnGroups, MakeLinear, RowGroups, group_slices, tp_group_count
+from hicache.model.rope import RotaryEmbedding
 from hicache.parallel.parallel import ParallelContext
 from hicache.parallel.placement import KVSharding
 
 Planned = ops.Linear | ColumnGroups | RowGroups  # what names a linear plan for logs and /health
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-class RotaryEmbedding:
-    def __init__(self, head_dim: int, theta: float, max_position: int, dtype: torch.dtype, device: torch.device):
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos = emb.cos().to(dtype=dtype, device=device)
-        self.sin = emb.sin().to(dtype=dtype, device=device)
-
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """x: [T, heads, head_dim]."""
-        cos = self.cos[positions].unsqueeze(1)
-        sin = self.sin[positions].unsqueeze(1)
-        return x * cos + rotate_half(x) * sin
 
 
 class DecoderLayer:
@@ -133,7 +114,7 @@ class LlamaModel:
         if pctx.is_last_stage:
             self.norm = cast(weights["model.norm.weight"])
             self.lm_head = make_linear(weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
-        self.rope = RotaryEmbedding(self._rope_dim(), cfg.rope_theta, cfg.max_position, dtype, device)
+        self.rope = RotaryEmbedding(self._rope_dim(), cfg.rope_theta, cfg.rope_scaling, device)
         backend = "gathered" if self.kv_sharding.size > 1 else "local"
         make = ATTENTION_BACKENDS[backend]
         self.attention: AttentionBackend = make(cfg.head_dim**-0.5, device, pctx, self.kv_sharding)

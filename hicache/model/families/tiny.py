@@ -28,6 +28,7 @@ TINY_CONFIG = ModelConfig(
     rms_norm_eps=1e-5,
     max_position=4096,
     tie_word_embeddings=False,
+    context_limit=1 << 20,  # --context-length may ask for up to 1,048,576 positions (ModelConfig)
 )
 TINY_SEED = 1234
 

@@ -27,6 +27,7 @@ TINY_MLA_CONFIG = MLAConfig(
     rms_norm_eps=TINY_CONFIG.rms_norm_eps,
     max_position=TINY_CONFIG.max_position,
     tie_word_embeddings=False,
+    context_limit=TINY_CONFIG.context_limit,
     kv_lora_rank=64,
     qk_rope_head_dim=16,
 )

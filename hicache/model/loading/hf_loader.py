@@ -19,6 +19,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from hicache.errors import UserError
+from hicache.model import rope
 from hicache.model.chat import ChatTemplate
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.loading.checkpoint import check_weights, checked_model
@@ -76,15 +77,12 @@ def _read_json(path: pathlib.Path, required: bool = False) -> dict[str, Any]:
     return data
 
 
-def _rope_theta(hf_config: dict[str, Any], root: pathlib.Path) -> float:
-    # transformers 5 writes `rope_parameters` (with rope_type and rope_theta); older versions write
-    # `rope_theta` and `rope_scaling`.
-    params = hf_config.get("rope_parameters") or {}
-    scaling = hf_config.get("rope_scaling") or {}
-    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    if rope_type != "default":
-        raise UserError(f"{root}: rope scaling {rope_type!r} is not supported")
-    return float(params.get("rope_theta") or hf_config.get("rope_theta") or 10000.0)
+def _rope(hf_config: dict[str, Any], max_position: int, root: pathlib.Path) -> tuple[float, rope.RopeScaling | None]:
+    """rope_theta and the RoPE scaling. transformers 5 writes `rope_parameters` (rope_type, rope_theta and
+    the scaling's fields); older versions write `rope_theta` and `rope_scaling`."""
+    params = {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
+    theta = float(params.get("rope_theta") or hf_config.get("rope_theta") or 10000.0)
+    return theta, rope.from_hf(params, max_position, f"{root}/config.json")
 
 
 def _config(hf_config: dict[str, Any], root: pathlib.Path) -> ModelConfig:
@@ -97,6 +95,8 @@ def _config(hf_config: dict[str, Any], root: pathlib.Path) -> ModelConfig:
         hidden = int(hf_config["hidden_size"])
         num_heads = int(hf_config["num_attention_heads"])
         max_position = int(hf_config["max_position_embeddings"])
+        theta, scaling = _rope(hf_config, max_position, root)
+        max_position = rope.scaled_context(max_position, scaling)
         sliding_window = hf_config.get("sliding_window")
         if sliding_window and int(sliding_window) < max_position:
             # Full attention equals sliding-window attention up to the window, so cap the context there.
@@ -110,10 +110,11 @@ def _config(hf_config: dict[str, Any], root: pathlib.Path) -> ModelConfig:
             num_heads=num_heads,
             num_kv_heads=int(hf_config.get("num_key_value_heads") or num_heads),
             head_dim=int(hf_config.get("head_dim") or hidden // num_heads),
-            rope_theta=_rope_theta(hf_config, root),
+            rope_theta=theta,
             rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
             max_position=max_position,
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
+            rope_scaling=scaling,
         )
     except KeyError as exc:
         raise UserError(f"{root}/config.json lacks {exc.args[0]}") from exc
