@@ -33,8 +33,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+import numpy as np
+
 from hicache.cache.controller import SupervisedWorker, TransferOp
 from hicache.cache.host_tier import HostTier
+from hicache.cache.page_keys import Tokens, pack
 from hicache.cache.radix import RadixTree
 from hicache.cache.stats import PrefetchLoss, StorageTierStats
 from hicache.cache.storage_puts import StoragePuts
@@ -127,16 +130,17 @@ class StorageTier:
 
     # ---- prefetch: queried -> allocated -> read ------------------------------------------------
 
-    def start_prefetch(self, rid: int, prompt: Sequence[int], namespace: str) -> None:
+    def start_prefetch(self, rid: int, prompt: Tokens, namespace: str) -> None:
         """Look up what storage holds of the prompt beyond the tree's match (in the background). The
-        tree is only peeked at: arrival changes nothing of it (`KVCache.open`)."""
-        key = prompt[: len(prompt) - 1]
-        total = len(key) // self.page_size
-        match = self.tree.peek(key, namespace)
+        tree is only peeked at: arrival changes nothing of it (`KVCache.open`). `prompt` is best the
+        handle's `packed_prompt`: the peek and the hashes then read its int64s in place."""
+        ids = np.frombuffer(pack(prompt), dtype=np.int64)
+        total = (len(ids) - 1) // self.page_size  # the last prompt token is always computed
+        match = self.tree.peek(ids[: len(ids) - 1], namespace)
         start = match.device_pages + match.host_pages
         if (total - start) * self.page_size < max(self.threshold, 1):
             return
-        hashes = page_hashes(key[: total * self.page_size], self.page_size)[start:]
+        hashes = page_hashes(ids[: total * self.page_size], self.page_size)[start:]
         prefetch = Prefetch(rid, hashes, start)
         consensus = self.consensus
         # A path the tree has fixes the base; a new prefix may have been stored from any (unified
