@@ -115,7 +115,7 @@ class RedisBackend(StorageBackend):
         with self._reachable("EXISTS script"):
             while found < len(names):
                 batch = names[found : found + chunk]
-                present = int(self._leading_keys(keys=batch))  # type: ignore[arg-type]
+                present = int(self._leading_keys(keys=batch))
                 found += present
                 if present < len(batch):
                     break
