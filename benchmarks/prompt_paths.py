@@ -1,8 +1,10 @@
 """The paths that grow with a prompt, at 128K tokens (8,192 pages of 16), against baselines measured in
 the same run (not a test; docs/BENCHMARKS.md, "Prompt-length paths"):
 
-- page keys: `page_hashes` vs the per-page slicing loop it replaced, and vs one SHA-256 over the same
-  bytes (the physical limit: what hashing the bytes costs with no per-page work at all);
+- page keys: `page_hashes` vs the per-page slicing loop it replaced, vs one SHA-256 over the same
+  bytes (what hashing the ids costs with no per-page work at all), and vs one SHA-256 over as many
+  64-byte blocks as the chain compresses (the physical limit of the chain, parent digests and padding
+  included);
 - the P/D prompt digest vs the per-token encoding it replaced, and vs BLAKE2b over the packed bytes;
 - existence of 8,192 pages: the file store (a temp dir holding exactly those pages, then the same with
   many other objects beside them) vs a stat per key, the old path; Redis (a private redis-server) vs the
@@ -35,6 +37,7 @@ from hicache.cache.storage_tier import PREFETCH_BATCH_BYTES, PREFETCH_FIRST_BATC
 from hicache.disagg.wire import prompt_digest  # noqa: E402
 from hicache.mem.allocator import PageAllocator  # noqa: E402
 from hicache.storage import FileBackend, Namespace, RedisBackend, pack_u32, page_hashes  # noqa: E402
+from hicache.storage.keys import HASH_BYTES  # noqa: E402
 from tests.storage.redis_server import RedisServer  # noqa: E402
 
 PAGE = 16
@@ -102,6 +105,13 @@ def bench_keys(table: Table, tokens: np.ndarray, reps: int) -> None:
     table.row("page_hashes (int64 array)", t_new_np, "old per-page slicing loop", t_old_np)
     table.row("page_hashes (list[int])", t_new_list, "old per-page slicing loop", t_old_list)
     table.row("page_hashes (int64 array)", t_new_np, "one SHA-256 over the same bytes (limit)", t_sha)
+    # The chain compresses more than the ids' bytes: each page hashes its parent's digest too, padded
+    # (0x80 and the 64-bit length: 9 bytes at least) to whole 64-byte blocks, 2 a page at 16 tokens, so
+    # its floor in C is one SHA-256 over that many blocks.
+    blocks = len(packed) // (4 * PAGE) * -(-(HASH_BYTES + 4 * PAGE + 9) // 64)
+    chain_bytes = bytes(64 * blocks)
+    t_chain = best_time(lambda: hashlib.sha256(chain_bytes).digest(), reps)
+    table.row("page_hashes (int64 array)", t_new_np, f"SHA-256 of {blocks} blocks (chain limit)", t_chain)
     assert prompt_digest(as_list) == old_prompt_digest(as_list)
     t_digest = best_time(lambda: prompt_digest(as_list), reps)
     t_old_digest = best_time(lambda: old_prompt_digest(as_list), reps)
