@@ -36,7 +36,7 @@ class LowerTiers:
     def open(self, handle: KVHandle) -> None:
         """A request arrived: a storage tier starts its prefetch."""
         if self.storage is not None:
-            self.storage.start_prefetch(handle.rid, handle.prompt, handle.namespace)
+            self.storage.start_prefetch(handle.rid, handle.packed_prompt, handle.namespace)
 
     def ready_to_admit(self, handle: KVHandle, busy: bool) -> bool:
         return self.storage is None or self.storage.ready_to_admit(handle.rid, busy)

@@ -31,10 +31,13 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
+
+import numpy as np
 
 from hicache.cache.controller import SupervisedWorker, TransferOp
 from hicache.cache.host_tier import HostTier
+from hicache.cache.page_keys import Tokens, pack
 from hicache.cache.radix import RadixTree
 from hicache.cache.stats import PrefetchLoss, StorageTierStats
 from hicache.cache.storage_puts import StoragePuts
@@ -46,7 +49,12 @@ from hicache.storage import StorageStats, VerifiedStore, page_hashes
 
 logger = logging.getLogger(__name__)
 
-PREFETCH_BATCH_PAGES = 8  # pages per storage read call: the unit at which a prefetch can be stopped
+# A prefetch reads in batches, each followed by one agreement across ranks on the pages read: the first
+# of PREFETCH_FIRST_BATCH_PAGES (what a prefetch stopped early still brings), each next one twice the
+# last, up to PREFETCH_BATCH_BYTES of a page's bytes on every rank (the most a stop waits for, the batch
+# in flight). An 8K-page hit takes tens of agreements, not one per 8 pages.
+PREFETCH_FIRST_BATCH_PAGES = 8
+PREFETCH_BATCH_BYTES = 64 << 20
 
 
 class PrefetchPolicy(str, enum.Enum):
@@ -68,6 +76,7 @@ class Prefetch:
     started: float = field(default_factory=time.monotonic)
     query: TransferOp | None = None
     hit_pages: int = 0
+    batch_pages: int = PREFETCH_FIRST_BATCH_PAGES  # the largest read batch, agreed with the hit
     host_pages: list[int] = field(default_factory=list)
     read: TransferOp | None = None
     # Leading pages read and verified on every rank, one entry per agreed batch, in order (written by
@@ -127,16 +136,17 @@ class StorageTier:
 
     # ---- prefetch: queried -> allocated -> read ------------------------------------------------
 
-    def start_prefetch(self, rid: int, prompt: Sequence[int], namespace: str) -> None:
+    def start_prefetch(self, rid: int, prompt: Tokens, namespace: str) -> None:
         """Look up what storage holds of the prompt beyond the tree's match (in the background). The
-        tree is only peeked at: arrival changes nothing of it (`KVCache.open`)."""
-        key = prompt[: len(prompt) - 1]
-        total = len(key) // self.page_size
-        match = self.tree.peek(key, namespace)
+        tree is only peeked at: arrival changes nothing of it (`KVCache.open`). `prompt` is best the
+        handle's `packed_prompt`: the peek and the hashes then read its int64s in place."""
+        ids = np.frombuffer(pack(prompt), dtype=np.int64)
+        total = (len(ids) - 1) // self.page_size  # the last prompt token is always computed
+        match = self.tree.peek(ids[: len(ids) - 1], namespace)
         start = match.device_pages + match.host_pages
         if (total - start) * self.page_size < max(self.threshold, 1):
             return
-        hashes = page_hashes(key[: total * self.page_size], self.page_size)[start:]
+        hashes = page_hashes(ids[: total * self.page_size], self.page_size)[start:]
         prefetch = Prefetch(rid, hashes, start)
         consensus = self.consensus
         # A path the tree has fixes the base; a new prefix may have been stored from any (unified
@@ -146,14 +156,18 @@ class StorageTier:
         else:
             bases = list(range(self.placement.shards))
 
+        # The largest read batch from this rank's page bytes, which differ between PP stages (other
+        # layers): its MIN is agreed with the hit, so every rank cuts the read into the same batches.
+        batch_pages = max(PREFETCH_FIRST_BATCH_PAGES, PREFETCH_BATCH_BYTES // self.host.host.page_bytes)
+
         def query(op: TransferOp) -> None:
             found = [self._own_hits(hashes, start, base) for base in bases]
             # MIN over every rank before reading: the common prefix all ranks can load, per base, of
             # every part (and of the target's alone, to count what a missing draft part cost); the
             # longest (the lowest base on a tie) is where the pages were written from.
-            agreed = consensus.agree_min_all("storage_hit_pages", [n for pair in found for n in pair])
+            agreed = consensus.agree_min_all("storage_hit_pages", [n for pair in found for n in pair] + [batch_pages])
             best = max(range(len(bases)), key=lambda i: (agreed[2 * i], -i))
-            op.payload = (agreed[2 * best], agreed[2 * best + 1], bases[best])
+            op.payload = (agreed[2 * best], agreed[2 * best + 1], bases[best], agreed[-1])
 
         prefetch.query = self.worker.submit(TransferOp("storage_query", query))
         self.prefetches[rid] = prefetch
@@ -186,7 +200,8 @@ class StorageTier:
         for prefetch in agreed_ready:
             assert prefetch.query is not None
             prefetch.query.wait()  # finished on the first stage; here it may still be finishing
-            hit, target_hit, prefetch.rotation = (0, 0, 0) if prefetch.query.failed else prefetch.query.payload  # type: ignore[misc]
+            payload = (0, 0, 0, 0) if prefetch.query.failed else prefetch.query.payload
+            hit, target_hit, prefetch.rotation, prefetch.batch_pages = payload  # type: ignore[misc]
             prefetch.hit_pages = hit
             self.stats.prefetch.hit += hit
             self._lose(PrefetchLoss.DRAFT_MISSING, target_hit - hit)
@@ -234,8 +249,7 @@ class StorageTier:
 
         def run(_: TransferOp) -> None:
             done = 0
-            for first in range(0, prefetch.hit_pages, PREFETCH_BATCH_PAGES):
-                last = min(first + PREFETCH_BATCH_PAGES, prefetch.hit_pages)
+            for first, last in read_batches(prefetch.hit_pages, prefetch.batch_pages):
                 stopping = prefetch.stop.is_set()
                 local = done
                 if not stopping:
@@ -347,6 +361,16 @@ class StorageTier:
         self.worker.stop()  # the queued puts run first
         self.puts.put_unstored()
         self.store.backend.close()
+
+
+def read_batches(pages: int, most: int) -> Iterator[tuple[int, int]]:
+    """[first, last) of each read batch of a `pages`-page hit: PREFETCH_FIRST_BATCH_PAGES, then twice
+    the last, up to `most` pages."""
+    first, size = 0, PREFETCH_FIRST_BATCH_PAGES
+    while first < pages:
+        last = min(first + size, pages)
+        yield first, last
+        first, size = last, min(2 * size, most)
 
 
 def _summed(stats: list[StorageStats]) -> StorageStats:

@@ -55,6 +55,18 @@ def check_key(key: str) -> str:
     return key
 
 
+def check_keys(keys: Sequence[str]) -> None:
+    """ValueError naming the first invalid key of `keys`, if any: one C-level pass over a batch (a
+    prompt's thousands of keys), and `check_key`'s message for the one that fails."""
+    try:
+        if all(map(_KEY_RE.fullmatch, keys)):
+            return
+    except TypeError:
+        pass  # not a str: check_key below names it
+    for key in keys:
+        check_key(key)
+
+
 class StorageBackend(abc.ABC):
     """A key -> blob store.
 

@@ -38,31 +38,36 @@ def page_hashes(tokens: Sequence[int] | np.ndarray, page_size: int, prior: bytes
     prev = ROOT_HASH if prior is None else bytes(prior)
     if len(prev) != HASH_BYTES:
         raise ValueError(f"prior must be a {HASH_BYTES}-byte digest, got {len(prev)} bytes")
-    packed = _pack_tokens(tokens)
-    page_bytes = 4 * page_size
+    packed = pack_u32(tokens)
+    full = packed.size - packed.size % page_size
+    # Every page's bytes cut out by numpy in one pass (a row of page_size '<u4' read as one opaque
+    # item), so the loop left is one SHA-256 per page: the chain makes each depend on the one before
+    # (docs/BENCHMARKS.md, "Prompt-length paths", measures it against SHA-256 over the same bytes).
+    pages = packed[:full].view(np.dtype((np.void, 4 * page_size))).tolist()
     out: list[bytes] = []
-    # One packed buffer sliced per page: a 1M-token prompt is ~65k SHA-256 calls over 64-byte pages and
-    # costs tens of milliseconds; per-token Python work would cost seconds.
-    for start in range(0, len(packed) - page_bytes + 1, page_bytes):
-        h = hashlib.sha256(prev)
-        h.update(packed[start : start + page_bytes])
+    sha256 = hashlib.sha256
+    for page in pages:
+        h = sha256(prev)
+        h.update(page)
         prev = h.digest()
         out.append(prev)
     return out
 
 
-def _pack_tokens(tokens: Sequence[int] | np.ndarray) -> memoryview:
+def pack_u32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+    """`tokens` as a contiguous '<u4' array, the byte form content addresses and digests hash (checked:
+    ids outside 32 unsigned bits are an error, not a wrap), at C speed whatever the container."""
     arr = np.asarray(tokens)
     if arr.ndim != 1:
         raise ValueError(f"tokens must be one-dimensional, got shape {arr.shape}")
     if arr.size == 0:
-        return memoryview(b"")
+        return np.empty(0, dtype="<u4")
     if arr.dtype.kind not in "iu":
         # An empty Python list comes back as float64, handled above; anything else non-integer is a bug.
         raise TypeError(f"tokens must be integers, got dtype {arr.dtype}")
     if int(arr.min()) < 0 or int(arr.max()) > 0xFFFFFFFF:
         raise ValueError("token ids must be in [0, 2**32)")
-    return np.ascontiguousarray(arr, dtype="<u4").data.cast("B")
+    return np.ascontiguousarray(arr, dtype="<u4")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Storage backend on a Redis server: a store shared by every engine that can reach it.
 
 Batch operations are pipelined so a batch costs one round trip (~75 µs on loopback) instead of one per
-page: exists_prefix is a pipeline of EXISTS per chunk, batch_get one MGET, batch_put one pipeline of SET.
+page: exists_prefix is one server-side script per chunk (chunks doubling), batch_get one MGET, batch_put one
+pipeline of SET.
 get_range and batch_read_ranges are GETRANGE, so a reader of part of an object (unified layout) moves
 only that part; batch_put_ranges is SETRANGE at each part's offset, in one MULTI/EXEC.
 
@@ -35,6 +36,7 @@ from hicache.storage.backend import (
     StorageBackend,
     StorageUnavailable,
     check_key,
+    check_keys,
     check_range,
     join_blob,
 )
@@ -43,14 +45,23 @@ logger = logging.getLogger(__name__)
 
 DEFAULT_URL = "redis://127.0.0.1:6379/0"
 _PREFIX_RE = re.compile(r"[0-9A-Za-z_:-]*")  # no glob metacharacters: clear() matches on it with SCAN
+# How many leading KEYS exist, answered by the server in one command, stopping at the first missing one:
+# a pipeline of EXISTS costs redis-py ~8 us of Python per key (docs/BENCHMARKS.md, "Prompt-length paths").
+_LEADING_KEYS = """
+for i, key in ipairs(KEYS) do
+  if redis.call('EXISTS', key) == 0 then return i - 1 end
+end
+return #KEYS
+"""
 
 
 class RedisBackend(StorageBackend):
     """Objects as Redis strings named f"{prefix}{key}".
 
     The prefix keeps clear() to this engine's objects when the database is shared with anything else.
-    `exists_chunk` bounds one EXISTS pipeline: a long prompt whose first pages are missing costs one
-    small round trip, not one sized by the whole prompt."""
+    `exists_chunk` is the first existence query's size, each next one twice the last: a long prompt whose
+    first pages are missing costs one small round trip, not one sized by the whole prompt, and a hit of
+    n pages costs about log2(n / exists_chunk) round trips."""
 
     def __init__(
         self,
@@ -76,6 +87,8 @@ class RedisBackend(StorageBackend):
             health_check_interval=health_check_interval_s,
             retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
         )
+        # EVALSHA, loading the script again after a restart emptied the server's script cache.
+        self._leading_keys = self._client.register_script(_LEADING_KEYS)
 
     def _name(self, key: str) -> str:
         return self.prefix + check_key(key)
@@ -95,17 +108,18 @@ class RedisBackend(StorageBackend):
             self._client.ping()
 
     def exists_prefix(self, keys: list[str]) -> int:
-        names = [self._name(k) for k in keys]
-        found = 0
-        with self._reachable("EXISTS"):
-            for start in range(0, len(names), self.exists_chunk):
-                pipe = self._client.pipeline(transaction=False)
-                for name in names[start : start + self.exists_chunk]:
-                    pipe.exists(name)
-                for present in pipe.execute():
-                    if not present:
-                        return found
-                    found += 1
+        check_keys(keys)
+        prefix = self.prefix
+        names = [prefix + k for k in keys]
+        found, chunk = 0, self.exists_chunk
+        with self._reachable("EXISTS script"):
+            while found < len(names):
+                batch = names[found : found + chunk]
+                present = int(self._leading_keys(keys=batch))
+                found += present
+                if present < len(batch):
+                    break
+                chunk *= 2
         return found
 
     def get(self, key: str) -> bytes | None:

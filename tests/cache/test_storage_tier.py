@@ -8,10 +8,11 @@ import threading
 
 import pytest
 
+from hicache.cache import storage_tier as storage_tier_module
 from hicache.cache.build import storage_backend
 from hicache.cache.controller import TransferOp
 from hicache.cache.device_tier import DeviceTier
-from hicache.cache.storage_tier import StorageTier
+from hicache.cache.storage_tier import StorageTier, read_batches
 from hicache.cache.stores import open_store
 from hicache.config import DebugConfig, HiCacheConfig
 from tests.cache.kv import PAGE, assert_host_kv, compute, one_rank, settle, tiers
@@ -104,6 +105,25 @@ def test_the_prefetch_lifecycle_brings_the_bytes(backend):
     assert (p.queried, p.hit, p.allocated, p.read, p.inserted) == (6, 6, 6, 6, 6)
     assert lost(tier) == {}
     assert tier.leak_report() == []
+
+
+def test_read_batches_double_up_to_the_agreed_size():
+    assert list(read_batches(0, 64)) == []
+    assert list(read_batches(5, 64)) == [(0, 5)]
+    assert list(read_batches(100, 20)) == [(0, 8), (8, 24), (24, 44), (44, 64), (64, 84), (84, 100)]
+    assert len(list(read_batches(8192, 1 << 20))) == 11  # an 8K-page hit: 11 agreements, not 1,024
+
+
+def test_a_read_in_several_batches_brings_the_bytes(backend, monkeypatch):
+    """Batches of 1, 2, then 3 pages: one agreed progress entry each, and every page's bytes in place."""
+    monkeypatch.setattr(storage_tier_module, "PREFETCH_FIRST_BATCH_PAGES", 1)
+    store_pages(backend, STORED)
+    tier, _ = storage_tier(backend)
+    prefetch(tier)
+    read_all(tier)
+    assert tier.prefetches[1].progress == [1, 3, 6]
+    assert tier.consume(1, PROMPT, "").inserted == 6
+    assert_host_kv(tier.host.host, tier.tree.match_prefix(STORED).host_pages, STORED, "storage")
 
 
 def test_a_prompt_mostly_cached_is_not_prefetched(backend):

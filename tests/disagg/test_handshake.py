@@ -84,3 +84,14 @@ def test_prefill_validates_decode_prefix_len(d, length, other_prompt, handshake,
     meta = DecodeMetadata(1, d, length, prompt_digest(decodes), handshake)
     problem = metadata_problem(meta, req, BASE)
     assert (problem is None) if named is None else (named in (problem or ""))
+
+
+def test_prompt_digest_is_pinned():
+    # Values of the per-token encoding the digest had first: prefill and decode of different versions
+    # must still agree on a prompt.
+    tokens = [(i * 2654435761) % 2**32 for i in range(64)]
+    assert prompt_digest(tokens) == "b2c7f273d99052b2d7da6144145296af"
+    assert prompt_digest([]) == "cae66941d9efbd404e4d88758ea67670"
+    assert prompt_digest(range(40)) == "2a8c97b25630d526f923a10555c69ff4"
+    with pytest.raises((OverflowError, ValueError)):
+        prompt_digest([2**32])
