@@ -120,7 +120,7 @@ def mechanisms(model: DecoderModel) -> dict[str, str]:
 
 def block_attention_probe(
     lengths: tuple[int, ...], block: int, dtype: torch.dtype, device: torch.device,
-    heads: tuple[int, int, int] = (4, 2, 32), chunk: int = 40, seed: int = 0,
+    heads: tuple[int, int, int] = (4, 2, 32), chunk: int = 12, seed: int = 0,
 ) -> list[str]:
     """Blocked attention of sequences of `lengths` keys (block size `block`, heads (H, Hkv, d)) in three
     shapes of call: each sequence's last `chunk` rows as prefill chunks of one step, every one of those

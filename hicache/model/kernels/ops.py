@@ -256,26 +256,18 @@ def block_attention(
     kernel's result can depend on the operands' strides); the blocks' normalized outputs and
     log-sum-exps are combined in float32 in block order by the same elementwise arithmetic for every
     row. Memory: one step's reads at a time, at most a block of keys per sequence."""
-    R, H, d = q.shape
+    R, H = q.shape[:2]
     top = q.new_full((R, H), float("-inf"), dtype=torch.float32)
     total = q.new_zeros((R, H), dtype=torch.float32)
     acc: torch.Tensor | None = None
     for step in plan.steps:
-        held, kv = -1, None
+        held, kv = -1, None  # the last read's keys go before the next one is made
         for call in step:
             if call.read != held:
-                kv = None  # the last read's keys go before the next one is made
+                kv = None
                 held, kv = call.read, read(call.read)
             assert kv is not None
-            E, n = call.rows.shape
-            length = plan.reads[call.read].length
-            k, v = (t.unflatten(0, (E, length))[:, : call.keys].transpose(1, 2) for t in kv)
-            rows = q.index_select(0, call.rows.view(-1)).view(E, n, H, d).transpose(1, 2).contiguous()
-            out, lse = _block_kernel(rows, k, v, call.additive_mask(q.dtype), scale)
-            out = out.transpose(1, 2).reshape(E * n, H, -1)
-            lse = lse.transpose(1, 2).reshape(E * n, H)
-            if call.pick is not None:
-                out, lse = out.index_select(0, call.pick), lse.index_select(0, call.pick)
+            out, lse = _attend_call(q, call, kv, plan.reads[call.read].length, scale)
             if acc is None:
                 acc = q.new_zeros((R, H, out.shape[-1]), dtype=torch.float32)
             before = top.index_select(0, call.dest)
@@ -290,14 +282,37 @@ def block_attention(
     return (acc / total.unsqueeze(-1)).to(q.dtype)
 
 
+def _attend_call(
+    q: torch.Tensor, call: key_blocks.BlockCall, kv: tuple[torch.Tensor, torch.Tensor], length: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One call of a key-block plan over its read `kv` (entries of `length` keys): the output [m, H, dv]
+    and log-sum-exp [m, H] of its rows `call.dest`."""
+    (E, n), H, d = call.rows.shape, q.shape[1], q.shape[2]
+    k, v = (t.unflatten(0, (E, length))[:, : call.keys].transpose(1, 2) for t in kv)
+    rows = q.index_select(0, call.rows.view(-1)).view(E, n, H, d).transpose(1, 2).contiguous()
+    out, lse = _block_kernel(rows, k, v, call.additive_mask(q.dtype), scale)
+    out, lse = out.transpose(1, 2).reshape(E * n, H, -1), lse.transpose(1, 2).reshape(E * n, H)
+    if call.pick is not None:
+        out, lse = out.index_select(0, call.pick), lse.index_select(0, call.pick)
+    return out, lse
+
+
 def _block_kernel(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One block call: the normalized output [E, H, n, dv] and the float32 log-sum-exp [E, H, n]."""
-    if q.device.type == "cpu":
-        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
+    if q.device.type != "cpu":
+        return math_block(q, k, v, mask, scale)
+    # The CPU kernel takes one head size: zero columns widen the narrower side (MLA's values are narrower
+    # than its keys), adding nothing to a score and giving output columns that are dropped.
+    d, dv = q.shape[-1], v.shape[-1]
+    if dv < d:
+        v = F.pad(v, (0, d - dv))
+    elif dv > d:
+        q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
                                                                           scale=scale)  # fmt: skip
-    return math_block(q, k, v, mask, scale)
+    return out[..., :dv], lse
 
 
 def math_block(
