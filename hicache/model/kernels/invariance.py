@@ -5,7 +5,9 @@ computed in calls of other shapes than in the cache-off run: a decode step inste
 prefill chunk, a chunk of another size, a batch with other requests. The probe feeds one random
 sequence through this rank's layers whole, in chunks of 1 to 10 rows (every remainder a 4- or
 8-row kernel can leave), and with its last tokens as decode steps batched with another sequence,
-and compares the outputs bit for bit. It runs in well under a second for the embedded models.
+and compares the outputs bit for bit. The probe's sequence fits one key block, so blocked attention is
+also probed on its own over 1 to 5 blocks of the smallest size (`block_attention_probe`). It runs in
+well under a second for the embedded models.
 
 With several ranks every rank probes its own shard at once (the TP sums are collectives); a later
 pipeline stage feeds random hidden states instead of token ids.
