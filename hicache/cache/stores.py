@@ -19,8 +19,10 @@ from hicache.storage.unified import Grid, KVGeometry, Shard, UnifiedNamespace
 
 # The meaning of a stored page's bytes changed without any namespace field changing: since the TP sums
 # are cut into fixed groups (hicache/model/kernels/tp_groups.py) every topology computes other bits than
-# before, so pages written by an earlier version are another namespace's, never served.
-KV_SCHEMA_VERSION = 2
+# before (2), and since attention combines blocks of keys (hicache/model/kernels/key_blocks.py) a
+# layer's KV past the first block's positions comes from other attention bits below it (3), so pages
+# written by an earlier version are another namespace's, never served.
+KV_SCHEMA_VERSION = 3
 
 
 @dataclass(frozen=True)

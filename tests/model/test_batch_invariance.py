@@ -20,7 +20,7 @@ import torch
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.build import CHECKPOINT, build_decoder, with_weight_format
-from hicache.model.kernels import ops
+from hicache.model.kernels import key_blocks
 from hicache.model.kernels.invariance import feed, probe_inputs
 from hicache.model.loading.loader import load_model
 from hicache.parallel.parallel import ParallelContext
@@ -99,7 +99,7 @@ def test_long_prefix_in_random_chunks(model, length):
     request in every step, the tail as decode steps."""
     if length > 600 and model.cfg.num_layers > 4:
         pytest.skip("the 1300-token case runs on tiny; smollm2 covers the 512-key boundary at 560")
-    region = -(-length // ops.KV_ALIGN) * ops.KV_ALIGN
+    region = -(-length // key_blocks.KV_ALIGN) * key_blocks.KV_ALIGN
     pool = _pool(model, 3, region)
     rng = random.Random(length)
     ids = probe_inputs(model, length, seed=5)
@@ -114,9 +114,9 @@ def test_long_prefix_in_random_chunks(model, length):
 
 
 def test_batched_decode_equals_each_sequence_alone(model):
-    """B decode steps in one call (one attention kernel over a padded [B, L] slot table) give each
+    """B decode steps in one call (their key blocks batched in kernel calls) give each
     sequence's logits as decoding it alone; also against the row inside a prefill of the sequence."""
-    lengths = [5, 17, 40, 530, 63]  # 530: a second 512-key block, so the group pads the others
+    lengths = [5, 17, 40, 530, 63]  # 530: its key block is two KV_ALIGN long, a call of its own
     region = 1024
     pool = _pool(model, len(lengths) + 1, region)
     seqs = [probe_inputs(model, n, seed=10 + i) for i, n in enumerate(lengths)]

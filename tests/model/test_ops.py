@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hicache import Engine
 from hicache.errors import UserError
 from hicache.model import build as model_build
-from hicache.model.kernels import ops
+from hicache.model.kernels import key_blocks, ops
 from hicache.model.kernels.calibration import LinearPlanner, plan_passes, probe_operands, rows_stack
 from hicache.model.kernels.invariance import InvarianceReport
 from hicache.model.loading.loader import load_model
@@ -154,5 +154,5 @@ def test_engine_reports_the_verified_mechanisms():
     with Engine(model="tiny") as engine:
         report = engine.invariance
     assert report["verified"] is True and report["detail"] == ""
-    assert report["mechanisms"]["attention"].startswith(f"keys padded to a multiple of {ops.KV_ALIGN}")
+    assert report["mechanisms"]["attention"].startswith(f"blocks of {key_blocks.KV_BLOCK} keys")
     assert set(report["mechanisms"]) >= {"linear qkv_proj", "linear down_proj", "linear lm_head"}

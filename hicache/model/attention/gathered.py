@@ -34,23 +34,25 @@ import torch
 import torch.distributed as dist
 
 from hicache.mem.device_pool import DeviceKVPool, OwnedSlots
-from hicache.model.attention.backends import Q_PIECE, Expand, Piece, _padded, attend_piece
+from hicache.model.attention.backends import Expand, step_queries
 from hicache.model.attention.kv_gather import GatherPlan, GatherStats, PrefixGather, ScratchBuffers
 from hicache.model.batch import ForwardBatch
+from hicache.model.kernels import key_blocks, ops
 from hicache.parallel.parallel import ParallelContext
 from hicache.parallel.placement import KVSharding
 
 
 @dataclass
-class SeqAttend:
-    """One sequence of the step, as this rank attends it."""
+class ReadRows:
+    """Where one read of the key-block plan takes its packed rows [size, row]: positions of a cached
+    prefix from the gathered buffer, the step's own from its KV rows, and zeros past a sequence's end
+    (masked)."""
 
-    first: int  # position of its first new token (= its prefix length)
-    kv_len: int
-    chunk_start: int  # batch row of its first new token
-    length: int
-    prefix_rows: torch.Tensor  # [first] rows of the gathered buffer holding its prefix, in position order
-    pieces: list[Piece]  # over this rank's local rows
+    size: int
+    prefix_dst: torch.Tensor
+    prefix_src: torch.Tensor  # rows of the gathered buffer
+    step_dst: torch.Tensor
+    step_src: torch.Tensor  # rows of the step's KV
 
 
 @dataclass
@@ -59,7 +61,8 @@ class GatheredMetadata:
     rows: torch.Tensor | None  # this rank's batch rows, padded to per_rank (None: it computes all rows)
     per_rank: int
     owned: OwnedSlots  # the step's slots this rank stores
-    seqs: list[SeqAttend] = field(default_factory=list)
+    plan: key_blocks.KeyBlockPlan
+    reads: list[ReadRows] = field(default_factory=list)
     gather: PrefixGather | None = None
 
 
@@ -95,37 +98,35 @@ class GatheredAttention:
             # whose results are dropped, where a rank has one row fewer.
             mine += [mine[-1] if mine else 0] * (per_rank - len(mine))
             rows = torch.tensor(mine, dtype=torch.int64, device=self.device)
-        meta = GatheredMetadata(T, rows, per_rank, pool.owned(batch.out_slots))
+        meta = GatheredMetadata(T, rows, per_rank, pool.owned(batch.out_slots),
+                                key_blocks.plan(step_queries(batch, n, r), per_rank, self.device))  # fmt: skip
         p = pool.page_size
         prefixes = [seq.kv_slots[: seq.kv_len - seq.length : p] // p for seq in batch.seqs]
         plan = GatherPlan.build([q.cpu() for q in prefixes if len(q)], self.sharding.size, self.sharding.rank,
                                 self.device)  # fmt: skip
-        for seq in batch.seqs:
-            first = seq.kv_len - seq.length
-            meta.seqs.append(
-                SeqAttend(first, seq.kv_len, seq.start, seq.length, plan.rows(seq.kv_slots[:first], p),
-                          self._pieces(seq.start, seq.length, first, n, r))
-            )  # fmt: skip
+        prefix_rows = [plan.rows(seq.kv_slots[: seq.kv_len - seq.length], p) for seq in batch.seqs]
+        meta.reads = [self._read_rows(batch, prefix_rows, read) for read in meta.plan.reads]
         if plan.per_owner:
             self._ensure_scratch(pool)
             assert self.scratch is not None
             meta.gather = PrefixGather(plan, pool, self.scratch, self.side_group, batch.before_layer, self.stats)
         return meta
 
-    def _pieces(self, start: int, length: int, first: int, n: int, r: int) -> list[Piece]:
-        """This rank's queries of one sequence in windows of Q_PIECE positions, each over the keys its
-        window can see (the local backend's windows: the same key lengths, though that is not needed)."""
-        pieces = []
-        for a in range(0, length, Q_PIECE):
-            b = min(length, a + Q_PIECE)
-            lo, hi = -(-(start + a - r) // n), -(-(start + b - r) // n)
-            if hi <= lo:
-                continue
-            keys = _padded(first + b)
-            positions = first + (r + n * torch.arange(lo, hi, device=self.device) - start)
-            mask = torch.arange(keys, device=self.device).unsqueeze(0) <= positions.unsqueeze(1)
-            pieces.append(Piece(lo, hi, keys, mask[None, None]))
-        return pieces
+    def _read_rows(self, batch: ForwardBatch, prefix_rows: list[torch.Tensor], read: key_blocks.BlockRead) -> ReadRows:
+        """A read's positions in the gathered prefix (`prefix_rows`: each sequence's, in position order)
+        and in the step's KV rows."""
+        parts: list[list[torch.Tensor]] = [[], [], [], []]
+        for e, (s, first) in enumerate(read.entries):
+            seq, base = batch.seqs[s], e * read.length
+            cached = seq.kv_len - seq.length
+            stop = min(first + read.length, seq.kv_len)
+            old = torch.arange(first, min(stop, cached), device=self.device)
+            new = torch.arange(max(first, cached), stop, device=self.device)
+            parts[0].append(base + old - first)
+            parts[1].append(prefix_rows[s][old])
+            parts[2].append(base + new - first)
+            parts[3].append(seq.start + new - cached)
+        return ReadRows(len(read.entries) * read.length, *(torch.cat(x) for x in parts))
 
     def _ensure_scratch(self, pool: DeviceKVPool) -> None:
         # What admission lets one layer's gather hold (hicache/cache/page_budget.py), or a whole
@@ -161,22 +162,17 @@ class GatheredAttention:
         try:
             # After the gather of this layer: a prefix page this step also writes to was read first.
             pool.write_rows(layer, meta.owned, step_kv)
-            out: torch.Tensor | None = None
-            for seq in meta.seqs:
-                if not seq.pieces:
-                    continue  # no query of this sequence is this rank's
-                rows = step_kv.new_zeros(_padded(seq.kv_len), step_kv.shape[1])
-                if seq.first:
+
+            def read(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+                where = meta.reads[i]
+                rows = step_kv.new_zeros(where.size, step_kv.shape[1])
+                if where.prefix_src.numel():
                     assert gathered is not None
-                    rows[: seq.first] = gathered.index_select(0, seq.prefix_rows)
-                rows[seq.first : seq.kv_len] = step_kv[seq.chunk_start : seq.chunk_start + seq.length]
-                k, v = expand(rows)
-                for piece in seq.pieces:
-                    got = attend_piece(q[piece.start : piece.stop], k, v, piece, self.scale)
-                    if out is None:
-                        out = q.new_zeros(*q.shape[:2], got.shape[-1])
-                    out[piece.start : piece.stop] = got
-            return out if out is not None else torch.zeros_like(q)
+                    rows[where.prefix_dst] = gathered.index_select(0, where.prefix_src)
+                rows[where.step_dst] = step_kv.index_select(0, where.step_src)
+                return expand(rows)
+
+            return ops.block_attention(q, meta.plan, read, self.scale)
         finally:
             if meta.gather is not None:
                 meta.gather.release(layer)

@@ -5,7 +5,9 @@ computed in calls of other shapes than in the cache-off run: a decode step inste
 prefill chunk, a chunk of another size, a batch with other requests. The probe feeds one random
 sequence through this rank's layers whole, in chunks of 1 to 10 rows (every remainder a 4- or
 8-row kernel can leave), and with its last tokens as decode steps batched with another sequence,
-and compares the outputs bit for bit. It runs in well under a second for the embedded models.
+and compares the outputs bit for bit. The probe's sequence fits one key block, so blocked attention is
+also probed on its own over 1 to 5 blocks of the smallest size (`block_attention_probe`). It runs in
+well under a second for the embedded models.
 
 With several ranks every rank probes its own shard at once (the TP sums are collectives); a later
 pipeline stage feeds random hidden states instead of token ids.
@@ -30,13 +32,18 @@ import torch
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.base import DecoderModel
 from hicache.model.batch import ForwardBatch, SeqSlice
-from hicache.model.kernels import ops
+from hicache.model.kernels import key_blocks, ops
 
 logger = logging.getLogger(__name__)
 
 PROBE_LEN = 48
 PROBE_CHUNKS = (1, 2, 3, 5, 6, 7, 9, 10, 4, 1)  # sums to PROBE_LEN
 REGION = 64  # slots per probe sequence: the whole run, the chunked run, the sequence sharing steps
+# The model probe's sequences fit one key block; blocked attention is probed on its own at the smallest
+# block, over 1 to 5 blocks and the remainders 1, 511, 0 and 300 (a row's last block: 1 key, a whole
+# KV_ALIGN less one, exactly full, and a part of a second KV_ALIGN).
+PROBE_BLOCK = key_blocks.KV_ALIGN
+PROBE_BLOCK_LENGTHS = (1, 511, 512, 1025, 2048 + 300, 4 * 512 + 512)
 
 
 @dataclass(frozen=True)
@@ -107,9 +114,53 @@ def probe_inputs(model: DecoderModel, length: int, seed: int) -> torch.Tensor:
 def mechanisms(model: DecoderModel) -> dict[str, str]:
     return {
         **{f"linear {name}": plan for name, plan in model.linear_plans().items()},
-        "attention": f"keys padded to a multiple of {ops.KV_ALIGN} (masked), queries to {ops.Q_ALIGN} rows",
+        "attention": f"blocks of {key_blocks.KV_BLOCK} keys, a row's last one padded to a multiple of "
+        f"{key_blocks.KV_ALIGN} (masked), queries to {key_blocks.Q_ALIGN} rows, combined in block order in float32",
         "tp groups": f"{model.tp_groups} per projection at every TP size, partials summed pairwise in float32",
     }
+
+
+def block_attention_probe(
+    lengths: tuple[int, ...], block: int, dtype: torch.dtype, device: torch.device,
+    heads: tuple[int, int, int] = (4, 2, 32), chunk: int = 12, seed: int = 0,
+) -> list[str]:
+    """Blocked attention of sequences of `lengths` keys (block size `block`, heads (H, Hkv, d)) in three
+    shapes of call: each sequence's last `chunk` rows as prefill chunks of one step, every one of those
+    rows alone, and the sequences' last rows as one decode step. What differed (nothing: invariant)."""
+    gen = torch.Generator().manual_seed(seed)
+    H, Hkv, d = heads
+    keys = [torch.randn(n, 2, Hkv, d, generator=gen).to(device=device, dtype=dtype) for n in lengths]
+    queries = [torch.randn(min(n, chunk), H, d, generator=gen).to(device=device, dtype=dtype) for n in lengths]
+
+    def attend(rows: list[tuple[int, int, int]]) -> torch.Tensor:
+        """(sequence, first query row, rows) runs, stacked in that order."""
+        specs, start = [], 0
+        for s, a, n in rows:
+            seen = lengths[s] - len(queries[s]) + a + 1
+            specs.append(key_blocks.QueryRows(s, start, tuple(range(seen, seen + n))))
+            start += n
+        plan = key_blocks.plan(specs, start, device, block)
+        q = torch.cat([queries[s][a : a + n] for s, a, n in rows])
+
+        def read(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            r = plan.reads[i]
+            kv = torch.zeros(len(r.entries), r.length, 2, Hkv, d, dtype=dtype, device=device)
+            for row, (s, first) in zip(kv, r.entries):
+                got = keys[s][first : first + r.length]
+                row[: got.shape[0]] = got
+            kv = kv.flatten(0, 1)
+            return kv[:, 0], kv[:, 1]
+
+        return ops.block_attention(q, plan, read, d**-0.5)
+
+    alone = [torch.cat([attend([(s, a, 1)]) for a in range(len(q))]) for s, q in enumerate(queries)]
+    chunks = attend([(s, 0, len(q)) for s, q in enumerate(queries)]).split([len(q) for q in queries])
+    decode = attend([(s, len(q) - 1, 1) for s, q in enumerate(queries)])
+    failed = [f"{n} keys: a prefill chunk's rows differ from the rows alone"
+              for n, got, want in zip(lengths, chunks, alone) if not torch.equal(got, want)]  # fmt: skip
+    failed += [f"{n} keys: a decode step batched with others differs from the row alone"
+               for n, got, want in zip(lengths, decode, alone) if not torch.equal(got, want[-1:].squeeze(0))]  # fmt: skip
+    return failed
 
 
 def self_check(model: DecoderModel) -> InvarianceReport:
@@ -141,6 +192,7 @@ def self_check(model: DecoderModel) -> InvarianceReport:
         for name, got in runs.items()
         if not torch.equal(got, whole)
     ]
+    failed += block_attention_probe(PROBE_BLOCK_LENGTHS, PROBE_BLOCK, model.dtype, model.device)
     seconds = time.perf_counter() - started
     same_at_one_thread = torch.equal(one_thread, whole)
     report = InvarianceReport(not failed, mechanisms(model), "; ".join(failed), seconds, same_at_one_thread)

@@ -1,0 +1,166 @@
+"""Which kernel calls attend a step's query rows over their keys, block by block (docs/DESIGN.md,
+"batch-invariant ops"): the plan `ops.block_attention` runs.
+
+A sequence's keys are cut into blocks of `block` keys at fixed offsets from key 0, and a row attends
+over block j in exactly one call whose shape depends only on that row: all `block` keys, unmasked, when
+it sees the whole block; else its visible keys rounded up to KV_ALIGN, masked only when it sees fewer
+than that (the diagonal). So a row's calls, and the order its block results are combined in, are the
+same whether it is a decode step, a row of any prefill chunk, alone or batched. Rows see only blocks
+they reach, so a short sequence never pads to a long one, and a call holds at most `block` keys per
+sequence: a step's memory is bounded by the block size and its rows, not by context length.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left, bisect_right
+from dataclasses import dataclass, field
+
+import torch
+
+# CPU flash attention splits keys into blocks of up to 512 and queries into blocks of 32/64/256; a
+# short last key block, or a query block of one to three rows, is summed in another order. A call's
+# keys are a multiple of KV_ALIGN and its queries (discarded rows) a multiple of Q_ALIGN, so every row
+# sees the kernel shapes it would see in any other call.
+KV_ALIGN = 512
+Q_ALIGN = 8
+# Keys a call attends over per sequence (a multiple of KV_ALIGN): larger blocks cost fewer calls, and
+# memory of block x rows (docs/BENCHMARKS.md, "blocked attention").
+KV_BLOCK = 4096
+# Rows a call takes from one sequence: a kernel call of 768 rows or more splits queries into 256-row
+# blocks, a GEMM shape the invariance tests never measured; at most 512 keeps the 32- and 64-row ones.
+Q_PIECE = 512
+
+
+@dataclass(frozen=True)
+class QueryRows:
+    """Rows [start, start + len(seen)) of the step's queries, of sequence `seq` (an index the caller's
+    reader understands), row i seeing the sequence's first seen[i] keys (non-decreasing)."""
+
+    seq: int
+    start: int
+    seen: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class BlockRead:
+    """Keys [first, first + length) of each (sequence, first) entry, read as one [E * length] run;
+    keys past a sequence's end are masked, so any finite values may stand there."""
+
+    entries: tuple[tuple[int, int], ...]
+    length: int
+
+
+@dataclass
+class BlockCall:
+    """One kernel call: query rows `rows` [E, n] (an entry's padding repeats its last row) over the
+    first `keys` keys of each entry of read `read`; results go to rows `dest` [m], taken from the
+    call's flattened [E * n] outputs at `pick` (None: all, in order)."""
+
+    read: int
+    keys: int
+    rows: torch.Tensor
+    dest: torch.Tensor
+    pick: torch.Tensor | None
+    mask: torch.Tensor | None  # [E, 1, n, keys] bool, True: visible; None: every key visible
+    _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+
+    def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """The mask as the kernel takes it (0 / -inf in the queries' dtype), made once per plan."""
+        if self.mask is None:
+            return None
+        if dtype not in self._additive:
+            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
+            self._additive[dtype] = zeros.masked_fill_(~self.mask, float("-inf"))
+        return self._additive[dtype]
+
+
+@dataclass
+class KeyBlockPlan:
+    rows: int  # R: the query rows attended
+    reads: list[BlockRead]
+    steps: list[list[BlockCall]]  # per key block in order; a step's calls grouped by read
+
+
+@dataclass
+class _Entry:
+    seq: int
+    rows: list[int]
+    seen: list[int]  # keys of this block each row sees
+    keys: int
+    masked: bool
+
+
+def _entries(q: QueryRows, block: int) -> dict[int, list[_Entry]]:
+    """Per block index, the (rows, shape) groups of q's rows, in pieces of at most Q_PIECE rows."""
+    out: dict[int, list[_Entry]] = {}
+    for a in range(0, len(q.seen), Q_PIECE):
+        seen = q.seen[a : a + Q_PIECE]
+        rows = range(q.start + a, q.start + a + len(seen))
+        for j in range((seen[-1] - 1) // block + 1):
+            lo = j * block
+            full = bisect_left(seen, lo + block)
+            i = bisect_right(seen, lo)
+            while i < full:  # rows seeing part of the block: one group per (aligned length, masked)
+                keys = -(-(seen[i] - lo) // KV_ALIGN) * KV_ALIGN
+                stop = bisect_right(seen, lo + keys, i, full)
+                if seen[i] - lo < keys:
+                    stop = bisect_left(seen, lo + keys, i, stop)
+                    masked = True
+                else:
+                    masked = False
+                group = [s - lo for s in seen[i:stop]]
+                out.setdefault(j, []).append(_Entry(q.seq, list(rows[i:stop]), group, keys, masked))
+                i = stop
+            if full < len(seen):
+                out.setdefault(j, []).append(_Entry(q.seq, list(rows[full:]), [block] * (len(seen) - full), block, False))
+    return out
+
+
+def plan(queries: list[QueryRows], rows: int, device: torch.device, block: int = KV_BLOCK) -> KeyBlockPlan:
+    """The calls that attend `queries` (of a step's `rows` query rows) block by block."""
+    if block % KV_ALIGN:
+        raise ValueError(f"the key block must be a multiple of {KV_ALIGN}, got {block}")
+    by_block: dict[int, list[_Entry]] = {}
+    for q in queries:
+        for j, entries in _entries(q, block).items():
+            by_block.setdefault(j, []).extend(entries)
+    result = KeyBlockPlan(rows, [], [])
+    for j in range(max(by_block, default=-1) + 1):
+        lo, step = j * block, []
+        # Rows of many sequences (decode steps) share a call per shape; a sequence's multi-row groups
+        # share one read of its block, as long as the longest of them needs.
+        singles: dict[tuple[int, bool], list[_Entry]] = {}
+        longest: dict[int, int] = {}
+        for e in by_block.get(j, []):
+            if len(e.rows) == 1:
+                singles.setdefault((e.keys, e.masked), []).append(e)
+            else:
+                longest[e.seq] = max(longest.get(e.seq, 0), e.keys)
+        read_of = {}
+        for seq, length in longest.items():
+            read_of[seq] = len(result.reads)
+            result.reads.append(BlockRead(((seq, lo),), length))
+        for e in by_block.get(j, []):
+            if len(e.rows) > 1:
+                step.append(_call(read_of[e.seq], [e], device))
+        for (keys, _), group in singles.items():
+            result.reads.append(BlockRead(tuple((e.seq, lo) for e in group), keys))
+            step.append(_call(len(result.reads) - 1, group, device))
+        step.sort(key=lambda c: c.read)
+        result.steps.append(step)
+    return result
+
+
+def _call(read: int, entries: list[_Entry], device: torch.device) -> BlockCall:
+    n = -(-max(len(e.rows) for e in entries) // Q_ALIGN) * Q_ALIGN
+    keys, masked = entries[0].keys, entries[0].masked
+    rows = [e.rows + [e.rows[-1]] * (n - len(e.rows)) for e in entries]
+    dest = [r for e in entries for r in e.rows]
+    pick = [i * n + k for i, e in enumerate(entries) for k in range(len(e.rows))]
+    mask = None
+    if masked:
+        seen = torch.tensor([e.seen + [e.seen[-1]] * (n - len(e.seen)) for e in entries], device=device)
+        mask = (torch.arange(keys, device=device) < seen.unsqueeze(-1)).unsqueeze(1)
+    as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    whole = len(pick) == len(entries) * n
+    return BlockCall(read, keys, as_tensor(rows), as_tensor(dest), None if whole else as_tensor(pick), mask)
