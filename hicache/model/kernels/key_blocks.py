@@ -24,7 +24,7 @@ import torch
 KV_ALIGN = 512
 Q_ALIGN = 8
 # Keys a call attends over per sequence (a multiple of KV_ALIGN): larger blocks cost fewer calls, and
-# memory of block x rows (docs/BENCHMARKS.md, "blocked attention").
+# memory of block x rows (docs/BENCHMARKS.md section 14).
 KV_BLOCK = 4096
 # Rows a call takes from one sequence: a kernel call of 768 rows or more splits queries into 256-row
 # blocks, a GEMM shape the invariance tests never measured; at most 512 keeps the 32- and 64-row ones.
