@@ -2,9 +2,10 @@
 
 A backend writes the step's new KV rows (packed as the pool's layout packs them) into the pool and
 attends each sequence's queries over its KV. `prepare` runs once per forward pass and builds what every
-layer reuses (the key-block plan of hicache/model/kernels/key_blocks.py and what each of its reads reads); `forward` runs per layer and turns the rows
-it attends over into keys and values with the model's `expand` (GQA: unpack K and V; MLA: project the
-latent vector), so one backend serves both KV flavours. `local` reads one rank's own pool; `gathered`
+layer reuses (the key-block plan of hicache/model/kernels/key_blocks.py and what each of its reads
+reads); `forward` runs per layer and turns the rows it attends over into keys and values with the
+model's `expand` (GQA: unpack K and V; MLA: project the latent vector), so one backend serves both KV
+flavours. `local` reads one rank's own pool; `gathered`
 (hicache/model/attention/gathered.py) attends over pages sharded across ranks, gathered layer by layer, and
 decides which of the step's rows this rank computes (`local_rows`, `collect`). The model picks one
 through `ATTENTION_BACKENDS` and is the same code for both.
