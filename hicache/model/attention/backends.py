@@ -2,9 +2,10 @@
 
 A backend writes the step's new KV rows (packed as the pool's layout packs them) into the pool and
 attends each sequence's queries over its KV. `prepare` runs once per forward pass and builds what every
-layer reuses (the key-block plan of hicache/model/kernels/key_blocks.py and what each of its reads reads); `forward` runs per layer and turns the rows
-it attends over into keys and values with the model's `expand` (GQA: unpack K and V; MLA: project the
-latent vector), so one backend serves both KV flavours. `local` reads one rank's own pool; `gathered`
+layer reuses (the key-block plan of hicache/model/kernels/key_blocks.py and what each of its reads
+reads); `forward` runs per layer and turns the rows it attends over into keys and values with the
+model's `expand` (GQA: unpack K and V; MLA: project the latent vector), so one backend serves both KV
+flavours. `local` reads one rank's own pool; `gathered`
 (hicache/model/attention/gathered.py) attends over pages sharded across ranks, gathered layer by layer, and
 decides which of the step's rows this rank computes (`local_rows`, `collect`). The model picks one
 through `ATTENTION_BACKENDS` and is the same code for both.
@@ -42,7 +43,10 @@ def step_queries(batch: ForwardBatch, n: int = 1, r: int = 0) -> list[key_blocks
 class LocalMetadata:
     out_slots: torch.Tensor  # [T] pool slot of each new token's KV
     plan: key_blocks.KeyBlockPlan
-    slots: list[torch.Tensor]  # per read of the plan: the pool slots it reads, padded with slot 0 (masked)
+    # Per read of the plan, the pool slots it reads: views of the sequences' slots, and slot 0 (masked)
+    # past an end. Joined per layer, when read, so a step holds a block's slots per sequence at a time,
+    # not every block's.
+    slots: list[list[torch.Tensor]]
 
 
 class AttentionBackend(Protocol):
@@ -85,20 +89,27 @@ class LocalAttention:
 
     def prepare(self, batch: ForwardBatch, pool: DeviceKVPool | None = None) -> LocalMetadata:
         plan = key_blocks.plan(step_queries(batch), batch.num_tokens, self.device)
-        return LocalMetadata(batch.out_slots, plan, [self._slots(batch, read) for read in plan.reads])
-
-    def _slots(self, batch: ForwardBatch, read: key_blocks.BlockRead) -> torch.Tensor:
-        slots = torch.zeros(len(read.entries), read.length, dtype=torch.int64, device=self.device)
-        for row, (seq, first) in zip(slots, read.entries):
-            got = batch.seqs[seq].kv_slots[first : first + read.length]
-            row[: got.shape[0]] = got
-        return slots.view(-1)
+        longest = max((read.length for read in plan.reads), default=0)
+        padding = torch.zeros(longest, dtype=torch.int64, device=self.device)
+        slots = []
+        for read in plan.reads:
+            parts = []
+            for seq, first in read.entries:
+                got = batch.seqs[seq].kv_slots[first : first + read.length]
+                parts += [got, padding[: read.length - got.shape[0]]] if got.shape[0] < read.length else [got]
+            slots.append(parts)
+        return LocalMetadata(batch.out_slots, plan, slots)
 
     def forward(
         self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: LocalMetadata, pool: DeviceKVPool, expand: Expand
     ) -> torch.Tensor:
         pool.write_rows(layer, pool.owned(meta.out_slots), kv)
-        return ops.block_attention(q, meta.plan, lambda i: expand(pool.read_rows(layer, meta.slots[i])), self.scale)
+
+        def read(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            parts = meta.slots[i]
+            return expand(pool.read_rows(layer, parts[0] if len(parts) == 1 else torch.cat(parts)))
+
+        return ops.block_attention(q, meta.plan, read, self.scale)
 
 
 def _gathered(*args: Any, **kwargs: Any) -> Any:
