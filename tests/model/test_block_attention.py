@@ -66,8 +66,10 @@ def test_math_block_is_the_cpu_kernel():
     """The path for devices without a kernel returning a log-sum-exp computes what the CPU kernel does
     (values narrower than keys, as MLA's)."""
     gen = torch.Generator().manual_seed(0)
-    q, k, v = torch.randn(3, 4, 8, 32, generator=gen), torch.randn(3, 2, 512, 32, generator=gen), torch.randn(3, 2, 512, 16, generator=gen)
-    mask = torch.zeros(3, 1, 8, 512).masked_fill_(torch.arange(512) >= torch.tensor([1, 300, 512]).view(3, 1, 1, 1), float("-inf"))
+    q, k = torch.randn(3, 4, 8, 32, generator=gen), torch.randn(3, 2, 512, 32, generator=gen)
+    v = torch.randn(3, 2, 512, 16, generator=gen)
+    hidden = torch.arange(512) >= torch.tensor([1, 300, 512]).view(3, 1, 1, 1)
+    mask = torch.zeros(3, 1, 8, 512).masked_fill_(hidden, float("-inf"))
     for m in (None, mask):
         out, lse = ops.math_block(q, k, v, m, 0.2)
         ref_out, ref_lse = ops._block_kernel(q, k, v, m, 0.2)
@@ -92,7 +94,8 @@ def _peak_bytes(context: int, rows: int) -> int:
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         ops.block_attention(q, plan, read, d**-0.5)
     # Every allocation and free, in time order (the op-level events only attribute allocations).
-    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"), key=lambda e: e.start_ns())
+    memory = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events = sorted(memory, key=lambda e: e.start_ns())
     peak = held = 0
     for e in events:
         held += e.nbytes()

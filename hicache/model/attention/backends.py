@@ -43,7 +43,10 @@ def step_queries(batch: ForwardBatch, n: int = 1, r: int = 0) -> list[key_blocks
 class LocalMetadata:
     out_slots: torch.Tensor  # [T] pool slot of each new token's KV
     plan: key_blocks.KeyBlockPlan
-    slots: list[torch.Tensor]  # per read of the plan: the pool slots it reads, padded with slot 0 (masked)
+    # Per read of the plan, the pool slots it reads: views of the sequences' slots, and slot 0 (masked)
+    # past an end. Joined per layer, when read, so a step holds a block's slots per sequence at a time,
+    # not every block's.
+    slots: list[list[torch.Tensor]]
 
 
 class AttentionBackend(Protocol):
@@ -86,20 +89,27 @@ class LocalAttention:
 
     def prepare(self, batch: ForwardBatch, pool: DeviceKVPool | None = None) -> LocalMetadata:
         plan = key_blocks.plan(step_queries(batch), batch.num_tokens, self.device)
-        return LocalMetadata(batch.out_slots, plan, [self._slots(batch, read) for read in plan.reads])
-
-    def _slots(self, batch: ForwardBatch, read: key_blocks.BlockRead) -> torch.Tensor:
-        slots = torch.zeros(len(read.entries), read.length, dtype=torch.int64, device=self.device)
-        for row, (seq, first) in zip(slots, read.entries):
-            got = batch.seqs[seq].kv_slots[first : first + read.length]
-            row[: got.shape[0]] = got
-        return slots.view(-1)
+        longest = max((read.length for read in plan.reads), default=0)
+        padding = torch.zeros(longest, dtype=torch.int64, device=self.device)
+        slots = []
+        for read in plan.reads:
+            parts = []
+            for seq, first in read.entries:
+                got = batch.seqs[seq].kv_slots[first : first + read.length]
+                parts += [got, padding[: read.length - got.shape[0]]] if got.shape[0] < read.length else [got]
+            slots.append(parts)
+        return LocalMetadata(batch.out_slots, plan, slots)
 
     def forward(
         self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: LocalMetadata, pool: DeviceKVPool, expand: Expand
     ) -> torch.Tensor:
         pool.write_rows(layer, pool.owned(meta.out_slots), kv)
-        return ops.block_attention(q, meta.plan, lambda i: expand(pool.read_rows(layer, meta.slots[i])), self.scale)
+
+        def read(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+            parts = meta.slots[i]
+            return expand(pool.read_rows(layer, parts[0] if len(parts) == 1 else torch.cat(parts)))
+
+        return ops.block_attention(q, meta.plan, read, self.scale)
 
 
 def _gathered(*args: Any, **kwargs: Any) -> Any:

@@ -159,7 +159,7 @@ def block_attention_probe(
     failed = [f"{n} keys: a prefill chunk's rows differ from the rows alone"
               for n, got, want in zip(lengths, chunks, alone) if not torch.equal(got, want)]  # fmt: skip
     failed += [f"{n} keys: a decode step batched with others differs from the row alone"
-               for n, got, want in zip(lengths, decode, alone) if not torch.equal(got, want[-1:].squeeze(0))]  # fmt: skip
+               for n, got, want in zip(lengths, decode, alone) if not torch.equal(got, want[-1])]  # fmt: skip
     return failed
 
 

@@ -13,7 +13,7 @@ sequence: a step's memory is bounded by the block size and its rows, not by cont
 from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -61,17 +61,16 @@ class BlockCall:
     rows: torch.Tensor
     dest: torch.Tensor
     pick: torch.Tensor | None
-    mask: torch.Tensor | None  # [E, 1, n, keys] bool, True: visible; None: every key visible
-    _additive: dict[torch.dtype, torch.Tensor] = field(default_factory=dict)
+    seen: torch.Tensor | None  # [E, n] keys of the block each row sees, for a masked call (None: all)
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
-        """The mask as the kernel takes it (0 / -inf in the queries' dtype), made once per plan."""
-        if self.mask is None:
+        """The mask [E, 1, n, keys] as the kernel takes it (0 visible, -inf not, in the queries' dtype).
+        Made per call, not kept: a plan's masks would hold a block of keys for every row of the step."""
+        if self.seen is None:
             return None
-        if dtype not in self._additive:
-            zeros = torch.zeros(self.mask.shape, dtype=dtype, device=self.mask.device)
-            self._additive[dtype] = zeros.masked_fill_(~self.mask, float("-inf"))
-        return self._additive[dtype]
+        hidden = torch.arange(self.keys, device=self.seen.device) >= self.seen.unsqueeze(-1)
+        additive = torch.zeros(hidden.shape, dtype=dtype, device=hidden.device)
+        return additive.masked_fill_(hidden, float("-inf")).unsqueeze(1)
 
 
 @dataclass
@@ -112,7 +111,8 @@ def _entries(q: QueryRows, block: int) -> dict[int, list[_Entry]]:
                 out.setdefault(j, []).append(_Entry(q.seq, list(rows[i:stop]), group, keys, masked))
                 i = stop
             if full < len(seen):
-                out.setdefault(j, []).append(_Entry(q.seq, list(rows[full:]), [block] * (len(seen) - full), block, False))
+                whole = _Entry(q.seq, list(rows[full:]), [block] * (len(seen) - full), block, False)
+                out.setdefault(j, []).append(whole)
     return out
 
 
@@ -157,10 +157,7 @@ def _call(read: int, entries: list[_Entry], device: torch.device) -> BlockCall:
     rows = [e.rows + [e.rows[-1]] * (n - len(e.rows)) for e in entries]
     dest = [r for e in entries for r in e.rows]
     pick = [i * n + k for i, e in enumerate(entries) for k in range(len(e.rows))]
-    mask = None
-    if masked:
-        seen = torch.tensor([e.seen + [e.seen[-1]] * (n - len(e.seen)) for e in entries], device=device)
-        mask = (torch.arange(keys, device=device) < seen.unsqueeze(-1)).unsqueeze(1)
     as_tensor = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
+    seen = as_tensor([e.seen + [e.seen[-1]] * (n - len(e.seen)) for e in entries]) if masked else None
     whole = len(pick) == len(entries) * n
-    return BlockCall(read, keys, as_tensor(rows), as_tensor(dest), None if whole else as_tensor(pick), mask)
+    return BlockCall(read, keys, as_tensor(rows), as_tensor(dest), None if whole else as_tensor(pick), seen)
