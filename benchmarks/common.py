@@ -27,10 +27,18 @@ def best_time(fn, repeat: int = 5, warmup: int = 1) -> float:
     return best
 
 
-def matmul_gflops(dtype: torch.dtype, n: int = 2048) -> float:
-    a = torch.randn(n, n, dtype=dtype)
-    b = torch.randn(n, n, dtype=dtype)
-    return 2 * n**3 / best_time(lambda: a @ b) / 1e9
+def matmul_gflops(dtype: torch.dtype, max_n: int = 2048, enough_s: float = 0.2) -> tuple[float, int]:
+    """GFLOP/s of an n x n `F.linear` (the GEMM the model's projections run) and the n measured: n doubles
+    from 256 until one product takes `enough_s` or n reaches `max_n`, so a dtype the CPU lacks a fast path
+    for (bf16 on an AVX2-only CPU: under 1 GFLOP/s for `a @ b`) is measured in seconds, not minutes."""
+    n = 256
+    while True:
+        a = torch.randn(n, n, dtype=dtype)
+        b = torch.randn(n, n, dtype=dtype)
+        seconds = best_time(lambda: torch.nn.functional.linear(a, b))
+        if seconds >= enough_s or n >= max_n:
+            return 2 * n**3 / seconds / 1e9, n
+        n *= 2
 
 
 def memcpy_gbps(nbytes: int = 1 << 28) -> float:

@@ -50,7 +50,7 @@ def test_quick_mode_on_tiny_prints_every_row(capsys: pytest.CaptureFixture[str])
     out = capsys.readouterr().out
     assert re.search(r"CPU: .+; torch \S+, \d+ threads", out)
     assert re.search(r"copy of \d+ MiB [\d.]+ GB/s counted as read \+ write", out)
-    assert re.search(r"matmul 2048\^2 bf16 \d+ GFLOP/s, fp32 \d+ GFLOP/s", out)
+    assert re.search(r"F.linear \d+\^2 bf16 [\d.]+ GFLOP/s, \d+\^2 fp32 [\d.]+ GFLOP/s", out)
     assert "### tiny, bf16 dense" in out
     rows = table_rows(out, "| measurement | hicache | bandwidth limit | matmul limit | of limit |")
     assert list(rows) == ROWS
