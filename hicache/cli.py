@@ -1,4 +1,4 @@
-"""The `hicache` command: generate, serve, bench, demo, consensus-check. A user error prints one line and
+"""The `hicache` command: generate, serve, bench, simulate, demo, consensus-check. A user error prints one line and
 exits 2."""
 
 from __future__ import annotations
@@ -91,8 +91,12 @@ def _extra_commands() -> list[Callable[[argparse._SubParsersAction], None]]:
     from hicache.demo import add_demo_command
     from hicache.router.cli import add_router_command
     from hicache.server.cli import add_serve_command
+    from hicache.sim.cli import add_simulate_command
 
-    return [add_demo_command, add_serve_command, add_router_command, add_bench_command, add_consensus_check_command]
+    return [
+        add_demo_command, add_serve_command, add_router_command, add_bench_command, add_simulate_command,
+        add_consensus_check_command,
+    ]  # fmt: skip
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -97,12 +97,15 @@ def _arms(args: argparse.Namespace) -> tuple[Arm, ...]:
     return tuple(arms)
 
 
-def config_from_args(args: argparse.Namespace) -> BenchConfig:
-    workload: GSPParams | MultiRoundParams
+def workload_from_args(args: argparse.Namespace) -> GSPParams | MultiRoundParams:
+    """The workload the flags of `add_workload_args` describe (also `hicache simulate`'s)."""
     if args.dataset == GSP:
-        workload = from_args(GSPParams, args, prefix="gsp_", seed=args.seed)
-    else:
-        workload = from_args(MultiRoundParams, args, user_join_interval_s=args.user_join_interval)
+        return from_args(GSPParams, args, prefix="gsp_", seed=args.seed)
+    return from_args(MultiRoundParams, args, user_join_interval_s=args.user_join_interval)
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    workload = workload_from_args(args)
     base_url = args.base_url.rstrip("/") if args.base_url else None
     if base_url and base_url.endswith("/v1"):
         base_url = base_url[: -len("/v1")]  # an OpenAI-style base URL; the benchmark needs the server root
@@ -203,21 +206,7 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     target.add_argument("--model", help="the requests' model name (default: the arm's --model, or GET /v1/models)")
     target.add_argument("--tokenizer", help="model whose tokenizer measures lengths (default: the model)")
 
-    data = p.add_argument_group("workload")
-    data.add_argument("--dataset", choices=DATASETS, default=GSP)
-    data.add_argument("--seed", type=int, default=1)
-    d = GSPParams()
-    data.add_argument("--gsp-num-groups", type=int, default=d.num_groups, help="groups sharing one system prompt")
-    data.add_argument("--gsp-prompts-per-group", type=int, default=d.prompts_per_group, help="conversations per group")
-    data.add_argument("--gsp-system-prompt-len", type=int, default=d.system_prompt_len, help="tokens")
-    data.add_argument("--gsp-question-len", type=int, default=d.question_len, help="tokens per turn's question")
-    data.add_argument("--gsp-output-len", type=int, default=d.output_len, help="tokens per answer")
-    data.add_argument("--gsp-num-turns", type=int, default=d.num_turns, help="turns per conversation")
-    data.add_argument("--gsp-range-ratio", type=float, default=d.range_ratio,
-                      help="lengths are sampled uniformly in [ratio * len, len]")  # fmt: skip
-    m = MultiRoundParams()
-    for flag, field, kind, doc in MULTI_ROUND_FLAGS:
-        data.add_argument(flag, type=kind, default=getattr(m, field), help=f"multi-round: {doc}")
+    add_workload_args(p)
 
     traffic = p.add_argument_group("traffic")
     traffic.add_argument(
@@ -244,3 +233,22 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
     traffic.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     traffic.add_argument("--output-file", help="JSONL: one row per request and one summary row per arm")
     traffic.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def add_workload_args(parser: argparse.ArgumentParser) -> None:
+    """The dataset flags (`workload_from_args` reads them); `hicache simulate` takes them too."""
+    data = parser.add_argument_group("workload")
+    data.add_argument("--dataset", choices=DATASETS, default=GSP)
+    data.add_argument("--seed", type=int, default=1)
+    d = GSPParams()
+    data.add_argument("--gsp-num-groups", type=int, default=d.num_groups, help="groups sharing one system prompt")
+    data.add_argument("--gsp-prompts-per-group", type=int, default=d.prompts_per_group, help="conversations per group")
+    data.add_argument("--gsp-system-prompt-len", type=int, default=d.system_prompt_len, help="tokens")
+    data.add_argument("--gsp-question-len", type=int, default=d.question_len, help="tokens per turn's question")
+    data.add_argument("--gsp-output-len", type=int, default=d.output_len, help="tokens per answer")
+    data.add_argument("--gsp-num-turns", type=int, default=d.num_turns, help="turns per conversation")
+    data.add_argument("--gsp-range-ratio", type=float, default=d.range_ratio,
+                      help="lengths are sampled uniformly in [ratio * len, len]")  # fmt: skip
+    m = MultiRoundParams()
+    for flag, field, kind, doc in MULTI_ROUND_FLAGS:
+        data.add_argument(flag, type=kind, default=getattr(m, field), help=f"multi-round: {doc}")

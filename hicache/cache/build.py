@@ -12,6 +12,7 @@ import logging
 
 import torch
 
+from hicache.cache.controller import SupervisedWorker, WorkerFactory
 from hicache.cache.device_tier import DeviceTier
 from hicache.cache.host_tier import HostTier, WritePolicy, host_pool_pages
 from hicache.cache.lower_tiers import LowerTiers
@@ -86,10 +87,11 @@ def hierarchical_cache(
     draft: DraftPools | None = None,
     storage_writer: bool = True,  # this rank writes its pages to storage (not a replica of them)
     unified: UnifiedPlacement | None = None,  # --hicache-storage-key-scheme unified: the rank's shard
+    make_worker: WorkerFactory = SupervisedWorker,
 ) -> PrefixCache:
     """The device tier with the host tier below it and, when a backend is configured, the storage tier
     below that. `draft`: a speculative draft whose state the host and storage tiers keep with the
-    target's."""
+    target's. `make_worker`: where the host tier's copies run (threads; the simulator's virtual links)."""
     debug = debug or DebugConfig()
     rank = consensus.pctx.rank
     host_pool = make_host_pool(
@@ -100,7 +102,7 @@ def hierarchical_cache(
     policy = WritePolicy(cfg.hicache_write_policy)
     host = HostTier(
         pool, host_pool, device.tree, device.budget, consensus, policy, cfg.hicache_load_back_threshold, delay,
-        cfg.hicache_transfer_timeout, load_faults(debug, rank),
+        cfg.hicache_transfer_timeout, load_faults(debug, rank), make_worker,
     )  # fmt: skip
     storage = None
     if cfg.hicache_storage_backend:

@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 
@@ -72,6 +72,7 @@ class TransferOp:
     # What the op moves (which node, which pages), equal on every rank that issued the same op: ranks
     # agree on how many ops to consume and then compare these, so a count over different ops is caught.
     ident: int = 0
+    pages: int = 0  # KV pages it moves (a virtual-time link, hicache/sim/links.py, costs it by these)
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
     timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S  # set by the worker it is submitted to
@@ -142,6 +143,22 @@ class SupervisedWorker:
                 self._queue.put(None)
                 self._thread.join(timeout=10)
             self._thread = None
+
+
+class Worker(Protocol):
+    """Where a tier's operations run: a `SupervisedWorker` thread, or a link that completes them at
+    virtual times (the capacity simulator, hicache/sim/links.py)."""
+
+    restarts: int
+    failures: int
+
+    def submit(self, op: TransferOp) -> TransferOp: ...
+
+    def stop(self) -> None: ...
+
+
+# name, debug delay, seed, timeout: a SupervisedWorker's arguments
+WorkerFactory = Callable[[str, float, int, float], Worker]
 
 
 class AckQueue:

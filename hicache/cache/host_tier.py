@@ -32,6 +32,8 @@ from hicache.cache.controller import (
     SupervisedWorker,
     TransferOp,
     TransferTimeout,
+    Worker,
+    WorkerFactory,
 )  # fmt: skip
 from hicache.cache.failed_loads import FailedLoads, IssuedLoad, LoadLedger
 from hicache.cache.page_budget import PageBudget
@@ -107,9 +109,11 @@ class HostTier:
         debug_delay_s: float = 0.0,
         transfer_timeout_s: float = DEFAULT_TRANSFER_TIMEOUT_S,
         load_faults: LoadFaults | None = None,
+        make_worker: WorkerFactory = SupervisedWorker,
     ) -> None:
         """`tree` must free removed nodes' host pages into `host` (its on_host_free). `load_faults`:
-        which loads fail (fault injection, wired in by build.py)."""
+        which loads fail (fault injection, wired in by build.py). `make_worker`: where copies run
+        (threads; the capacity simulator's virtual-time links)."""
         self.pool = pool
         self.host = host
         self.tree = tree
@@ -120,8 +124,8 @@ class HostTier:
         self.copies = CopyStream(pool.device)
         rank = consensus.pctx.rank
         # Per-rank seeds: the ranks' copies finish in different orders, which is what agreement is for.
-        self.backup_worker = SupervisedWorker("backup", debug_delay_s, rank * 16, transfer_timeout_s)
-        self.load_worker = SupervisedWorker("load", debug_delay_s, rank * 16 + 1, transfer_timeout_s)
+        self.backup_worker = make_worker("backup", debug_delay_s, rank * 16, transfer_timeout_s)
+        self.load_worker = make_worker("load", debug_delay_s, rank * 16 + 1, transfer_timeout_s)
         # Fault injection for restores: the layers of a load land late, in a different rhythm on every
         # rank, so a reader that does not wait for a layer's event reads pages not restored yet.
         self._layer_delay_s = debug_delay_s
@@ -133,7 +137,7 @@ class HostTier:
         self.stats = HostStats()
 
     @property
-    def workers(self) -> list[SupervisedWorker]:
+    def workers(self) -> list[Worker]:
         return [self.backup_worker, self.load_worker]
 
     # ---- host memory ---------------------------------------------------------------------------
@@ -191,7 +195,7 @@ class HostTier:
         def run(_: TransferOp) -> None:
             self.copies.run(fence, lambda: self.host.backup(self.pool, device_pages, host_pages))
 
-        op = TransferOp("backup", run, payload=node)
+        op = TransferOp("backup", run, payload=node, pages=len(device_pages))
         op.ident = hash((key_digest(node.key), device_pages[0], len(device_pages)))  # same on every rank
         self.backups.push(op)
         self.backup_worker.submit(op)
@@ -312,7 +316,7 @@ class HostTier:
                 self.copies.run(fence, lambda: self.host.load_layer(self.pool, layer, host_pages, device_pages))
                 event.set()
 
-        op = TransferOp("load", run, payload=layer_done)
+        op = TransferOp("load", run, payload=layer_done, pages=len(host_pages))
         op.ident = hash((tuple(key_digest(n.key) for n in match.host_nodes), device_pages[0], len(device_pages)))
         self.loads.push(op)
         load = IssuedLoad(op, layer_done, tuple(match.host_nodes), device_pages)

@@ -1,0 +1,75 @@
+"""`hicache simulate` (docs/DESIGN.md, "capacity simulator"): a trace through the real scheduler and cache
+in virtual time, costed by a cost model; prints `hicache bench`'s table for it.
+
+    hicache simulate --model tiny --max-total-tokens 8192 --enable-hierarchical-cache \\
+        --cost-model epyc-2core-tiny --dataset generated-shared-prefix --gsp-num-turns 4
+    hicache simulate --cost-model h100x8-llama70b --trace mooncake.jsonl --max-total-tokens 1048576 --page-size 64
+
+The engine flags are `hicache serve`'s: they configure the simulated cache and scheduler (the model is
+used only for its tokenizer, to build a generated workload's prompts and draw token ids).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+from hicache.bench.cli import add_workload_args, workload_from_args
+from hicache.config import EngineConfig
+from hicache.config.flags import add_engine_args
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from hicache.bench.metrics import summarize
+    from hicache.bench.report import markdown_table, per_round_table
+    from hicache.bench.workload import build_workload, load_tokenizer
+    from hicache.sim.cost import load_cost_model
+    from hicache.sim.simulator import Simulator
+    from hicache.sim.trace import from_workload, read_mooncake
+
+    cost = load_cost_model(args.cost_model)
+    cfg = EngineConfig.from_args(args)
+    tokenizer = load_tokenizer(cfg.model)
+    if args.trace:
+        trace = read_mooncake(args.trace, tokenizer.vocab_size)
+    else:
+        trace = from_workload(build_workload(workload_from_args(args), tokenizer), tokenizer)
+    simulator = Simulator(cfg, cost, label=args.label or cost.name)
+    started = time.perf_counter()
+    try:
+        records = simulator.run(trace)
+    finally:
+        simulator.shutdown()
+    wall_s = time.perf_counter() - started
+    summary = summarize(simulator.label, records, simulator.clock.now, {})
+    print(markdown_table([summary]))
+    print()
+    print(per_round_table([summary]))
+    print()
+    print(bytes_table(simulator.bytes_moved()))
+    print(f"\n{len(records)} requests, {simulator.clock.now:.2f} s of virtual time simulated in {wall_s:.1f} s")
+    return 0
+
+
+def bytes_table(moved: dict[str, int]) -> str:
+    lines = ["| link | bytes moved |", "| --- | ---: |"]
+    lines += [f"| {link} | {nbytes / 2**20:.1f} MiB |" for link, nbytes in moved.items()]
+    return "\n".join(lines)
+
+
+def add_simulate_command(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "simulate",
+        help="replay a trace through the real cache in virtual time, costed by a cost model",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_engine_args(p)
+    sim = p.add_argument_group("simulation")
+    sim.add_argument("--cost-model", default="epyc-2core-tiny",
+                     help="a preset (epyc-2core-tiny, h100x8-llama70b) or a TOML file")  # fmt: skip
+    sim.add_argument("--trace", help="a Mooncake JSONL trace (timestamp, input_length, output_length, hash_ids) "
+                     "instead of a generated workload")  # fmt: skip
+    sim.add_argument("--label", help="the run's name in the table (default: the cost model's)")
+    add_workload_args(p)
+    p.set_defaults(func=cmd_simulate)

@@ -1,0 +1,98 @@
+"""The simulator's cost model (docs/DESIGN.md, "capacity simulator"): what a step of compute and a copy
+over each link cost, read from a TOML file (presets/ holds the shipped ones).
+
+A step costs `step_overhead_s`, plus for every token computed `flops_per_token / flops` and for every
+(query, key) pair of its attention `attention_flops_per_pair / attention_flops`, plus for every decoding
+request `decode_s_per_request` and its KV read at `memory_bandwidth`. A copy costs `latency_s + bytes /
+bandwidth` on its link, bytes being pages x page size x `kv_bytes_per_token`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import tomllib
+from dataclasses import dataclass, fields
+
+from hicache.errors import UserError
+
+PRESETS = pathlib.Path(__file__).parent / "presets"
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth: float  # bytes/s
+    latency_s: float
+
+
+@dataclass(frozen=True)
+class Compute:
+    flops: float  # achieved FLOP/s of the model's GEMMs
+    flops_per_token: float  # 2 x non-embedding parameters
+    attention_flops: float  # achieved FLOP/s of attention
+    attention_flops_per_pair: float  # 4 x layers x query heads x head dim
+    step_overhead_s: float
+    decode_s_per_request: float
+    memory_bandwidth: float  # bytes/s a decode step reads its requests' KV at
+
+
+@dataclass(frozen=True)
+class CostModel:
+    name: str
+    kv_bytes_per_token: int
+    compute: Compute
+    host_to_device: Link
+    device_to_host: Link
+
+    def step_s(self, items: list[tuple[int, int]], decoding: list[int]) -> float:
+        """A step computing tokens [start, end) of each of `items`, and one token each of requests
+        holding `decoding` KV tokens."""
+        c = self.compute
+        tokens = sum(end - start for start, end in items) + len(decoding)
+        # Query i attends to keys [0, i]: a chunk's pairs are the sum over its rows.
+        pairs = sum((end - start) * (start + end + 1) / 2 for start, end in items) + sum(n + 1 for n in decoding)
+        kv_read = sum(decoding) * self.kv_bytes_per_token
+        return (
+            c.step_overhead_s + tokens * c.flops_per_token / c.flops + pairs * c.attention_flops_per_pair / c.attention_flops
+            + len(decoding) * c.decode_s_per_request + kv_read / c.memory_bandwidth
+        )  # fmt: skip
+
+
+def load_cost_model(name_or_path: str) -> CostModel:
+    """A preset's name (a file in presets/ without .toml) or a TOML file; UserError (one line) for a
+    file that cannot be read or lacks a figure."""
+    path = PRESETS / f"{name_or_path}.toml"
+    if not path.is_file():
+        path = pathlib.Path(name_or_path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as exc:
+        presets = ", ".join(sorted(p.stem for p in PRESETS.glob("*.toml")))
+        raise UserError(f"cannot read cost model {name_or_path}: {exc.strerror} (presets: {presets})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise UserError(f"cost model {path}: not TOML: {exc}") from None
+    return CostModel(
+        name=str(data.get("name", path.stem)),
+        kv_bytes_per_token=int(_number(data, path, "kv_bytes_per_token")),
+        compute=_section(Compute, data, path, "compute"),
+        host_to_device=_section(Link, data, path, "host_to_device"),
+        device_to_host=_section(Link, data, path, "device_to_host"),
+    )
+
+
+def _section(cls: type, data: dict, path: pathlib.Path, name: str):  # noqa: ANN202 - an instance of cls
+    table = data.get(name)
+    if not isinstance(table, dict):
+        raise UserError(f"cost model {path}: missing table [{name}]")
+    values = {f.name: _number(table, path, f.name, name) for f in fields(cls)}
+    return cls(**values)
+
+
+def _number(table: dict, path: pathlib.Path, key: str, section: str = "") -> float:
+    where = f"{section}.{key}" if section else key
+    value = table.get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise UserError(f"cost model {path}: {where} must be a number, got {value!r}")
+    if value < 0 or (value == 0 and key in ("flops", "attention_flops", "memory_bandwidth", "bandwidth")):
+        raise UserError(f"cost model {path}: {where} must be positive, got {value!r}")
+    return value

@@ -1,0 +1,169 @@
+"""The capacity simulator's engine (docs/DESIGN.md, "capacity simulator"): the real scheduler and cache
+on one-row pools, driven in virtual time.
+
+Real: the scheduler (admission, chunked prefill, in-batch prefix waits, decode batching), the cache API
+and everything under it (radix tree, eviction, write policies, load-back threshold, reservations). The
+pools are real too, one layer of one-element rows, so their copies cost nothing; what a step and a copy
+cost is the cost model's (cost.py), charged to a virtual clock. The model is replaced by `CostedCompute`,
+which answers each request with its trace's output tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+import torch
+
+from hicache.bench.metrics import IdealCache, RequestRecord
+from hicache.cache.build import device_cache, hierarchical_cache
+from hicache.cache.controller import Worker
+from hicache.config import EngineConfig
+from hicache.errors import UserError
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.mem.kv_layout import KVLayout
+from hicache.parallel.consensus import Consensus
+from hicache.parallel.parallel import ParallelContext
+from hicache.scheduler.model_runner import StepOutput, WorkItem
+from hicache.scheduler.request import Request, SamplingParams
+from hicache.scheduler.scheduler import Scheduler, check_request_fits
+from hicache.sim.cost import CostModel
+from hicache.sim.links import VirtualClock, VirtualLink
+from hicache.sim.trace import TraceRequest
+
+# What a simulated request may span: the trace's lengths are the limit, not a model's positions.
+SIMULATED_CONTEXT = 2**40
+# The host tier's copy workers, by name (hicache/cache/host_tier.py), and the links they run on.
+LINK_OF_WORKER = {"backup": "device->host", "load": "host->device"}
+
+
+class CostedCompute:
+    """A `StepCompute` that costs a step by the cost model and advances the clock by it. A step whose
+    loads are still in flight ends no earlier than they do (the real forward pass waits layer by layer)."""
+
+    speculative = False
+
+    def __init__(self, cost: CostModel, clock: VirtualClock, load_link: VirtualLink | None) -> None:
+        self.cost = cost
+        self.clock = clock
+        self.load_link = load_link
+        self.answers: dict[int, tuple[int, ...]] = {}  # rid -> its trace's output tokens
+        self.steps = 0
+
+    def step(self, work: list[WorkItem], before_layer) -> list[StepOutput]:  # noqa: ANN001 - StepCompute's
+        prefill = [(i.start, i.end) for i in work if i.start < i.req.prompt_len]
+        decoding = [i.start for i in work if i.start >= i.req.prompt_len]
+        end = self.clock.now + self.cost.step_s(prefill, decoding)
+        if before_layer is not None and self.load_link is not None:
+            end = max(end, self.load_link.finish_all())
+        self.clock.advance_to(end)
+        self.steps += 1
+        return [StepOutput(i.end, i.end, [(self._next(i.req), None)] if i.needs_logits else []) for i in work]
+
+    def _next(self, req: Request) -> int:
+        return self.answers[req.rid][len(req.output_ids)]
+
+
+@dataclasses.dataclass
+class _Live:
+    trace: TraceRequest
+    request: Request
+    record: RequestRecord
+
+
+class Simulator:
+    def __init__(self, cfg: EngineConfig, cost: CostModel, label: str = "simulated") -> None:
+        self.cfg = cfg
+        self.cost = cost
+        self.label = label
+        self.clock = VirtualClock()
+        page_bytes = cost.kv_bytes_per_token * cfg.page_size
+        self.links = {
+            "device->host": VirtualLink("device->host", self.clock, cost.device_to_host.bandwidth,
+                                        cost.device_to_host.latency_s, page_bytes),
+            "host->device": VirtualLink("host->device", self.clock, cost.host_to_device.bandwidth,
+                                        cost.host_to_device.latency_s, page_bytes),
+        }  # fmt: skip
+        pool = DeviceKVPool(KVLayout.mha(1, 1), 1, cfg.num_pages, cfg.page_size, torch.float32, torch.device("cpu"))
+        hc = cfg.hicache
+        if hc.enable_hierarchical_cache:
+            if hc.hicache_storage_backend:
+                raise UserError("hicache simulate does not simulate a storage tier yet: drop --hicache-storage-backend")
+            if hc.hicache_size > 0:  # GB of the modelled KV, not of the simulator's one-row pages
+                hc = dataclasses.replace(hc, hicache_size=0.0, hicache_ratio=hc.hicache_size * 1e9 / (page_bytes * cfg.num_pages))
+            self.cache = hierarchical_cache(pool, hc, Consensus(ParallelContext()), "simulated", make_worker=self._link)
+        else:
+            self.cache = device_cache(pool, radix=not cfg.disable_radix_cache)
+        load_link = self.links["host->device"] if hc.enable_hierarchical_cache else None
+        self.compute = CostedCompute(cost, self.clock, load_link)
+        self.scheduler = Scheduler(cfg, None, self.cache, None, SIMULATED_CONTEXT, compute=self.compute)  # type: ignore[arg-type]
+
+    def _link(self, name: str, _delay: float, _seed: int, _timeout: float) -> Worker:
+        return self.links[LINK_OF_WORKER[name]]
+
+    def run(self, trace: list[TraceRequest]) -> list[RequestRecord]:
+        """Every request of `trace` to its end; one record each, in arrival order."""
+        follower = {(t.conv_id, t.round): i for i, t in enumerate(trace) if t.after_previous}
+        arrivals = [(t.arrival_s, i) for i, t in enumerate(trace) if not t.after_previous]
+        heapq.heapify(arrivals)
+        live: dict[int, _Live] = {}
+        records: list[RequestRecord] = []
+        ideal = IdealCache()
+        while arrivals or self.scheduler.has_work:
+            if not self.scheduler.has_work:
+                self.clock.advance_to(arrivals[0][0])
+            while arrivals and arrivals[0][0] <= self.clock.now:
+                item = trace[heapq.heappop(arrivals)[1]]
+                entry = self._arrive(item, ideal)
+                live[entry.request.rid] = entry
+                records.append(entry.record)
+            for link in self.links.values():
+                link.run_until(self.clock.now)
+            steps = self.compute.steps
+            for event in self.scheduler.step():
+                entry = live[event.rid]
+                if event.cached_tokens_by_tier is not None:
+                    entry.record.ttft_s = self.clock.now - entry.record.send_time_s
+                    entry.record.cached_tokens_by_tier = dict(event.cached_tokens_by_tier)
+                    entry.record.cached_tokens = sum(event.cached_tokens_by_tier.values())
+                if event.finish_reason is not None:
+                    self._finish(live.pop(event.rid), ideal, follower, trace, arrivals)
+            if self.compute.steps == steps and self.scheduler.has_work:
+                self._wait(arrivals)
+        for link in self.links.values():
+            link.finish_all()
+        return records
+
+    def _arrive(self, item: TraceRequest, ideal: IdealCache) -> _Live:
+        prompt = item.prompt()
+        check_request_fits(self.cfg, SIMULATED_CONTEXT, len(prompt), len(item.output_ids))
+        params = SamplingParams(max_new_tokens=len(item.output_ids), ignore_eos=True)
+        request = Request(prompt, params, len(item.output_ids))
+        self.compute.answers[request.rid] = item.output_ids
+        record = RequestRecord(self.label, item.conv_id, item.group, item.round, self.clock.now, len(prompt), len(prompt),
+                               ideal_cached_tokens=ideal.on_send(prompt))  # fmt: skip
+        self.scheduler.add(request)
+        return _Live(item, request, record)
+
+    def _finish(self, entry: _Live, ideal: IdealCache, follower: dict, trace: list, arrivals: list) -> None:
+        entry.record.latency_s = self.clock.now - entry.record.send_time_s
+        entry.record.output_tokens = len(entry.request.output_ids)
+        ideal.on_finish(entry.request.prompt_ids, entry.request.output_ids)
+        self.compute.answers.pop(entry.request.rid)
+        after = follower.get((entry.trace.conv_id, entry.trace.round + 1))
+        if after is not None:
+            heapq.heappush(arrivals, (self.clock.now + trace[after].arrival_s, after))
+
+    def _wait(self, arrivals: list) -> None:
+        """Nothing could run (admission waits for a copy to unlock pages): on to the next thing that happens."""
+        times = [t for t in (link.next_completion for link in self.links.values()) if t is not None]
+        times += [arrivals[0][0]] if arrivals else []
+        if not times:
+            raise RuntimeError("the simulator stalled: requests wait and nothing is in flight or to arrive")
+        self.clock.advance_to(min(times))
+
+    def bytes_moved(self) -> dict[str, int]:
+        return {name: link.bytes_moved for name, link in self.links.items()}
+
+    def shutdown(self) -> None:
+        self.cache.shutdown()
