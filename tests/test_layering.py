@@ -29,6 +29,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "engine",  # Engine, the runtimes under it, what builds a rank
         "web",  # the HTTP plumbing the server and the router share
         "server bench router",
+        "sim",  # the capacity simulator: the scheduler and cache in virtual time, bench's workloads and report
         "demo __init__",
         "cli",
         "__main__",

@@ -1,5 +1,6 @@
 """The cache (docs/DESIGN.md, "cache API"): what the parts above it use, in one place. A scheduler
-drives a `KVCache` through `KVHandle`s; `build_cache` puts one together from the configuration."""
+drives a `KVCache` through `KVHandle`s; `build_cache` puts one together from the configuration; the
+capacity simulator builds its tiers (`device_cache`, `hierarchical_cache`) with virtual-time `Worker`s."""
 
 from hicache.cache.api import (
     TIERS,
@@ -11,7 +12,15 @@ from hicache.cache.api import (
     RestoreState,
     RestoreStatus,
 )  # fmt: skip
-from hicache.cache.build import build_cache, check_unified, storage_identity, storage_layout
+from hicache.cache.build import (
+    build_cache,
+    check_unified,
+    device_cache,
+    hierarchical_cache,
+    storage_identity,
+    storage_layout,
+)  # fmt: skip
+from hicache.cache.controller import TransferOp, Worker
 from hicache.cache.failed_loads import FailedLoads
 from hicache.cache.host_tier import WritePolicy
 from hicache.cache.prefix_cache import PrefixCache
@@ -34,10 +43,14 @@ __all__ = [
     "RestoreState",
     "RestoreStatus",
     "StorageTierStats",
+    "TransferOp",
+    "Worker",
     "WorkerStats",
     "WritePolicy",
     "build_cache",
     "check_unified",
+    "device_cache",
+    "hierarchical_cache",
     "storage_identity",
     "storage_layout",
 ]

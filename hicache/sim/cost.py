@@ -51,10 +51,10 @@ class CostModel:
         # Query i attends to keys [0, i]: a chunk's pairs are the sum over its rows.
         pairs = sum((end - start) * (start + end + 1) / 2 for start, end in items) + sum(n + 1 for n in decoding)
         kv_read = sum(decoding) * self.kv_bytes_per_token
-        return (
-            c.step_overhead_s + tokens * c.flops_per_token / c.flops + pairs * c.attention_flops_per_pair / c.attention_flops
-            + len(decoding) * c.decode_s_per_request + kv_read / c.memory_bandwidth
-        )  # fmt: skip
+        gemm_s = tokens * c.flops_per_token / c.flops
+        attention_s = pairs * c.attention_flops_per_pair / c.attention_flops
+        decode_s = len(decoding) * c.decode_s_per_request + kv_read / c.memory_bandwidth
+        return c.step_overhead_s + gemm_s + attention_s + decode_s
 
 
 def load_cost_model(name_or_path: str) -> CostModel:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 
-from hicache.cache.controller import TransferOp
+from hicache.cache import TransferOp
 
 logger = logging.getLogger(__name__)
 

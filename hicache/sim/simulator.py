@@ -16,8 +16,7 @@ import heapq
 import torch
 
 from hicache.bench.metrics import IdealCache, RequestRecord
-from hicache.cache.build import device_cache, hierarchical_cache
-from hicache.cache.controller import Worker
+from hicache.cache import Worker, device_cache, hierarchical_cache
 from hicache.config import EngineConfig
 from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
@@ -88,15 +87,18 @@ class Simulator:
         hc = cfg.hicache
         if hc.enable_hierarchical_cache:
             if hc.hicache_storage_backend:
-                raise UserError("hicache simulate does not simulate a storage tier yet: drop --hicache-storage-backend")
+                raise UserError("hicache simulate has no storage tier yet: drop --hicache-storage-backend")
             if hc.hicache_size > 0:  # GB of the modelled KV, not of the simulator's one-row pages
-                hc = dataclasses.replace(hc, hicache_size=0.0, hicache_ratio=hc.hicache_size * 1e9 / (page_bytes * cfg.num_pages))
-            self.cache = hierarchical_cache(pool, hc, Consensus(ParallelContext()), "simulated", make_worker=self._link)
+                ratio = hc.hicache_size * 1e9 / (page_bytes * cfg.num_pages)
+                hc = dataclasses.replace(hc, hicache_size=0.0, hicache_ratio=ratio)
+            consensus = Consensus(ParallelContext())  # one rank: agreement is the identity
+            self.cache = hierarchical_cache(pool, hc, consensus, "simulated", make_worker=self._link)
         else:
             self.cache = device_cache(pool, radix=not cfg.disable_radix_cache)
         load_link = self.links["host->device"] if hc.enable_hierarchical_cache else None
         self.compute = CostedCompute(cost, self.clock, load_link)
-        self.scheduler = Scheduler(cfg, None, self.cache, None, SIMULATED_CONTEXT, compute=self.compute)  # type: ignore[arg-type]
+        # No model runner and no tokenizer: the compute answers with trace tokens, which ignore EOS.
+        self.scheduler = Scheduler(cfg, None, self.cache, None, SIMULATED_CONTEXT, compute=self.compute)  # type: ignore
 
     def _link(self, name: str, _delay: float, _seed: int, _timeout: float) -> Worker:
         return self.links[LINK_OF_WORKER[name]]
@@ -140,8 +142,10 @@ class Simulator:
         params = SamplingParams(max_new_tokens=len(item.output_ids), ignore_eos=True)
         request = Request(prompt, params, len(item.output_ids))
         self.compute.answers[request.rid] = item.output_ids
-        record = RequestRecord(self.label, item.conv_id, item.group, item.round, self.clock.now, len(prompt), len(prompt),
-                               ideal_cached_tokens=ideal.on_send(prompt))  # fmt: skip
+        record = RequestRecord(
+            self.label, item.conv_id, item.group, item.round, self.clock.now, len(prompt), len(prompt),
+            ideal_cached_tokens=ideal.on_send(prompt),
+        )  # fmt: skip
         self.scheduler.add(request)
         return _Live(item, request, record)
 
@@ -155,7 +159,7 @@ class Simulator:
             heapq.heappush(arrivals, (self.clock.now + trace[after].arrival_s, after))
 
     def _wait(self, arrivals: list) -> None:
-        """Nothing could run (admission waits for a copy to unlock pages): on to the next thing that happens."""
+        """Nothing could run (admission waits for a copy to unlock pages): on to the next event."""
         times = [t for t in (link.next_completion for link in self.links.values()) if t is not None]
         times += [arrivals[0][0]] if arrivals else []
         if not times:

@@ -85,15 +85,17 @@ def read_mooncake(path: str, vocab_size: int) -> list[TraceRequest]:
     for number, line in enumerate(lines, 1):
         try:
             row = json.loads(line)
-            timestamp_ms, length, output = float(row["timestamp"]), int(row["input_length"]), int(row["output_length"])
-            hash_ids = tuple(int(h) for h in row["hash_ids"])
+            timestamp_ms, length = float(row["timestamp"]), int(row["input_length"])
+            output, hash_ids = int(row["output_length"]), tuple(int(h) for h in row["hash_ids"])
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
             raise UserError(f"{path}:{number}: not a Mooncake trace row ({type(exc).__name__}: {exc})") from None
         if length <= 0 or output <= 0 or length > len(hash_ids) * MOONCAKE_BLOCK_TOKENS:
+            blocks = f"{len(hash_ids)} blocks of {MOONCAKE_BLOCK_TOKENS} tokens"
             raise UserError(f"{path}:{number}: input_length {length} and output_length {output} must be positive, "
-                            f"the input within its {len(hash_ids)} blocks of {MOONCAKE_BLOCK_TOKENS} tokens")  # fmt: skip
+                            f"the input within its {blocks}")  # fmt: skip
         answer = answer_tokens(number, output, vocab_size)
-        requests.append(TraceRequest(number - 1, 0, 0, timestamp_ms / 1000, _blocks(hash_ids, length, vocab_size), answer))
+        prompt = _blocks(hash_ids, length, vocab_size)
+        requests.append(TraceRequest(number - 1, 0, 0, timestamp_ms / 1000, prompt, answer))
     return requests
 
 
