@@ -94,3 +94,20 @@ def test_a_bad_cost_model_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["simulate", "--model", "tiny", "--cost-model", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "compute.flops must be a number" in err, err
+
+
+def test_a_generated_workload_reuses_each_turns_prompt_and_answer(capsys):
+    """`hicache bench`'s generator: a second turn finds the first turn's prompt and its simulated answer
+    in the tree: its hit rate is the ideal one less what page granularity loses (under a 16-token page
+    of its ~420 tokens), and above the first round's."""
+    argv = ["simulate", "--model", "tiny", "--gsp-num-groups", "2", "--gsp-prompts-per-group", "2", "--gsp-num-turns",
+            "2", "--gsp-system-prompt-len", "256", "--gsp-question-len", "64", "--gsp-output-len", "32"]  # fmt: skip
+    assert main(argv) == 0
+    rows = {}
+    for line in capsys.readouterr().out.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 2 and cells[0] in ("0", "1"):
+            rows[int(cells[0])] = [float(v.strip().rstrip("%")) for v in cells[1].split("/")[1:]]
+    assert set(rows) == {0, 1}, rows
+    (hit0, _), (hit1, ideal1) = rows[0], rows[1]
+    assert 0 <= ideal1 - hit1 < 100 * 16 / 400 and hit1 > hit0, rows
