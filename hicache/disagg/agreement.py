@@ -1,15 +1,16 @@
 """P/D disaggregation: ranks agree on transfer outcomes before acting on them.
 
-Every rank of a prefill or decode deployment moves its own shard of each request's KV (rank r of
-prefill to rank r of decode), and those transfers finish at different times on different ranks. The
-schedulers act on them in lockstep, so once a step every rank takes the element-wise MIN of its view
-(FAILED < pending < done; KVPoll orders them so) over every rank, on the world's gloo group: a request
-moves on only once it is done everywhere, and fails everywhere if it failed anywhere. Values that must
-be equal everywhere (the decode_prefix_len each rank computed) are checked with MIN of x and -x.
+Every rank of a prefill or decode deployment moves its own cells of each request's KV (each prefill rank
+to every decode rank it overlaps, cells.py), and those transfers finish at different times on different
+ranks. The schedulers act on them in lockstep, so once a step every rank takes the element-wise MIN of
+its view (FAILED < pending < done; KVPoll orders them so) over every rank, on the world's gloo group: a
+request moves on only once it is done everywhere, and fails everywhere if it failed anywhere. Values
+that must be equal everywhere (the decode_prefix_len each rank computed) are checked with MIN of x and
+-x.
 
-The pending lists are replicated (requests arrive in the same order on every rank), so every rank
-calls this at the same points with lists of the same length, and all skip it together when empty. At
-one rank it is the identity.
+The pending lists are replicated (requests arrive in the same order on every rank), so every rank calls
+this at the same points with lists of the same length, and all skip it together when empty. At one rank
+it is the identity.
 """
 
 from __future__ import annotations

@@ -3,11 +3,13 @@ on one may be extended on the other.
 
 Every GEMM and attention call is batch-invariant (hicache/model/kernels/ops.py), so a prompt's KV computed by a
 prefill server and then extended by a decode server gives the same tokens as one server — but only if
-both run the same weights, dtype, page size, KV layout and shard (tensor and pipeline position), and
-the same kernel mechanisms, each verified by its start-up self-check. `mismatch` names the first field
-that differs. `hicache router` compares the servers' rank-0 handshakes at start-up (so different TP
-sizes are refused there), and every transfer carries the decode rank's handshake, which its prefill
-peer compares with its own before it sends anything.
+both run the same weights, dtype, page size and model geometry, and the same kernel mechanisms (those
+both ranks run), each verified by its start-up self-check. `mismatch` names the first field that
+differs. The two servers' topologies may differ: a handshake also says where the rank sits (TP and PP
+size and position, its KV row), and cells.py works out which cells each prefill rank sends each decode
+rank, refusing a pair whose boundaries cut a KV row (docs/DESIGN.md, "P/D across topologies").
+`hicache router` checks the servers' rank-0 handshakes at start-up, and every transfer carries the
+decode rank's handshake, which each of its prefill peers checks against its own before it sends anything.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.base import DecoderModel
 from hicache.parallel.parallel import ParallelContext
 
-HANDSHAKE_VERSION = 1
+HANDSHAKE_VERSION = 2  # 2: the model geometry, so the two sides may differ in topology
 
 # Field -> how a mismatch is named, in the order they are compared (the most basic first).
 _FIELDS = {
@@ -27,13 +29,9 @@ _FIELDS = {
     "model": "model (weights digest)",
     "dtype": "KV dtype",
     "page_size": "page size",
-    "tp_size": "tensor parallel size (P/D with different TP sizes is refused)",
-    "pp_size": "pipeline parallel size",
-    "tp_rank": "tensor parallel rank",
-    "pp_rank": "pipeline stage",
-    "layers": "layer range",
-    "kv_layout": "KV layout",
-    "mechanisms": "batch-invariant kernel mechanisms",
+    "num_layers": "number of layers",
+    "num_kv_heads": "number of KV heads",
+    "latent": "KV replication (MLA's latent row or per-head K/V)",
 }
 
 
@@ -49,6 +47,9 @@ class Handshake:
     pp_size: int
     pp_rank: int
     layers: tuple[int, int]  # [start, end) of the model's layers this rank holds
+    num_layers: int  # the model's; with num_kv_heads and latent, what places every rank of any topology
+    num_kv_heads: int
+    latent: bool  # one row for every KV head (MLA), replicated over TP, instead of per-head K and V
     kv_layout: tuple[tuple[str, tuple[int, ...]], ...]  # (component, shape) of one token's row per layer
     verified: bool  # the start-up batch-invariance self-check passed
     mechanisms: tuple[tuple[str, str], ...]
@@ -66,6 +67,9 @@ class Handshake:
             pp_size=pctx.pp_size,
             pp_rank=pctx.pp_rank,
             layers=tuple(model.layer_range),  # type: ignore[arg-type]
+            num_layers=model.cfg.num_layers,
+            num_kv_heads=model.cfg.num_kv_heads,
+            latent=model.replicated_over_tp,
             kv_layout=tuple((c.name, tuple(c.shape)) for c in pool.layout.components),
             verified=bool(report is not None and report.verified),
             mechanisms=tuple(sorted((report.mechanisms if report is not None else {}).items())),
@@ -87,6 +91,9 @@ class Handshake:
                 pp_size=int(data["pp_size"]),
                 pp_rank=int(data["pp_rank"]),
                 layers=(int(data["layers"][0]), int(data["layers"][1])),
+                num_layers=int(data["num_layers"]),
+                num_kv_heads=int(data["num_kv_heads"]),
+                latent=bool(data["latent"]),
                 kv_layout=tuple((str(n), tuple(int(x) for x in shape)) for n, shape in data["kv_layout"]),
                 verified=bool(data["verified"]),
                 mechanisms=tuple((str(k), str(v)) for k, v in data["mechanisms"]),
@@ -103,11 +110,18 @@ class Handshake:
         return numel * elem * (self.layers[1] - self.layers[0])
 
     def mismatch(self, other: Handshake, mine: str = "prefill", theirs: str = "decode") -> str | None:
-        """Why KV of `self`'s cannot be extended by `other` (or the reverse); None when it can."""
+        """Why KV of `self`'s cannot be extended by `other` (or the reverse), whatever their topologies
+        (cells.py checks those); None when it can."""
         for name, what in _FIELDS.items():
             a, b = getattr(self, name), getattr(other, name)
             if a != b:
                 return f"{what} differs: {mine} {_show(a)}, {theirs} {_show(b)}"
+        # A kernel only one side runs (the LM head lives on the last stage) computes no KV the other extends.
+        ours, others = dict(self.mechanisms), dict(other.mechanisms)
+        for kernel in sorted(ours.keys() & others.keys()):
+            if ours[kernel] != others[kernel]:
+                what = f"batch-invariant kernel mechanism {kernel!r}"
+                return f"{what} differs: {mine} {_show(ours[kernel])}, {theirs} {_show(others[kernel])}"
         for side, hs in ((mine, self), (theirs, other)):
             if not hs.verified:
                 return f"the batch-invariance self-check did not pass on {side}, so its KV could change answers"

@@ -1,10 +1,11 @@
 """P/D disaggregation: the copy boundary between a device KV pool and a transfer — staging a prompt's
 rows out of prefill's pages, landing them in decode's reserved pages.
 
-The unit is the page: a transfer starts at a page boundary (decode_prefix_len is page-aligned) and
-covers whole pages but the last, which carries only the prompt's rows (the rest of that page is
-decode's to fill). Rows go as raw bytes in the pool's own row layout; the handshake has checked that
-both pools share dtype, layout and shard, so no conversion is needed.
+A transfer starts at a page boundary (decode_prefix_len is page-aligned) and covers whole pages but
+the last, which carries only the prompt's rows (the rest of that page is decode's to fill). Between
+two ranks it moves the cells their shards share (cells.py): the layers of the `Cut`, and of each row
+the element ranges of the shared KV heads, as raw bytes of the pools' dtype (the handshake has checked
+that both sides share it and the row's components, so no conversion is needed).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import warnings
 
 import torch
 
+from hicache.disagg.cells import Cut
 from hicache.disagg.transfer import StagedKV
 from hicache.mem.device_pool import DeviceKVPool
 
@@ -31,27 +33,40 @@ def chunk_tokens(pool_page_size: int, row_bytes: int) -> int:
     return pages * pool_page_size
 
 
-def frames_of(kv: StagedKV, start: int, end: int) -> list[memoryview]:
-    """The bytes of rows [start, end) (absolute token positions), one frame per layer, zero-copy."""
+def frames_of(kv: StagedKV, start: int, end: int, cut: Cut) -> list[memoryview]:
+    """The bytes of rows [start, end) (absolute token positions) of `cut`'s cells, one frame per layer
+    (zero-copy when the cut takes whole rows)."""
     a, b = start - kv.start, end - kv.start
-    return [memoryview(t[a:b].contiguous().view(torch.uint8).numpy()).cast("B") for t in kv.layers]
+    frames = []
+    for layer in cut.layers:
+        rows = kv.layers[layer][a:b]
+        if not cut.whole_rows:
+            rows = torch.cat([rows[:, x:y] for x, y in cut.columns], dim=1)
+        frames.append(memoryview(rows.contiguous().view(torch.uint8).numpy()).cast("B"))
+    return frames
 
 
-def land(pool: DeviceKVPool, slots: torch.Tensor, frames: list[memoryview | bytes]) -> int:
-    """Write one message's rows (one frame per layer) into `slots`; returns the bytes written. Raises
-    ValueError if the frames do not fit the slots (a peer of another layout)."""
-    if len(frames) != pool.num_layers:
-        raise ValueError(f"{len(frames)} layer frames for a pool of {pool.num_layers} layers")
-    row = pool.layout.row_numel
+def land(pool: DeviceKVPool, slots: torch.Tensor, frames: list[memoryview | bytes], cut: Cut) -> int:
+    """Write one message's rows of `cut`'s cells (one frame per layer) into `slots`; returns the bytes
+    written. Raises ValueError if the frames do not fit (a peer that cut other cells)."""
+    if len(frames) != len(cut.layers):
+        raise ValueError(f"{len(frames)} layer frames for cells of {len(cut.layers)} layers")
     written = 0
     with warnings.catch_warnings():
         # The received buffer is read-only; it is only ever the source of the copy below.
         warnings.simplefilter("ignore", UserWarning)
-        for layer, frame in enumerate(frames):
+        for layer, frame in zip(cut.layers, frames):
+            buffer = pool.buffers[layer]
             data = torch.frombuffer(frame, dtype=torch.uint8) if len(frame) else torch.empty(0, dtype=torch.uint8)
-            if data.numel() != slots.numel() * row * pool.buffers[layer].element_size():
-                raise ValueError(f"layer {layer}: {data.numel()} bytes for {slots.numel()} rows")
-            rows = data.view(pool.dtype).view(slots.numel(), row)
-            pool.buffers[layer].index_copy_(0, slots, rows.to(pool.device))
+            if data.numel() != slots.numel() * cut.width * buffer.element_size():
+                raise ValueError(f"layer {layer}: {data.numel()} bytes for {slots.numel()} rows of {cut.width}")
+            rows = data.view(pool.dtype).view(slots.numel(), cut.width).to(pool.device)
+            if cut.whole_rows:
+                buffer.index_copy_(0, slots, rows)
+            else:
+                offset = 0
+                for x, y in cut.columns:
+                    buffer[slots, x:y] = rows[:, offset : offset + y - x]
+                    offset += y - x
             written += data.numel()
     return written

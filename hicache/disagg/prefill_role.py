@@ -1,16 +1,17 @@
 """P/D disaggregation: the prefill role, the part of the scheduler (hicache/scheduler/role.py) that serves
 the prompt half of a request.
 
-A request first waits, holding nothing, until its decode server's metadata has arrived on every rank
-(SGLang's bootstrap queue): decode admits the request first, so prefill never computes for a decode
-that has no room for the result. The metadata is validated here (the handshake matches this rank's,
-both servers tokenized the same prompt, 0 <= decode_prefix_len <= prompt length and page-aligned);
-a request that fails it fails with the reason, and decode is told. Then the request is admitted like
-any other (this server's own prefix cache decides how much of the prompt it skips), its prompt and
-first token computed, and as it finishes the KV of the tokens after decode_prefix_len is staged out of
-its pages and handed to the sender with the first token. The request is released at once; the bytes
-travel on the transport's thread. A request whose decode gives up meanwhile (its client left, its
-transfer timed out) is aborted: nobody would receive what it computes.
+A request first waits, holding nothing, until its decode server's metadata has arrived on every rank,
+from every decode rank the rank owes cells (cells.py; SGLang's bootstrap queue): decode admits the
+request first, so prefill never computes for a decode that has no room for the result. The metadata is
+validated here (the handshake matches this rank's, both servers tokenized the same prompt, 0 <=
+decode_prefix_len <= prompt length and page-aligned); a request that fails it fails with the reason, and
+decode is told. Then the request is admitted like any other (this server's own prefix cache decides how
+much of the prompt it skips), its prompt and first token computed, and as it finishes the KV of the
+tokens after decode_prefix_len is staged out of its pages and handed to the sender with the first token.
+The request is released at once; the bytes travel on the transport's thread. A request whose decode
+gives up meanwhile (its client left, its transfer timed out) is aborted: nobody would receive what it
+computes.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from hicache.disagg.agreement import agree_min
+from hicache.disagg.cells import misaligned
 from hicache.disagg.handshake import Handshake
 from hicache.disagg.kv_rows import stage
 from hicache.disagg.stats import DisaggStats
@@ -35,7 +37,7 @@ logger = logging.getLogger(__name__)
 
 def metadata_problem(meta: DecodeMetadata, req: Request, mine: Handshake) -> str | None:
     """Why prefill refuses decode's metadata for `req` (None: it is valid)."""
-    refused = mine.mismatch(meta.handshake)
+    refused = mine.mismatch(meta.handshake) or misaligned(mine, meta.handshake)
     if refused is not None:
         return f"handshake refused: {refused}"
     if meta.prompt_len != req.prompt_len or meta.prompt_digest != prompt_digest(req.prompt_ids):

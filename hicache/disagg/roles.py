@@ -41,7 +41,7 @@ def pd_role(cfg: EngineConfig, runner: ModelRunner, pctx: ParallelContext, ident
     d = cfg.disagg
     if not d.enabled:
         return None
-    if runner.pool.sharded:  # the transfer moves whole logical pages between equal ranks (kv_rows.py)
+    if runner.pool.sharded:  # a rank's cells hold every page of the prompt (cells.py), not every N-th
         raise UserError(
             f"--disaggregation-mode {d.disaggregation_mode} with page-sharded KV (--cp-size > 1, or an MLA model "
             "at --tp-size > 1) is not supported yet"
@@ -58,11 +58,11 @@ def pd_role(cfg: EngineConfig, runner: ModelRunner, pctx: ParallelContext, ident
         port = d.disaggregation_bootstrap_port + pctx.rank
         delay = d.debug_disagg_chunk_delay_ms / 1000
         transfer = ZmqPrefillBackend(
-            d.disaggregation_bootstrap_host, port, d.disaggregation_transfer_timeout, chunk, delay
+            handshake, d.disaggregation_bootstrap_host, port, d.disaggregation_transfer_timeout, chunk, delay
         )
         bootstrap = (d.disaggregation_bootstrap_host, d.disaggregation_bootstrap_port)
         return PrefillRole(transfer, pctx, handshake, bootstrap)
-    return DecodeRole(ZmqDecodeBackend(runner.pool, pctx.rank, d.disaggregation_transfer_timeout), pctx, handshake)
+    return DecodeRole(ZmqDecodeBackend(runner.pool, handshake, d.disaggregation_transfer_timeout), pctx, handshake)
 
 
 def info(scheduler: Scheduler) -> dict[str, Any]:

@@ -1,10 +1,13 @@
 """P/D disaggregation: the messages of the ZeroMQ transport, as multipart frames `[kind, JSON header,
 *payload]` (a prefill ROUTER prefixes the peer's identity).
 
-    decode -> prefill   META  {room, decode_prefix_len, prompt_len, prompt_digest, handshake}
-                        ACK   {room}                       the whole transfer landed
+    decode -> prefill   HELLO {room: 0}                    which topology the prefill server has
+                        META  {room, decode_prefix_len, prompt_len, prompt_digest, handshake}
+                        ACK   {room}                       this prefill rank's cells landed
                         ABORT {room, reason}               decode gave up on the request
-    prefill -> decode   KV    {room, start, end}, one frame per local layer: rows [start, end)
+    prefill -> decode   LAYOUT {room: 0, handshake}        the answer to HELLO
+                        KV    {room, start, end}, one frame per layer of the cells the pair shares
+                              (cells.py): those cells of rows [start, end)
                         DONE  {room, end, first_token, logprob, cached_tokens_by_tier}
                         ERROR {room, reason}               prefill refused or failed the request
 """
@@ -21,8 +24,9 @@ from hicache.disagg.transfer import DecodeMetadata, PrefillResult
 from hicache.scheduler.request import TokenLogprob
 from hicache.storage import pack_u32
 
-META, ACK, ABORT, KV, DONE, ERROR = (b"meta", b"ack", b"abort", b"kv", b"done", b"error")
-KINDS = (META, ACK, ABORT, KV, DONE, ERROR)
+HELLO, META, ACK, ABORT = (b"hello", b"meta", b"ack", b"abort")
+LAYOUT, KV, DONE, ERROR = (b"layout", b"kv", b"done", b"error")
+KINDS = (HELLO, META, ACK, ABORT, LAYOUT, KV, DONE, ERROR)
 
 
 class WireError(ValueError):

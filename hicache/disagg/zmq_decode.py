@@ -1,11 +1,14 @@
 """P/D disaggregation: the decode side of the ZeroMQ transport (a `KVTransferBackend` and its receivers).
 
-A decode rank keeps one DEALER per prefill endpoint it has been sent to (host:port + this rank's
-index), connected on first use, with a socket monitor: when the connection to a prefill server drops,
-every transfer still waiting on it fails at once ("disconnected mid-transfer") instead of at its
-timeout. Arriving KV messages are checked (the room's next expected token, within the prompt) and
-written straight into the request's reserved device pages on the I/O thread, under the backend's lock;
-`abort` takes the same lock, so once it returns nothing more is written and the pages may be freed.
+A decode rank takes its shard of each request's KV from every prefill rank it overlaps (cells.py), so
+it first learns the prefill server's topology: it asks that server's rank 0 once (HELLO; the answer is
+kept until that connection drops) and then sends the request's metadata to each of its sources. It
+keeps one DEALER per prefill endpoint (host:port + rank), connected on first use, with a socket
+monitor: when the connection to a prefill rank drops, every transfer still waiting on it fails at once
+("disconnected mid-transfer") instead of at its timeout. Arriving KV messages are checked (the source's
+next expected token, within the prompt) and written straight into the request's reserved device pages
+on the I/O thread, under the backend's lock; `abort` takes the same lock, so once it returns nothing
+more is written and the pages may be freed. The request has landed when every source has said DONE.
 """
 
 from __future__ import annotations
@@ -13,14 +16,15 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from hicache.disagg import wire
+from hicache.disagg import cells, wire
+from hicache.disagg.handshake import Handshake
 from hicache.disagg.kv_rows import land
 from hicache.disagg.transfer import DecodeMetadata, KVPoll, PrefillResult
 from hicache.disagg.zmq_io import IOLoop
@@ -31,16 +35,30 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
+class _Source:
+    """A prefill rank this rank takes cells from, for one request."""
+
+    cut: cells.Cut  # where its cells land in this rank's rows
+    next: int  # the next token whose KV is expected from it
+    done: bool = False
+
+
+@dataclass(eq=False)
 class _Room:
     room: int
-    endpoint: str
+    server: str  # the prefill server's rank-0 endpoint, which answers HELLO
     status: KVPoll = KVPoll.BOOTSTRAPPING
     meta: DecodeMetadata | None = None
     slots: torch.Tensor | None = None  # device slots of tokens [decode_prefix_len, prompt_len)
-    next: int = 0  # the next token whose KV is expected
+    sources: dict[str, _Source] = field(default_factory=dict)  # by endpoint; empty until the layout is known
     deadline: float = 0.0  # fails when nothing arrives before this
     result: PrefillResult | None = None
     error: str | None = None
+
+    @property
+    def endpoints(self) -> list[str]:
+        """Where this request is known to prefill (its sources, or before they are known the server)."""
+        return list(self.sources) or [self.server]
 
 
 class ZmqKVReceiver:
@@ -59,7 +77,7 @@ class ZmqKVReceiver:
         with b.lock:
             s = self._state
             if s.status in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING) and time.monotonic() > s.deadline:
-                b.fail(s, f"no KV from the prefill server at {s.endpoint} within {b.timeout_s:.0f} s")
+                b.fail(s, f"no KV from the prefill server at {s.server} within {b.timeout_s:.0f} s")
             return s.status
 
     def result(self) -> PrefillResult | None:
@@ -75,12 +93,14 @@ class ZmqKVReceiver:
 class ZmqDecodeBackend:
     """transfer.KVTransferBackend for a decode rank: KV lands in `pool`."""
 
-    def __init__(self, pool: DeviceKVPool, rank: int, timeout_s: float) -> None:
+    def __init__(self, pool: DeviceKVPool, handshake: Handshake, timeout_s: float) -> None:
         self.pool = pool
-        self.rank = rank
+        self.handshake = handshake
         self.timeout_s = timeout_s
         self.lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}  # transfers in flight (metadata sent, not ended)
+        self._layouts: dict[str, Handshake] = {}  # prefill server (rank-0 endpoint) -> its rank 0's handshake
+        self._asked: dict[str, list[_Room]] = {}  # prefill server -> rooms waiting for its LAYOUT
         self.moved_bytes = 0  # landed in the pool (transfer.KVTransferBackend.moved_bytes)
         self._dealers: dict[str, zmq.Socket] = {}  # I/O thread only
         self._monitors: dict[str, zmq.Socket] = {}
@@ -90,8 +110,7 @@ class ZmqDecodeBackend:
     # ---- scheduler thread ------------------------------------------------------------------------
 
     def receiver(self, bootstrap: Bootstrap) -> ZmqKVReceiver:
-        endpoint = f"tcp://{bootstrap.host}:{bootstrap.port + self.rank}"
-        return ZmqKVReceiver(self, _Room(bootstrap.room, endpoint))
+        return ZmqKVReceiver(self, _Room(bootstrap.room, f"tcp://{bootstrap.host}:{bootstrap.port}"))
 
     def start(self, state: _Room, slots: torch.Tensor, meta: DecodeMetadata) -> None:
         with self.lock:
@@ -100,20 +119,45 @@ class ZmqDecodeBackend:
             if meta.room in self._rooms:
                 self.fail(state, f"bootstrap room {meta.room} is already in use on this decode server")
                 return
-            state.meta, state.slots, state.next = meta, slots, meta.decode_prefix_len
+            state.meta, state.slots = meta, slots
             state.status, state.deadline = KVPoll.WAITING_FOR_INPUT, time.monotonic() + self.timeout_s
             self._rooms[meta.room] = state
-        header = wire.metadata_header(meta)
-        self.io.call(lambda: self._dealer(state.endpoint).send_multipart(wire.encode(wire.META, header)))
+            layout = self._layouts.get(state.server)
+            if layout is not None:
+                endpoints = self._open(state, layout)
+            else:  # ask the server its topology, once for every request waiting on the answer
+                waiting = [s for s in self._asked.get(state.server, []) if s.status is KVPoll.WAITING_FOR_INPUT]
+                self._asked[state.server] = [*waiting, state]
+                endpoints = [] if waiting else [state.server]
+        header = wire.metadata_header(meta) if layout is not None else {"room": 0}
+        message = wire.encode(wire.META if layout is not None else wire.HELLO, header)
+        for endpoint in endpoints:
+            self.io.call(lambda endpoint=endpoint: self._dealer(endpoint).send_multipart(message))
+
+    def _open(self, state: _Room, layout: Handshake) -> list[str]:
+        """Lock held: the request's sources on the prefill server whose rank 0 has `layout`, and the
+        endpoints to send its metadata to (none if the pair is refused: the request fails)."""
+        assert state.meta is not None
+        problem = layout.mismatch(self.handshake) or cells.misaligned(layout, self.handshake)
+        if problem is not None:
+            self.fail(state, f"cannot take KV from the prefill server at {state.server}: {problem}")
+            return []
+        host, port = state.server.rsplit(":", 1)
+        for rank, shared in cells.peers(self.handshake, layout).items():
+            source = _Source(cells.cut(self.handshake, shared), state.meta.decode_prefix_len)
+            state.sources[f"{host}:{int(port) + rank}"] = source
+        return list(state.sources)
 
     def abort(self, state: _Room, reason: str) -> None:
         with self.lock:  # no landing is in progress while this is held
             if state.status in (KVPoll.FAILED, KVPoll.SUCCESS):
                 return
             self.fail(state, reason)
+            endpoints = state.endpoints
         # Even before any metadata was sent: prefill may hold the request, waiting for it.
-        header = {"room": state.room, "reason": reason}
-        self.io.call(lambda: self._dealer(state.endpoint).send_multipart(wire.encode(wire.ABORT, header)))
+        message = wire.encode(wire.ABORT, {"room": state.room, "reason": reason})
+        for endpoint in endpoints:
+            self.io.call(lambda endpoint=endpoint: self._dealer(endpoint).send_multipart(message))
 
     def fail(self, state: _Room, reason: str) -> None:
         """Lock held."""
@@ -152,7 +196,8 @@ class ZmqDecodeBackend:
                 return
             if event["event"] == zmq.EVENT_DISCONNECTED:
                 with self.lock:
-                    lost = [s for s in self._rooms.values() if s.endpoint == endpoint]
+                    self._layouts.pop(endpoint, None)  # a server restarted there may have another topology
+                    lost = [s for s in self._rooms.values() if endpoint in s.endpoints]
                     for state in lost:
                         self.fail(state, f"the prefill server at {endpoint} disconnected mid-transfer")
                 if lost:
@@ -169,12 +214,17 @@ class ZmqDecodeBackend:
             except wire.WireError as exc:
                 logger.warning("dropped a malformed KV transfer message from %s: %s", endpoint, exc)
                 continue
-            reply = self._on_message(kind, header, payload)
+            reply = self._on_message(endpoint, kind, header, payload)
             if reply is not None:
                 sock.send_multipart(reply)
 
-    def _on_message(self, kind: bytes, header: dict[str, Any], payload: list[memoryview]) -> list[bytes] | None:
-        """Apply one message; the reply to send back, if any."""
+    def _on_message(
+        self, endpoint: str, kind: bytes, header: dict[str, Any], payload: list[memoryview]
+    ) -> list[bytes] | None:
+        """Apply one message from the prefill rank at `endpoint`; the reply to send back, if any."""
+        if kind == wire.LAYOUT:
+            self._on_layout(endpoint, header)
+            return None
         room = header["room"]
         with self.lock:
             state = self._rooms.get(room)
@@ -182,31 +232,60 @@ class ZmqDecodeBackend:
                 return None  # aborted, failed or finished here: late messages are dropped
             assert state.meta is not None and state.slots is not None
             try:
-                if kind == wire.KV:
-                    self._land(state, int(header["start"]), int(header["end"]), payload)
-                    return None
-                if kind == wire.DONE:
-                    if int(header.get("end", -1)) != state.meta.prompt_len or state.next != state.meta.prompt_len:
-                        raise ValueError(f"done at token {state.next} of {state.meta.prompt_len}")
-                    state.result = wire.parse_result(header)
-                    state.status = KVPoll.SUCCESS
-                    del self._rooms[room]
-                    return wire.encode(wire.ACK, {"room": room})
                 if kind == wire.ERROR:
                     self.fail(state, f"prefill failed the request: {header.get('reason', 'no reason given')}")
+                    return None
+                source = state.sources.get(endpoint)
+                if source is None:
+                    raise ValueError("not a prefill rank this request takes KV from")
+                if kind == wire.KV:
+                    self._land(state, source, int(header["start"]), int(header["end"]), payload)
+                    return None
+                if kind == wire.DONE:
+                    if int(header.get("end", -1)) != state.meta.prompt_len or source.next != state.meta.prompt_len:
+                        raise ValueError(f"done at token {source.next} of {state.meta.prompt_len}")
+                    source.done, state.result = True, wire.parse_result(header)
+                    if all(s.done for s in state.sources.values()):
+                        state.status = KVPoll.SUCCESS
+                        del self._rooms[room]
+                    return wire.encode(wire.ACK, {"room": room})
                 return None
             except (ValueError, KeyError, TypeError) as exc:
-                reason = f"a bad KV message from {state.endpoint}: {exc}"
+                reason = f"a bad KV message from {endpoint}: {exc}"
                 self.fail(state, reason)
                 return wire.encode(wire.ABORT, {"room": room, "reason": reason})
 
-    def _land(self, state: _Room, start: int, end: int, payload: list[memoryview]) -> None:
+    def _on_layout(self, server: str, header: dict[str, Any]) -> None:
+        """The prefill server's topology: send the metadata of every request waiting for it."""
+        layout: Handshake | None = None
+        problem = ""
+        try:
+            layout = Handshake.from_json(header["handshake"])
+        except (KeyError, ValueError) as exc:
+            problem = f"the prefill server at {server} sent an unreadable layout: {exc}"
+        with self.lock:
+            if layout is not None:
+                self._layouts[server] = layout
+            sends = []
+            for state in self._asked.pop(server, []):
+                if state.status is not KVPoll.WAITING_FOR_INPUT or self._rooms.get(state.room) is not state:
+                    continue
+                if layout is None:
+                    self.fail(state, problem)
+                    continue
+                assert state.meta is not None
+                message = wire.encode(wire.META, wire.metadata_header(state.meta))
+                sends += [(endpoint, message) for endpoint in self._open(state, layout)]
+        for endpoint, message in sends:
+            self._dealer(endpoint).send_multipart(message)
+
+    def _land(self, state: _Room, source: _Source, start: int, end: int, payload: list[memoryview]) -> None:
         """Lock held. Raises ValueError for a message out of order or outside the prompt."""
         assert state.meta is not None and state.slots is not None
-        if start != state.next or not start < end <= state.meta.prompt_len:
-            raise ValueError(f"rows [{start}, {end}) when token {state.next} was expected")
+        if start != source.next or not start < end <= state.meta.prompt_len:
+            raise ValueError(f"rows [{start}, {end}) when token {source.next} was expected")
         base = state.meta.decode_prefix_len
-        self.moved_bytes += land(self.pool, state.slots[start - base : end - base], payload)
-        state.next = end
+        self.moved_bytes += land(self.pool, state.slots[start - base : end - base], payload, source.cut)
+        source.next = end
         state.status = KVPoll.TRANSFERRING
         state.deadline = time.monotonic() + self.timeout_s

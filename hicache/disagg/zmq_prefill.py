@@ -1,11 +1,13 @@
 """P/D disaggregation: the prefill side of the ZeroMQ transport (a `KVTransferBackend` and its senders).
 
-Each prefill rank binds one ROUTER socket at bootstrap host:port + rank; the decode ranks that pair with
-it connect DEALERs to it and send each request's metadata (wire.py). Metadata may arrive before the
-request it names does (the router sends both halves at once): it waits in `_early` until the request
-arrives, or until the transfer timeout. Sending is done on the I/O thread, in messages of about
-kv_rows.CHUNK_BYTES; an abort stops it at the next message. ROUTER_MANDATORY makes a send to a decode
-that went away an error instead of a silent drop.
+Each prefill rank binds one ROUTER socket at bootstrap host:port + rank; the decode ranks that share
+KV with it (cells.py) connect DEALERs to it, ask once for its server's topology (HELLO) and send each
+request's metadata (wire.py). A rank's request waits for the metadata of every decode rank it owes
+cells, which may arrive before the request does (the router sends both halves at once): it waits in
+`_early` until the request arrives, or until the transfer timeout. Sending is done on the I/O thread,
+in messages of about kv_rows.CHUNK_BYTES, each message's rows to every decode peer in turn; an abort
+stops it at the next message. ROUTER_MANDATORY makes a send to a decode that went away an error
+instead of a silent drop.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
-from hicache.disagg import wire
+from hicache.disagg import cells, wire
+from hicache.disagg.handshake import Handshake
 from hicache.disagg.kv_rows import frames_of
 from hicache.disagg.transfer import DecodeMetadata, KVPoll, PrefillResult, StagedKV
 from hicache.disagg.zmq_io import IOLoop
@@ -28,14 +31,38 @@ from hicache.scheduler.request import Bootstrap
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class _Peer:
+    """A decode rank this rank owes cells for a request."""
+
+    identity: bytes  # its DEALER
+    meta: DecodeMetadata
+    cut: cells.Cut  # where its cells lie in this rank's rows
+
+
 @dataclass(eq=False)
 class _Room:
     room: int
-    deadline: float  # for decode's metadata; once sent, for decode's ack
+    deadline: float  # for decode's metadata; once sent, for decode's acks
     status: KVPoll = KVPoll.BOOTSTRAPPING
-    meta: DecodeMetadata | None = None
-    identity: bytes | None = None  # the decode DEALER that sent the metadata
+    meta: DecodeMetadata | None = None  # once every peer's metadata is in (they agree)
+    expected: dict[int, cells.Cells] | None = None  # decode rank -> its cells, from the first metadata
+    peers: dict[int, _Peer] = field(default_factory=dict)  # decode rank -> who asked
+    acked: set[bytes] = field(default_factory=set)
     error: str | None = None
+
+    @property
+    def identities(self) -> list[bytes]:
+        return [peer.identity for peer in self.peers.values()]
+
+
+@dataclass(eq=False)
+class _Early:
+    """Messages for a room this rank has not seen yet, or the reason a room it ended has ended."""
+
+    when: float
+    messages: list[tuple[str, bytes, Any]] = field(default_factory=list)
+    ended: str | None = None
 
 
 class ZmqKVSender:
@@ -74,16 +101,18 @@ class ZmqKVSender:
 class ZmqPrefillBackend:
     """transfer.KVTransferBackend for a prefill rank."""
 
-    def __init__(self, host: str, port: int, timeout_s: float, chunk_tokens: int, chunk_delay_s: float = 0.0):
+    def __init__(
+        self, handshake: Handshake, host: str, port: int, timeout_s: float, chunk_tokens: int,
+        chunk_delay_s: float = 0.0,
+    ) -> None:  # fmt: skip
+        self.handshake = handshake
         self.endpoint = f"tcp://{host}:{port}"
         self.timeout_s = timeout_s
         self.chunk_tokens = chunk_tokens
         self.chunk_delay_s = chunk_delay_s
         self.lock = threading.Lock()
         self._rooms: dict[int, _Room] = {}
-        # Messages for rooms this rank has not seen yet (metadata first) or has already ended (an abort):
-        # room -> (what, identity, payload, when).
-        self._early: dict[int, tuple[str, bytes, Any, float]] = {}
+        self._early: dict[int, _Early] = {}
         self.moved_bytes = 0  # handed to the socket (transfer.KVTransferBackend.moved_bytes)
         self.io = IOLoop("hicache-kv-prefill", tick=self._tick)
         self._router = self.io.ctx.socket(zmq.ROUTER)
@@ -113,8 +142,8 @@ class ZmqPrefillBackend:
                 state.status, state.error = KVPoll.FAILED, f"bootstrap room {bootstrap.room} is already in use"
                 return ZmqKVSender(self, state)
             self._rooms[state.room] = state
-            if early is not None:
-                self._take(state, early)
+            for message in early.messages if early is not None else ():
+                self._take(state, message)
         return ZmqKVSender(self, state)
 
     def abort(self, state: _Room, reason: str) -> None:
@@ -122,13 +151,17 @@ class ZmqPrefillBackend:
             if state.status in (KVPoll.FAILED, KVPoll.SUCCESS):
                 self._rooms.pop(state.room, None)
                 return
-            state.status, state.error = KVPoll.FAILED, reason
-            self._rooms.pop(state.room, None)
-            identity = state.identity
-            if identity is None:  # decode's metadata may still come: answer it with the reason
-                self._early[state.room] = ("ended", b"", reason, time.monotonic())
-        if identity is not None:
-            self.io.call(lambda: self._send(identity, wire.encode(wire.ERROR, {"room": state.room, "reason": reason})))
+            self._fail(state, reason)
+            if len(state.peers) < len(state.expected or (None,)):  # more metadata may come: answer it
+                self._early[state.room] = _Early(time.monotonic(), ended=reason)
+
+    def _fail(self, state: _Room, reason: str, *also: bytes) -> None:
+        """Lock held: end the room and tell every decode peer that asked so far (and `also`) why."""
+        state.status, state.error = KVPoll.FAILED, reason
+        self._rooms.pop(state.room, None)
+        header = {"room": state.room, "reason": reason}
+        for identity in {*state.identities, *also}:
+            self.io.call(lambda identity=identity: self._send(identity, wire.encode(wire.ERROR, header)))
 
     def shutdown(self) -> None:
         def close() -> None:
@@ -142,14 +175,31 @@ class ZmqPrefillBackend:
 
     # ---- I/O thread --------------------------------------------------------------------------------
 
-    def _take(self, state: _Room, early: tuple[str, bytes, Any, float]) -> None:
-        """Apply a message that came before its room (lock held)."""
-        what, identity, payload, _ = early
-        if what == "meta" and state.status is KVPoll.BOOTSTRAPPING:
-            state.meta, state.identity, state.status = payload, identity, KVPoll.WAITING_FOR_INPUT
-        elif what == "abort":
-            state.status, state.error = KVPoll.FAILED, f"decode aborted the request: {payload}"
-            self._rooms.pop(state.room, None)
+    def _take(self, state: _Room, message: tuple[str, bytes, Any]) -> None:
+        """Apply a decode rank's metadata or abort to its room (lock held)."""
+        what, identity, payload = message
+        if what == "abort":
+            if state.status not in (KVPoll.FAILED, KVPoll.SUCCESS):
+                self._fail(state, f"decode aborted the request: {payload}")
+            return
+        if state.status is not KVPoll.BOOTSTRAPPING:
+            return
+        meta: DecodeMetadata = payload
+        try:
+            if state.expected is None:  # the first decode rank names its server's topology
+                state.expected = cells.peers(self.handshake, meta.handshake)
+            decode_rank = cells.rank(meta.handshake)
+            if decode_rank not in state.expected:
+                raise ValueError(f"decode rank {decode_rank} shares no KV with this prefill rank")
+            first = next(iter(state.peers.values()), None)
+            if first is not None and _request(first.meta) != _request(meta):
+                raise ValueError(f"decode ranks disagree on the request: {_request(first.meta)}, {_request(meta)}")
+            state.peers[decode_rank] = _Peer(identity, meta, cells.cut(self.handshake, state.expected[decode_rank]))
+        except ValueError as exc:  # another model or topology than this rank can serve: refuse it by name
+            self._fail(state, f"refused decode's metadata: {exc}", identity)
+            return
+        if len(state.peers) == len(state.expected):
+            state.meta, state.status = meta, KVPoll.WAITING_FOR_INPUT
 
     def _on_readable(self) -> None:
         while True:
@@ -165,51 +215,58 @@ class ZmqPrefillBackend:
                 logger.warning("dropped a malformed KV transfer message: %s", exc)
 
     def _on_message(self, identity: bytes, kind: bytes, header: dict[str, Any]) -> None:
+        if kind == wire.HELLO:
+            self._send(identity, wire.encode(wire.LAYOUT, {"room": 0, "handshake": self.handshake.to_json()}))
+            return
         room = header["room"]
         reply: str | None = None
         with self.lock:
             state = self._rooms.get(room)
+            message: tuple[str, bytes, Any] | None = None
             if kind == wire.META:
-                meta = wire.parse_metadata(header)
-                if state is None:
-                    ended = self._early.get(room)
-                    if ended is not None and ended[0] == "ended":
-                        reply = ended[2]
-                    else:
-                        self._early[room] = ("meta", identity, meta, time.monotonic())
-                else:
-                    self._take(state, ("meta", identity, meta, 0.0))
-            elif kind == wire.ACK and state is not None:
-                state.status = KVPoll.SUCCESS
-                del self._rooms[room]
+                message = ("meta", identity, wire.parse_metadata(header))
             elif kind == wire.ABORT:
-                reason = str(header.get("reason", ""))
-                if state is None:
-                    self._early[room] = ("abort", identity, reason, time.monotonic())
+                message = ("abort", identity, str(header.get("reason", "")))
+            elif kind == wire.ACK and state is not None and state.status is KVPoll.TRANSFERRING:
+                state.acked.add(identity)
+                if state.acked >= set(state.identities):  # every decode peer has its cells
+                    state.status = KVPoll.SUCCESS
+                    del self._rooms[room]
+            if message is not None and state is not None:
+                self._take(state, message)
+            elif message is not None:
+                early = self._early.setdefault(room, _Early(time.monotonic()))
+                if early.ended is not None:
+                    reply = early.ended
                 else:
-                    self._take(state, ("abort", identity, reason, 0.0))
-        if reply is not None:
+                    early.messages.append(message)
+        if reply is not None and kind == wire.META:
             self._send(identity, wire.encode(wire.ERROR, {"room": room, "reason": reply}))
 
     def transmit(self, state: _Room, kv: StagedKV, result: PrefillResult) -> None:
-        """Send the staged KV in page-aligned messages, then the first token."""
-        assert state.identity is not None
+        """Send the staged KV in page-aligned messages, each to every decode peer its cells, then the
+        first token to each."""
+        peers = list(state.peers.values())
         start = kv.start
         while start < kv.end:
             end = min(kv.end, start - start % self.chunk_tokens + self.chunk_tokens)
             if self.chunk_delay_s:
                 time.sleep(self.chunk_delay_s)
-            if state.status is not KVPoll.TRANSFERRING:
-                return  # aborted: decode was told
-            header = {"room": state.room, "start": start, "end": end}
-            frames = frames_of(kv, start, end)
-            if not self._send(state.identity, [*wire.encode(wire.KV, header), *frames], state):
-                return
-            self.moved_bytes += sum(f.nbytes for f in frames)
+            for peer in peers:
+                if state.status is not KVPoll.TRANSFERRING:
+                    return  # aborted: decode was told
+                header = {"room": state.room, "start": start, "end": end}
+                frames = frames_of(kv, start, end, peer.cut)
+                if not self._send(peer.identity, [*wire.encode(wire.KV, header), *frames], state):
+                    return
+                self.moved_bytes += sum(f.nbytes for f in frames)
             start = end
         with self.lock:
-            state.deadline = time.monotonic() + self.timeout_s  # now waiting for the ack
-        self._send(state.identity, wire.encode(wire.DONE, wire.result_header(state.room, kv.end, result)), state)
+            state.deadline = time.monotonic() + self.timeout_s  # now waiting for the acks
+        done = wire.encode(wire.DONE, wire.result_header(state.room, kv.end, result))
+        for peer in peers:
+            if not self._send(peer.identity, done, state):
+                return
 
     def _send(self, identity: bytes, frames: list, state: _Room | None = None) -> bool:
         try:
@@ -218,17 +275,20 @@ class ZmqPrefillBackend:
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the decode that asked is gone
             if state is not None:
                 with self.lock:
-                    state.status, state.error = KVPoll.FAILED, f"decode went away mid-transfer ({exc})"
-                    self._rooms.pop(state.room, None)
+                    self._fail(state, f"decode went away mid-transfer ({exc})")
             return False
 
     def _tick(self) -> None:
         now = time.monotonic()
         with self.lock:
-            for room, (_, _, _, when) in list(self._early.items()):
-                if now - when > self.timeout_s:
+            for room, early in list(self._early.items()):
+                if now - early.when > self.timeout_s:
                     del self._early[room]
             for room, state in list(self._rooms.items()):
                 if state.status is KVPoll.TRANSFERRING and now > state.deadline:
-                    state.status, state.error = KVPoll.FAILED, "decode never acknowledged the transfer"
-                    del self._rooms[room]
+                    self._fail(state, "decode never acknowledged the transfer")
+
+
+def _request(meta: DecodeMetadata) -> tuple[int, int, str]:
+    """What every decode rank of one request must say alike."""
+    return meta.decode_prefix_len, meta.prompt_len, meta.prompt_digest

@@ -3,9 +3,10 @@ whether every prefill-decode pair may exchange KV (the start-up half of the hand
 serves a request.
 
 Start-up refuses, with one line naming the pair and the field, a server of the wrong role and any pair
-whose rank-0 handshakes differ (model, dtype, page size, KV layout, TP or PP size, kernel mechanisms,
-an unverified batch-invariance self-check) or whose served model names differ: such a pair could
-only fail every request, or worse, change answers.
+whose rank-0 handshakes differ (model, dtype, page size, kernel mechanisms, an unverified
+batch-invariance self-check), whose topologies are misaligned (a boundary that cuts a KV row,
+hicache/disagg/cells.py), or whose served model names differ: such a pair could only fail every
+request, or worse, change answers. Pairs of different TP or PP sizes are accepted.
 
 Pairing is by prefix affinity, not round robin: the request's first message (or the head of its
 prompt) picks the prefill and the decode server, so a conversation's turns, and conversations that
@@ -24,6 +25,7 @@ from typing import Any
 
 import httpx
 
+from hicache.disagg.cells import misaligned
 from hicache.disagg.handshake import Handshake
 from hicache.errors import UserError
 
@@ -77,7 +79,8 @@ def check_pairs(prefills: Sequence[Upstream], decodes: Sequence[Upstream]) -> No
     """Raise UserError naming the first prefill-decode pair that may not exchange KV."""
     for p in prefills:
         for d in decodes:
-            refused = p.handshake.mismatch(d.handshake, f"prefill {p.url}", f"decode {d.url}")
+            names = f"prefill {p.url}", f"decode {d.url}"
+            refused = p.handshake.mismatch(d.handshake, *names) or misaligned(p.handshake, d.handshake, *names)
             if refused is None and p.served_model_name != d.served_model_name:
                 refused = f"served model name differs: {p.served_model_name!r} and {d.served_model_name!r}"
             if refused is not None:

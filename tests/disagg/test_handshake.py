@@ -23,6 +23,9 @@ BASE = Handshake(
     pp_size=1,
     pp_rank=0,
     layers=(0, 4),
+    num_layers=4,
+    num_kv_heads=2,
+    latent=False,
     kv_layout=(("k", (2, 32)), ("v", (2, 32))),
     verified=True,
     mechanisms=(("attention", "keys padded to 512"), ("linear q_proj", "onednn, granule 1")),
@@ -35,11 +38,10 @@ BASE = Handshake(
         ({"model": "x" * 64}, "model"),
         ({"dtype": "float32"}, "KV dtype"),
         ({"page_size": 32}, "page size"),
-        ({"tp_size": 2}, "tensor parallel size (P/D with different TP sizes is refused)"),
-        ({"pp_size": 2}, "pipeline parallel size"),
-        ({"layers": (0, 2)}, "layer range"),
-        ({"kv_layout": (("k", (1, 32)), ("v", (1, 32)))}, "KV layout"),
-        ({"mechanisms": (("attention", "other"),)}, "mechanisms"),
+        ({"num_layers": 6}, "number of layers"),
+        ({"num_kv_heads": 4}, "number of KV heads"),
+        ({"latent": True}, "KV replication"),
+        ({"mechanisms": (("attention", "other"),)}, "kernel mechanism 'attention'"),
         ({"verified": False}, "self-check did not pass on decode"),
     ],
 )
@@ -48,6 +50,13 @@ def test_every_difference_is_named(change, named):
     problem = BASE.mismatch(other)
     assert problem is not None and named in problem
     assert BASE.mismatch(BASE) is None
+
+
+def test_a_kernel_only_one_side_runs_and_the_topology_are_not_compared():
+    # Prefill's first stage of two runs no LM head; decode at TP2 holds half the KV heads.
+    first_stage = dataclasses.replace(BASE, pp_size=2, layers=(0, 2), mechanisms=BASE.mechanisms[:1])
+    tp2 = dataclasses.replace(BASE, tp_size=2, kv_layout=(("k", (1, 32)), ("v", (1, 32))))
+    assert first_stage.mismatch(tp2) is None
 
 
 def test_handshakes_survive_the_wire():

@@ -17,11 +17,17 @@ def upstream(url: str, role: str, **handshake: object) -> Upstream:
 
 
 def test_a_pair_that_may_not_exchange_kv_is_refused_by_name():
-    prefills = [upstream("http://p1", "prefill"), upstream("http://p2", "prefill", tp_size=2)]
+    half = (("k", (1, 32)), ("v", (1, 32)))
+    prefills = [upstream("http://p1", "prefill"), upstream("http://p2", "prefill", tp_size=2, kv_layout=half),
+                upstream("http://p3", "prefill", pp_size=2, layers=(0, 2))]  # fmt: skip
     decodes = [upstream("http://d1", "decode")]
-    with pytest.raises(UserError, match=r"cannot pair prefill http://p2 with decode http://d1: tensor parallel size"):
-        check_pairs(prefills, decodes)
-    check_pairs(prefills[:1], decodes)
+    check_pairs(prefills, decodes)  # other TP and PP sizes pair
+    with pytest.raises(UserError, match=r"cannot pair prefill http://p1 with decode http://d1: page size differs"):
+        check_pairs(prefills, [upstream("http://d1", "decode", page_size=32)])
+    latent = (("latent", (48,)), ("rope", (16,)))
+    with pytest.raises(UserError, match=r"decode http://d1 rank tp0/pp0 needs KV heads 0-0 of prefill http://p2"):
+        check_pairs([upstream("http://p2", "prefill", tp_size=2, kv_layout=latent)],
+                    [upstream("http://d1", "decode", kv_layout=latent)])  # fmt: skip
     renamed = dataclasses.replace(decodes[0], served_model_name="other")
     with pytest.raises(UserError, match="served model name differs"):
         check_pairs(prefills[:1], [renamed])

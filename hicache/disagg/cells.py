@@ -1,0 +1,152 @@
+"""P/D disaggregation: which cells of a prompt's KV each prefill rank sends each decode rank, so that a
+prefill server and a decode server of different topologies pair (docs/DESIGN.md, "P/D across topologies").
+
+Every rank holds a `Shard` of each page, as the unified layout places it (hicache/storage/unified.py):
+its pipeline stage's layers x its TP shard's KV heads, model-global. The unit of transfer is a cell
+of that layout, a layer range x a KV-head range: what prefill rank p sends decode rank d is the cell
+where their shards meet (`peers`), so each decode rank receives its shard exactly once, from every
+prefill rank it overlaps, whatever the two TP and PP sizes. Both sides compute the same plan from the
+two handshakes, so no plan travels. Within a row, a cell is one element range per KV component
+(`Cut`): K of the shared heads, then V of them.
+
+A pair is misaligned when a cell's head boundary would cut a KV component that is not split by heads
+(a latent row, a per-token state): `misaligned` refuses it at start-up naming the boundary, as the
+unified store refuses a topology whose boundaries cut one of its cells.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from hicache.disagg.handshake import Handshake
+from hicache.parallel.parallel import Mesh
+from hicache.storage.unified import KVGeometry, Shard, shard_of
+
+
+@dataclass(frozen=True)
+class Cells:
+    """The KV one prefill rank sends one decode rank: layers x KV heads, model-global."""
+
+    layers: range
+    heads: range
+
+
+@dataclass(frozen=True)
+class Cut:
+    """Where cells lie in one rank's pool: the local layers they cover, and the element ranges
+    [start, stop) of a row that hold their heads (the rows travel as those ranges, concatenated)."""
+
+    layers: range
+    columns: tuple[tuple[int, int], ...]
+    row_numel: int
+
+    @property
+    def width(self) -> int:
+        return sum(stop - start for start, stop in self.columns)
+
+    @property
+    def whole_rows(self) -> bool:
+        return self.columns == ((0, self.row_numel),)
+
+
+def shard(hs: Handshake) -> Shard:
+    geometry = KVGeometry(hs.num_layers, hs.num_kv_heads, hs.kv_layout[0][1][-1], hs.latent)
+    return shard_of(geometry, hs.tp_size, hs.tp_rank, hs.pp_size, hs.pp_rank)
+
+
+def rank(hs: Handshake) -> int:
+    """The rank index of `hs`'s rank in its server (where its transfer endpoint listens: base port + it)."""
+    return Mesh(pp=hs.pp_size, tp=hs.tp_size).rank_of(pp=hs.pp_rank, tp=hs.tp_rank)
+
+
+def everyone(hs: Handshake) -> list[Handshake]:
+    """The handshake of every rank of `hs`'s server, by rank index (the row layout is the same on all)."""
+    out = []
+    for r in range(hs.pp_size * hs.tp_size):
+        coords = Mesh(pp=hs.pp_size, tp=hs.tp_size).coords_of(r)
+        placed = dataclasses.replace(hs, tp_rank=coords["tp"], pp_rank=coords["pp"])
+        layers = shard(placed).layers
+        out.append(dataclasses.replace(placed, layers=(layers.start, layers.stop)))
+    return out
+
+
+def peers(mine: Handshake, theirs: Handshake) -> dict[int, Cells]:
+    """The ranks of `theirs`'s server (any rank's handshake names it) that share KV with `mine`'s rank,
+    by rank index, and the cells each pair exchanges."""
+    a = shard(mine)
+    out = {}
+    for other in everyone(theirs):
+        b = shard(other)
+        layers = range(max(a.layers.start, b.layers.start), min(a.layers.stop, b.layers.stop))
+        heads = range(max(a.heads.start, b.heads.start), min(a.heads.stop, b.heads.stop))
+        if len(layers) and len(heads):
+            out[rank(other)] = Cells(layers, heads)
+    return out
+
+
+def cut(hs: Handshake, cells: Cells) -> Cut:
+    """Where `cells` lie in the rows of `hs`'s rank (ValueError if they cut a component not split by heads)."""
+    mine = shard(hs)
+    columns, offset = [], 0
+    for name, shape in hs.kv_layout:
+        numel = math.prod(shape)
+        if cells.heads == mine.heads:
+            columns.append((offset, offset + numel))
+        elif _per_head(hs, shape):
+            per = numel // shape[0]
+            first = cells.heads.start - mine.heads.start
+            columns.append((offset + first * per, offset + (first + len(cells.heads)) * per))
+        else:
+            raise ValueError(f"KV component {name!r} {shape} is not split by KV heads")
+        offset += numel
+    local = range(cells.layers.start - mine.layers.start, cells.layers.stop - mine.layers.start)
+    return Cut(local, tuple(_merged(columns)), offset)
+
+
+def misaligned(prefill: Handshake, decode: Handshake, p_name: str = "prefill", d_name: str = "decode") -> str | None:
+    """Why some cell of the pair cannot be cut out of one side's rows and laid into the other's (the
+    boundary that cuts a KV row, or rows of other components); None when every rank pair aligns."""
+    p_row = [(name, _per_rank(prefill, shape)) for name, shape in prefill.kv_layout]
+    d_row = [(name, _per_rank(decode, shape)) for name, shape in decode.kv_layout]
+    if p_row != d_row:
+        return f"the KV rows differ: {p_name} {_describe(prefill)}, {d_name} {_describe(decode)}"
+    for d_rank in everyone(decode):
+        for p_index, cells in peers(d_rank, prefill).items():
+            for side, hs, name in ((everyone(prefill)[p_index], prefill, p_name), (d_rank, decode, d_name)):
+                try:
+                    cut(side, cells)
+                except ValueError as exc:
+                    where = f"tp{d_rank.tp_rank}/pp{d_rank.pp_rank}"
+                    return (
+                        f"{d_name} rank {where} needs KV heads {cells.heads.start}-{cells.heads.stop - 1} of "
+                        f"{p_name} rank tp{side.tp_rank}/pp{side.pp_rank}, a head boundary inside {name}'s KV "
+                        f"row ({exc}): pair servers of one TP size"
+                    )
+    return None
+
+
+def _per_head(hs: Handshake, shape: tuple[int, ...]) -> bool:
+    """Whether a component holds one slice per local KV head (so a head range of it is one span)."""
+    return not hs.latent and len(shape) > 1 and shape[0] == len(shard(hs).heads)
+
+
+def _per_rank(hs: Handshake, shape: tuple[int, ...]) -> tuple[object, ...]:
+    """A component's shape with its per-head axis named rather than counted: equal on every TP size."""
+    return ("heads", *shape[1:]) if _per_head(hs, shape) else shape
+
+
+def _describe(hs: Handshake) -> str:
+    return "+".join(f"{name}{shape}" for name, shape in hs.kv_layout)
+
+
+def _merged(columns: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Adjacent element ranges as one (whole rows are one range: one copy instead of one per component)."""
+    out: list[tuple[int, int]] = []
+    for start, stop in columns:
+        if out and out[-1][1] == start:
+            out[-1] = (out[-1][0], stop)
+        else:
+            out.append((start, stop))
+    return out
