@@ -227,6 +227,23 @@ class DisaggConfig(FromArgs):
         return self.disaggregation_mode != "null"
 
 
+def _check_speculative_topology(cfg: "EngineConfig") -> None:
+    """Speculation runs at any TP and PP size (hicache/spec/build.py says where the draft runs); what
+    is not built yet is refused naming it."""
+    if cfg.parallel.cp_size > 1:
+        raise UserError(
+            "--speculative-algorithm with --cp-size > 1 is not supported yet: the draft's pages are not "
+            "sharded over CP ranks (--tp-size and --pp-size are supported)"
+        )
+    unified = cfg.hicache.hicache_storage_key_scheme == "unified" and cfg.hicache.hicache_storage_backend
+    if unified and cfg.parallel.world_size > 1:
+        raise UserError(
+            "--speculative-algorithm with --hicache-storage-key-scheme unified at --tp-size or --pp-size > 1 is "
+            "not supported yet: the draft's stored part has no grid over ranks (TP shards would share object "
+            "names, PP stages would write the same objects)"
+        )
+
+
 def _check_disagg(cfg: "EngineConfig") -> None:
     """What the role implies for the cache flags: a decode server keeps a tree only when asked to."""
     d = cfg.disagg
@@ -317,8 +334,8 @@ class EngineConfig(FromArgs):
         if self.debug.debug_storage_fail_rate > 0 and self.debug.debug_storage_fail_rank >= world:
             rank = self.debug.debug_storage_fail_rank
             raise UserError(f"--debug-storage-fail-rank {rank} is not a rank (0..{world - 1})")
-        if self.speculative.enabled and world > 1:
-            raise UserError("--speculative-algorithm needs --tp-size 1 --pp-size 1 --cp-size 1 (one rank runs the draft)")
+        if self.speculative.enabled:
+            _check_speculative_topology(self)
         if self.speculative.enabled and self.disagg.enabled:
             raise UserError("--speculative-algorithm with --disaggregation-mode is not supported yet")
         _check_disagg(self)
