@@ -159,9 +159,3 @@ def test_bad_drafts_are_refused_at_start_up(kw, message):
     with pytest.raises(UserError, match=message):
         Engine(**{"model": "tiny", **kw})
 
-
-def test_speculation_refuses_more_than_one_rank():
-    from hicache.config import EngineConfig, ParallelConfig
-
-    with pytest.raises(UserError, match="--tp-size 1 --pp-size 1"):
-        EngineConfig(speculative=spec("tiny-draft-packed"), parallel=ParallelConfig(tp_size=2))
