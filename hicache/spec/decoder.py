@@ -17,9 +17,8 @@ A step, for the scheduler's work (prefill chunks, and one decode row per running
 3. One target pass: the prefill chunks and, per decode request, a (K+1)-row verify item (its last
    token and the K proposals), logits on every row.
 4. Verification (`_choices`, on the sampling rank): the request keeps the target's choices up to the
-   first disagreement,
-   sampling row by row and stopping there. Row i's logits are those a plain decode step would give
-   after the first i proposals (batch invariance makes them bitwise equal), so the agreeing run is what
+   first disagreement, sampling row by row and stopping there. Row i's logits are those a plain decode
+   step would give after the first i proposals (batch invariance makes them bitwise equal), so the agreeing run is what
    plain greedy decoding would have emitted anyway and the target's choice after it is its next token:
    greedy output with speculation is the target's alone, token for token. The step's output tells the
    scheduler to advance the handle over the K+1 rows and truncate it to what was kept:

@@ -1,5 +1,5 @@
 """Speculative decoding on several ranks (docs/DESIGN.md, "Speculative decoding on every topology"): at TP2
-(the draft sharded like the target, its host rows packed with the target's) and at PP2 (the draft whole
+(the draft sharded like the target, so its host rows pack with the target's) and at PP2 (the draft whole
 on both stages, a sidecar), with a host and a storage tier, greedy outputs equal the single-rank
 cache-off target's token for token, acceptance equals the single-rank speculative run's exactly, the
 draft's state comes back with every host and storage hit, and the consensus checker finds every rank's
@@ -28,32 +28,11 @@ from hicache.spec.build import build_draft, draft_context
 from tests.conversations import run_turns
 from tests.parallel.workload import tier_totals as hits
 from tests.parallel.workload import tokens
-from tests.spec.test_spec_engine import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
+from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
 
 TOPOLOGIES = {"tp2-packed": (ParallelConfig(tp_size=2), "tiny-draft-packed"),
               "pp2-sidecar": (ParallelConfig(pp_size=2), "tiny-draft-sidecar")}  # fmt: skip
 ACCEPT = "SpeculativeDecoder.accept"
-
-
-@pytest.fixture(scope="module")
-def reference():
-    """The single-rank cache-off target: every turn's tokens, and the first turn's alone."""
-    with Engine(model="tiny", disable_radix_cache=True) as engine:
-        return tokens(run_turns(engine, CONVS, TURNS, NEW))
-
-
-@pytest.fixture(scope="module")
-def one_rank(reference):
-    """Per draft: (proposed, accepted) of the single-rank speculative run (cache off), over every turn
-    and over the first turn alone."""
-    out = {}
-    for _, draft in TOPOLOGIES.values():
-        with Engine(model="tiny", disable_radix_cache=True, speculative=spec(draft)) as engine:
-            turns = run_turns(engine, CONVS, TURNS, NEW)
-            assert tokens(turns) == reference
-            out[draft] = (acceptance(turns), acceptance(turns[:1]))
-            assert out[draft][0][1] > 0, f"{draft}: no proposal was ever accepted"
-    return out
 
 
 def speculative_engine(tmp_path, parallel: ParallelConfig, draft: str, debug: DebugConfig | None = None) -> Engine:
@@ -78,7 +57,9 @@ def keep_one_fewer(log) -> None:
 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("topology", TOPOLOGIES)
-def test_speculation_on_two_ranks_equals_one_rank(reference, one_rank, tmp_path, monkeypatch, topology):
+def test_speculation_on_two_ranks_equals_one_rank(
+    reference, cache_off_acceptance, tmp_path, monkeypatch, topology
+):
     parallel, draft = TOPOLOGIES[topology]
     monkeypatch.setenv(ENV_ENABLE, "1")
     monkeypatch.setenv(ENV_LOG_DIR, str(tmp_path / "logs"))
@@ -87,13 +68,13 @@ def test_speculation_on_two_ranks_equals_one_rank(reference, one_rank, tmp_path,
         turns = run_turns(engine, CONVS, TURNS, NEW)
         assert tokens(turns) == reference
         assert hits(turns)["device"] > 0 and hits(turns)["host"] > 0
-        assert acceptance(turns) == one_rank[draft][0]
+        assert acceptance(turns) == cache_off_acceptance[draft]
         # From storage alone: the first turn again, after the memory tiers are emptied.
         assert engine.flush_cache()
         again = run_turns(engine, CONVS, 1, NEW)
         assert tokens(again) == reference[:1]
         assert hits(again)["storage"] > 0
-        assert acceptance(again) == one_rank[draft][1]
+        assert acceptance(again) == acceptance(turns[:1])  # restored draft state proposes as computed did
         assert engine.cache_stats().storage.prefetch.lost[PrefetchLoss.DRAFT_MISSING] == 0
         assert engine.spec_stats().draft_recomputed_tokens == 0  # every hit restored the draft's state too
         assert_clean(engine)
@@ -111,7 +92,7 @@ def test_speculation_on_two_ranks_equals_one_rank(reference, one_rank, tmp_path,
 
 
 @pytest.mark.timeout(180)
-def test_without_the_drafts_restore_the_draft_recomputes_on_every_stage(reference, one_rank, tmp_path):
+def test_without_the_drafts_restore_the_draft_recomputes_on_every_stage(reference, cache_off_acceptance, tmp_path):
     """The negative control at PP2: loads restore the target's state only. Answers and acceptance do
     not change (the draft recomputes what it lacks), but the counter the test above holds at 0 counts
     exactly the restored prefix."""
@@ -119,7 +100,7 @@ def test_without_the_drafts_restore_the_draft_recomputes_on_every_stage(referenc
     with speculative_engine(tmp_path, parallel, draft, DebugConfig(debug_skip_draft_restore=True)) as engine:
         turns = run_turns(engine, CONVS, TURNS, NEW)
         assert tokens(turns) == reference
-        assert acceptance(turns) == one_rank[draft][0]
+        assert acceptance(turns) == cache_off_acceptance[draft]
         assert hits(turns)["host"] > 0
         assert engine.spec_stats().draft_recomputed_tokens == hits(turns)["host"] + hits(turns)["storage"]
         assert_clean(engine)
