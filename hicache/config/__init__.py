@@ -230,11 +230,6 @@ class DisaggConfig(FromArgs):
 def _check_speculative_topology(cfg: "EngineConfig") -> None:
     """Speculation runs at any TP and PP size (hicache/spec/build.py says where the draft runs); what
     is not built yet is refused naming it."""
-    if cfg.parallel.cp_size > 1:
-        raise UserError(
-            "--speculative-algorithm with --cp-size > 1 is not supported yet: the draft's pages are not "
-            "sharded over CP ranks (--tp-size and --pp-size are supported)"
-        )
     unified = cfg.hicache.hicache_storage_key_scheme == "unified" and cfg.hicache.hicache_storage_backend
     if unified and cfg.parallel.world_size > 1:
         raise UserError(

@@ -7,7 +7,8 @@ memory is extra, and smaller).
 
 Where it runs (docs/DESIGN.md, "Speculative decoding on every topology"): all of it on every pipeline
 stage, sharded over the stage's TP ranks like the target where its KV heads and MLP columns split (its
-host rows then have the target's shape, so it can pack), whole on each TP rank where they do not.
+host rows then have the target's shape, so it can pack), whole on each TP rank where they do not; under
+CP its pages are sharded like the target's (the same logical pages, the same owners).
 """
 
 from __future__ import annotations
@@ -50,19 +51,28 @@ def draft_context(pctx: ParallelContext, draft: LoadedModel) -> ParallelContext:
 def build_draft(cfg: EngineConfig, target: LoadedModel, target_pool: DeviceKVPool, pctx: ParallelContext) -> Draft:
     spec = cfg.speculative
     assert spec.speculative_draft_model is not None
-    if target_pool.sharded:  # the draft's pool is indexed by the target's pages, so it would have to shard too
-        raise UserError(
-            "--speculative-algorithm with page-sharded KV (an MLA model at --tp-size > 1) is not supported yet: "
-            "the draft's pages are not sharded over ranks"
-        )
     loaded = load_draft(spec.speculative_draft_model, target)
+    if pctx.cp_size > 1 and not family_of(loaded).decoder.page_shardable:
+        raise UserError(
+            f"--speculative-draft-model {loaded.name} keeps per-token state beside its KV that --cp-size > 1 "
+            "cannot shard yet (each token reads its predecessor's); use a draft without it, or --cp-size 1"
+        )
     device, dtype = target_pool.device, target_pool.dtype
     context = draft_context(pctx, loaded)
     model = build_decoder(loaded, context, dtype, device, invariant=cfg.batch_invariant_ops)
+    sharding = model.kv_sharding
+    if sharding.size != target_pool.placement.shards:  # its pool is indexed by the target's pages: same owners
+        raise UserError(
+            f"--speculative-algorithm: the target's KV pages are sharded over {target_pool.placement.shards} "
+            f"ranks and the draft's over {sharding.size}, and its pool is indexed by the target's pages (an MLA "
+            "target at --tp-size > 1, or under CP a draft whose shapes do not split over TP, is not supported yet)"
+        )
     if model.invariance is not None and not model.invariance.verified and cfg.batch_invariant_ops:
         # Outputs stay the target's either way (it verifies every token); only acceptance could vary.
         logger.warning("draft %s: batch-invariance self-check failed (%s)", loaded.name, model.invariance.detail)
-    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device)
+    gathered = cfg.cp_gather_pages if sharding.size > 1 else None
+    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device,
+                        sharding.size, sharding.rank, gathered)  # fmt: skip
     layout = choose_layout(cfg.hicache.hicache_draft_layout, KVGeometry.of(pool), KVGeometry.of(target_pool))
     logger.info(
         "speculative decoding: draft %s (%d layers, %s, %s), %d draft tokens per step",

@@ -1,6 +1,6 @@
 """Speculative decoding on several ranks (docs/DESIGN.md, "Speculative decoding on every topology"): at TP2
-(the draft sharded like the target, so its host rows pack with the target's) and at PP2 (the draft whole
-on both stages, a sidecar), with a host and a storage tier, greedy outputs equal the single-rank
+(the draft sharded like the target, so its host rows pack with the target's), at PP2 (the draft whole
+on both stages, a sidecar) and at CP2 (the draft's pages sharded like the target's), with a host and a storage tier, greedy outputs equal the single-rank
 cache-off target's token for token, acceptance equals the single-rank speculative run's exactly, the
 draft's state comes back with every host and storage hit, and the consensus checker finds every rank's
 acceptance equal (and, on the same logs edited on one rank, names it). The negative control skips the
@@ -31,13 +31,15 @@ from tests.parallel.workload import tokens
 from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
 
 TOPOLOGIES = {"tp2-packed": (ParallelConfig(tp_size=2), "tiny-draft-packed"),
-              "pp2-sidecar": (ParallelConfig(pp_size=2), "tiny-draft-sidecar")}  # fmt: skip
+              "pp2-sidecar": (ParallelConfig(pp_size=2), "tiny-draft-sidecar"),
+              "cp2-packed": (ParallelConfig(cp_size=2), "tiny-draft-packed")}  # fmt: skip
 ACCEPT = "SpeculativeDecoder.accept"
 
 
 def speculative_engine(tmp_path, parallel: ParallelConfig, draft: str, debug: DebugConfig | None = None) -> Engine:
-    return Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=tiers(tmp_path), speculative=spec(draft),
-                  parallel=parallel, debug=debug or DebugConfig())  # fmt: skip
+    # --max-total-tokens is a rank's pool: CP ranks together hold cp_size times it, so each gets a share.
+    return Engine(model="tiny", max_total_tokens=DEVICE_TOKENS // parallel.cp_size, hicache=tiers(tmp_path),
+                  speculative=spec(draft), parallel=parallel, debug=debug or DebugConfig())  # fmt: skip
 
 
 def accept_entries(log_dir) -> dict[int, list[dict]]:
@@ -109,7 +111,6 @@ def test_without_the_drafts_restore_the_draft_recomputes_on_every_stage(referenc
 @pytest.mark.parametrize(
     "kw,message",
     [
-        ({"parallel": ParallelConfig(cp_size=2)}, "--cp-size > 1 is not supported yet: the draft's pages"),
         ({"parallel": ParallelConfig(pp_size=2), "hicache": HiCacheConfig(
             enable_hierarchical_cache=True, hicache_storage_backend="file", hicache_storage_key_scheme="unified")},
          "unified at --tp-size or --pp-size > 1 is not supported yet"),
@@ -122,11 +123,18 @@ def test_what_speculation_does_not_run_on_is_refused_naming_it(kw, message):
 
 def test_a_target_with_page_sharded_kv_is_refused():
     """An MLA target at TP2 shards its pages over the TP ranks (here rank 0's pool of such pages); the
-    draft's pool, indexed by the same pages, does not shard."""
+    draft's pool, indexed by the same pages, does not shard that way."""
     pool = DeviceKVPool(KVLayout.mha(2, 32), 1, 8, 16, torch.float32, torch.device("cpu"), shards=2, shard_rank=0)
-    with pytest.raises(UserError, match="page-sharded KV .* is not supported yet"):
+    with pytest.raises(UserError, match="sharded over 2 ranks and the draft's over 1"):
         cfg = EngineConfig(speculative=spec("tiny-draft-packed"))
         build_draft(cfg, load_model("tiny-mla"), pool, ParallelContext())
+
+
+def test_a_draft_with_per_token_state_is_refused_under_cp():
+    pool = DeviceKVPool(KVLayout.mha(2, 32), 1, 8, 16, torch.float32, torch.device("cpu"), shards=2, shard_rank=0)
+    cfg = EngineConfig(speculative=spec("tiny-draft-sidecar"), parallel=ParallelConfig(cp_size=2))
+    with pytest.raises(UserError, match="tiny-draft-sidecar keeps per-token state .* --cp-size > 1"):
+        build_draft(cfg, load_model("tiny"), pool, ParallelContext(cp_size=2))
 
 
 def test_the_draft_runs_on_its_stage_sharded_like_the_target_or_whole():
