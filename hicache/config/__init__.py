@@ -228,13 +228,13 @@ class DisaggConfig(FromArgs):
 
 
 def _check_speculative_topology(cfg: "EngineConfig") -> None:
-    """Speculation runs at any TP and PP size (hicache/spec/build.py says where the draft runs); what
-    is not built yet is refused naming it."""
+    """Speculation runs at any TP, PP and CP size (hicache/spec/build.py says where the draft runs and
+    refuses the drafts and targets it cannot shard alike); what is not built yet is refused naming it."""
     unified = cfg.hicache.hicache_storage_key_scheme == "unified" and cfg.hicache.hicache_storage_backend
     if unified and cfg.parallel.world_size > 1:
         raise UserError(
-            "--speculative-algorithm with --hicache-storage-key-scheme unified at --tp-size or --pp-size > 1 is "
-            "not supported yet: the draft's stored part has no grid over ranks (TP shards would share object "
+            "--speculative-algorithm with --hicache-storage-key-scheme unified on more than one rank is not "
+            "supported yet: the draft's stored part has no grid over ranks (TP and CP shards would share object "
             "names, PP stages would write the same objects)"
         )
 
