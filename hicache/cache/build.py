@@ -153,8 +153,9 @@ def storage_geometry(model: ModelConfig, row_numel: int | None = None) -> KVGeom
 
 def check_unified(cfg: EngineConfig, model: ModelConfig) -> None:
     """Every rank of this topology must own whole cells of the grid (refused here, naming the boundary,
-    before any rank starts). A speculative draft runs on one rank: its part has a grid of its own
-    (stores.py, unified_part_store), which it always owns whole."""
+    before any rank starts). A speculative draft's part has a grid of its own (stores.py,
+    unified_part_store), which it owns whole: speculation with this scheme runs on one rank (the
+    configuration refuses more)."""
     cache = cfg.hicache
     grid = unified_namespace(cache, storage_geometry(model), "check", "check", cfg.page_size).grid
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size

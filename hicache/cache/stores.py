@@ -86,7 +86,7 @@ def part_store(target: VerifiedStore, part: PagePart) -> VerifiedStore:
 
 
 def unified_part_store(target: UnifiedStore, part: PagePart) -> UnifiedStore:
-    """Under the unified scheme, a page's other part (a draft's state, which lives on one rank) is a
+    """Under the unified scheme (speculation with it runs on one rank), a page's other part (a draft's state) is a
     UnifiedStore of its own namespace: the part's model, dtype and name, the target's page size, and a
     grid of its own layers (one layer range) and heads (its host pool's head groups; a row that is not
     K/V heads, e.g. a sidecar draft's, is one latent-like row). Its digest differs from the target's in

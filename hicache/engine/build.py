@@ -76,7 +76,7 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
     gathered = cfg.cp_gather_pages if sharding.size > 1 else None
     pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device,
                         sharding.size, sharding.rank, gathered)  # fmt: skip
-    draft = build_draft(cfg, loaded, pool) if cfg.speculative.enabled else None
+    draft = build_draft(cfg, loaded, pool, pctx) if cfg.speculative.enabled else None
     checker = ConsensusChecker(pctx)
     pools = draft.pools if draft else None
     cache = build_cache(cfg, pool, model, loaded.identity, pctx, checker, radix_enabled(cfg), pools)
@@ -86,6 +86,8 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
     role = pd_role(cfg, runner, pctx, loaded.identity)
     scheduler = Scheduler(cfg, runner, cache, loaded.tokenizer, context, checker, compute, role)
     checker.instrument(scheduler)
+    if compute is not None:
+        checker.instrument(compute)  # speculative acceptance, the same on every rank
     if role is not None:
         checker.instrument(role)  # the checker wraps only the marked methods of the object it is given
     return scheduler

@@ -93,7 +93,8 @@ class HostPoolGroup:
     def page_bytes(self) -> int:
         return sum(part.payload_bytes for part in self.parts)
 
-    # Page ownership is the target's (a draft runs on one rank, so its pages are never sharded).
+    # Page ownership is the target's: a draft's pages are never sharded (hicache/spec/build.py refuses a
+    # page-sharded target), so its rows follow the target's pages wherever they are owned.
     @property
     def placement(self):  # noqa: ANN201 - the target pool's Placement
         return self._target.host.placement

@@ -11,6 +11,7 @@ TP/PP deployment. Context parallelism (--cp-size) shares a stage's tree between 
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -203,6 +204,16 @@ class ParallelContext:
     @property
     def is_last_stage(self) -> bool:
         return self.pp_rank == self.pp_size - 1
+
+    def stage_view(self) -> ParallelContext:
+        """This rank's pipeline stage as a whole pipeline of one stage: the same TP and CP coordinates and
+        groups, no PP axis. A model built on it holds every layer and ends with the logits on every
+        rank of the stage, talking only to the stage's ranks (a speculative draft replicated on every
+        stage, docs/DESIGN.md, "Speculative decoding on every topology"). Its `rank` is the rank within the
+        stage; the world and storage groups stay the job's, for what a stage never sends on."""
+        return dataclasses.replace(
+            self, pp_size=1, pp_rank=0, axis_groups={a: g for a, g in self.axis_groups.items() if a != "pp"}
+        )
 
     # ---- groups --------------------------------------------------------------------------------
 

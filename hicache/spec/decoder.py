@@ -16,13 +16,19 @@ A step, for the scheduler's work (prefill chunks, and one decode row per running
 2. Proposals: K-1 more one-row draft steps (greedy), batched over the decode requests.
 3. One target pass: the prefill chunks and, per decode request, a (K+1)-row verify item (its last
    token and the K proposals), logits on every row.
-4. Verification (`_outputs`): the request keeps the target's choices up to the first disagreement,
-   sampling row by row and stopping there. Row i's logits are those a plain decode step would give
-   after the first i proposals (batch invariance makes them bitwise equal), so the agreeing run is what
+4. Verification (`_choices`, on the sampling rank): the request keeps the target's choices up to the
+   first disagreement, sampling row by row and stopping there. Row i's logits are those a plain decode
+   step would give after the first i proposals (batch invariance makes them bitwise equal), so the agreeing run is what
    plain greedy decoding would have emitted anyway and the target's choice after it is its next token:
    greedy output with speculation is the target's alone, token for token. The step's output tells the
    scheduler to advance the handle over the K+1 rows and truncate it to what was kept:
    `KVHandle.truncate` rolls back both models' rejected rows.
+
+On several ranks (docs/DESIGN.md, "Speculative decoding on every topology") every rank runs the draft
+(hicache/spec/build.py), so each computes the same proposals, and the first stage has them to embed
+the verify rows. Only the sampling rank (last stage) has the target's logits: it decides what each
+request keeps and shares it (hicache/parallel/pipeline.py, with a digest of the batch and its
+proposals), and every rank applies the same decision (`accept`, recorded by the consensus checker).
 
 Speculation is greedy-only: a sampling request takes K = 0 (its verify item is a plain decode row,
 sampled as without speculation), as does a request with one token left. The draft's load events are
@@ -37,9 +43,10 @@ from collections.abc import Callable
 import torch
 
 from hicache.cache import KVCache
+from hicache.debug.consensus_checker import consensus_checked
 from hicache.mem.host_group import draft_event_layer
 from hicache.scheduler.model_runner import ModelRunner, StepOutput, WorkItem
-from hicache.scheduler.request import Request
+from hicache.scheduler.request import Request, TokenLogprob
 from hicache.scheduler.sampler import sample
 from hicache.spec.stats import SpecStats
 
@@ -97,9 +104,12 @@ class SpeculativeDecoder:
             for item, k, p in zip(decoding, budgets, proposals)
         }
         target_work = [verify.get(id(item), item) for item in work]
-        logits = self.target.forward(target_work, before_layer)
-        assert logits is not None  # one rank: the last pipeline stage
-        return self._outputs(work, target_work, logits)
+        logits = self.target.forward(target_work, before_layer)  # None on a stage before the last
+        link = self.target.link
+        choices = self._choices(work, target_work, logits) if link.samples_here else None
+        # Its digest covers the proposals: a rank whose draft proposed otherwise finds out here.
+        digest = hash(tuple((done.req.rid, done.start, done.end, done.draft) for done in target_work))
+        return self.accept(work, target_work, link.share_samples(choices, digest))
 
     def _draft_hook(self, before_layer: LayerHook | None) -> LayerHook | None:
         if before_layer is None:
@@ -144,26 +154,48 @@ class SpeculativeDecoder:
                 step.req.kv.advance_draft(step.end)
         return proposals
 
-    def _outputs(self, work: list[WorkItem], target_work: list[WorkItem], logits: torch.Tensor) -> list[StepOutput]:
-        outputs, row = [], 0
+    def _choices(
+        self, work: list[WorkItem], target_work: list[WorkItem], logits: torch.Tensor | None
+    ) -> list[list[tuple[int, TokenLogprob | None]]]:
+        """On the sampling rank: per item, the tokens the target chooses. A verify item's run of the
+        target's choices stops at its first disagreement with the proposals: the target's choice there
+        is its next token, and the proposals after it are rejected."""
+        assert logits is not None  # the sampling rank is on the last pipeline stage
+        out, row = [], 0
         for item, done in zip(work, target_work):
             rows = logits[row : row + done.num_logit_rows]
             row += done.num_logit_rows
-            if done is item:  # a prefill chunk: the plain step's output
-                outputs.append(StepOutput(item.end, item.end, [sample(rows[0], item.req)] if len(rows) else []))
+            if done is item:  # a prefill chunk: the plain step's sample, if it reached its prompt's end
+                out.append([sample(rows[0], item.req)] if len(rows) else [])
                 continue
-            req, proposed = item.req, done.draft
             choices = []
-            for i in range(len(proposed) + 1):
-                choices.append(sample(rows[i], req))
-                if i < len(proposed) and choices[-1][0] != proposed[i]:
-                    break  # the target's choice here is its next token; the rest are rejected
-            accepted = len(choices) - 1
+            for i in range(len(done.draft) + 1):
+                choices.append(sample(rows[i], item.req))
+                if i < len(done.draft) and choices[-1][0] != done.draft[i]:
+                    break
+            out.append(choices)
+        return out
+
+    @consensus_checked(
+        params={"proposals": lambda ns: [[done.req.rid, *done.draft] for done in ns["target_work"] if done.draft]},
+        results={"kept": lambda ns: [[out.kept, len(out.tokens)] for out in ns["result"]]},
+    )
+    def accept(
+        self, work: list[WorkItem], target_work: list[WorkItem], choices: list[list[tuple[int, TokenLogprob | None]]]
+    ) -> list[StepOutput]:
+        """Every rank's outputs from the sampling rank's `choices`: each verify item keeps its accepted
+        proposals and the target's next token, and the handle truncates its rejected rows."""
+        outputs = []
+        for item, done, chosen in zip(work, target_work, choices):
+            if done is item:
+                outputs.append(StepOutput(item.end, item.end, chosen))
+                continue
+            req, proposed, accepted = item.req, done.draft, len(chosen) - 1
             if proposed:
                 req.spec_proposed += len(proposed)
                 req.spec_accepted += accepted
                 self._stats.proposed_tokens += len(proposed)
                 self._stats.accepted_tokens += accepted
                 self._stats.verify_steps += 1
-            outputs.append(StepOutput(done.end, item.end + accepted, choices))
+            outputs.append(StepOutput(done.end, item.end + accepted, chosen))
         return outputs

@@ -10,59 +10,12 @@ import pytest
 
 from hicache import Engine, SamplingParams
 from hicache.cache.stats import PrefetchLoss
-from hicache.config import DebugConfig, HiCacheConfig, SpeculativeConfig
+from hicache.config import DebugConfig, HiCacheConfig
 from hicache.errors import UserError
-from tests.conversations import make_conversations, run_turns
+from tests.conversations import run_turns
 from tests.parallel.workload import tier_totals as hits
 from tests.parallel.workload import tokens
-
-CONVS = make_conversations(num_groups=2, per_group=2, system_len=200, question_len=30)
-TURNS = 3
-NEW = 16
-DEVICE_TOKENS = 512  # the working set is ~3x this: later turns come back from host memory
-DRAFTS = ("tiny-draft-packed", "tiny-draft-sidecar")
-K = 4
-
-
-def acceptance(turns) -> tuple[int, int]:
-    """(proposed, accepted) draft tokens over every request, as generate reports them."""
-    pairs = [r.spec_tokens for results in turns for r in results]
-    assert all(p is not None for p in pairs)
-    return sum(p for p, _ in pairs), sum(a for _, a in pairs)
-
-
-def spec(draft: str) -> SpeculativeConfig:
-    return SpeculativeConfig("draft", draft, K)
-
-
-def tiers(tmp_path, **kw) -> HiCacheConfig:
-    store = str(tmp_path / "store")
-    return HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_storage_backend="file",
-                         hicache_storage_dir=store, hicache_storage_prefetch_threshold=16, **kw)  # fmt: skip
-
-
-def assert_clean(engine: Engine) -> None:
-    assert engine.flush_cache()
-    assert engine.leak_report() == []
-
-
-@pytest.fixture(scope="module")
-def reference():
-    with Engine(model="tiny", disable_radix_cache=True) as engine:
-        return tokens(run_turns(engine, CONVS, TURNS, NEW))
-
-
-@pytest.fixture(scope="module")
-def cache_off_acceptance(reference):
-    """Per draft: (proposed, accepted) with the cache off; its outputs are the target's alone."""
-    out = {}
-    for draft in DRAFTS:
-        with Engine(model="tiny", disable_radix_cache=True, speculative=spec(draft)) as engine:
-            turns = run_turns(engine, CONVS, TURNS, NEW)
-            assert tokens(turns) == reference, f"{draft}, cache off: speculation changed the output"
-            out[draft] = acceptance(turns)
-            assert out[draft][1] > 0, f"{draft}: no proposal was ever accepted"
-    return out
+from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
 
 
 @pytest.mark.parametrize("draft,layout", [("tiny-draft-packed", "page_first"), ("tiny-draft-sidecar", "layer_first")])
@@ -159,9 +112,3 @@ def test_bad_drafts_are_refused_at_start_up(kw, message):
     with pytest.raises(UserError, match=message):
         Engine(**{"model": "tiny", **kw})
 
-
-def test_speculation_refuses_more_than_one_rank():
-    from hicache.config import EngineConfig, ParallelConfig
-
-    with pytest.raises(UserError, match="--tp-size 1 --pp-size 1"):
-        EngineConfig(speculative=spec("tiny-draft-packed"), parallel=ParallelConfig(tp_size=2))

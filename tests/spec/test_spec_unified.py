@@ -17,20 +17,7 @@ from hicache.cache.stats import PrefetchLoss
 from tests.conversations import run_turns
 from tests.parallel.workload import tier_totals as hits
 from tests.parallel.workload import tokens
-from tests.spec.test_spec_engine import (
-    CONVS,
-    DEVICE_TOKENS,
-    NEW,
-    TURNS,
-    acceptance,
-    assert_clean,
-    cache_off_acceptance,
-    reference,
-    spec,
-    tiers,
-)
-
-__all__ = ["cache_off_acceptance", "reference"]  # module-scoped fixtures, shared with the spec tests
+from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
 
 
 def unified(tmp_path):

@@ -85,6 +85,9 @@ class LlamaModel:
     # Whether every attention-TP rank would hold the same KV bytes (MLA's latent), so the pages can be
     # sharded over TP (hicache/parallel/placement.py).
     replicated_over_tp = False
+    # Whether its pages can be sharded over CP ranks: nothing but attention (which gathers them) reads
+    # another token's row.
+    page_shardable = True
 
     def __init__(
         self,

@@ -36,6 +36,8 @@ class TokenShiftModel(LlamaModel):
     """`LlamaModel` plus the per-layer token-shift state (weights `model.layers.{i}.shift.in_proj` [S,
     hidden] and `.out_proj` [hidden, S])."""
 
+    page_shardable = False  # a row reads its predecessor's state, which CP may hold on another rank
+
     def __init__(
         self,
         cfg: ModelConfig,

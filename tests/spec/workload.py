@@ -1,0 +1,37 @@
+"""The speculative tests' workload: 4 conversations of 3 turns whose working set is ~3x the device pool
+(later turns come back from host memory), the draft configuration, and what the tests read of a run."""
+
+from __future__ import annotations
+
+from hicache import Engine
+from hicache.config import HiCacheConfig, SpeculativeConfig
+from tests.conversations import make_conversations
+
+CONVS = make_conversations(num_groups=2, per_group=2, system_len=200, question_len=30)
+TURNS = 3
+NEW = 16
+DEVICE_TOKENS = 512  # the working set is ~3x this: later turns come back from host memory
+DRAFTS = ("tiny-draft-packed", "tiny-draft-sidecar")
+K = 4
+
+
+def acceptance(turns) -> tuple[int, int]:
+    """(proposed, accepted) draft tokens over every request, as generate reports them."""
+    pairs = [r.spec_tokens for results in turns for r in results]
+    assert all(p is not None for p in pairs)
+    return sum(p for p, _ in pairs), sum(a for _, a in pairs)
+
+
+def spec(draft: str) -> SpeculativeConfig:
+    return SpeculativeConfig("draft", draft, K)
+
+
+def tiers(tmp_path, **kw) -> HiCacheConfig:
+    store = str(tmp_path / "store")
+    return HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_storage_backend="file",
+                         hicache_storage_dir=store, hicache_storage_prefetch_threshold=16, **kw)  # fmt: skip
+
+
+def assert_clean(engine: Engine) -> None:
+    assert engine.flush_cache()
+    assert engine.leak_report() == []
