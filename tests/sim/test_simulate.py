@@ -1,7 +1,8 @@
 """`hicache simulate` against the real engine: the same trace, the same cache configuration, the same
-hits on every tier, request by request; a Mooncake trace file imports and runs; a bad cost model is one
-line and exit 2."""
+hits on every tier, request by request (with a file store, across a restart too); a Mooncake trace file
+imports and runs; a bad cost model is one line and exit 2."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -40,39 +41,57 @@ def _trace() -> list[TraceRequest]:
     ]
 
 
+HOST = HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0)
+STORE = dataclasses.replace(HOST, hicache_storage_backend="file")
+# name: (the cache, how many servers run the trace one after another on the same store)
 CONFIGS = {
-    "device only": HiCacheConfig(),
-    "device + host": HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0),
+    "device only": (HiCacheConfig(), 1),
+    "device + host": (HOST, 1),
+    "device + host + file store, restarted": (STORE, 2),
 }
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def both(request):
-    """(engine's, simulator's) cached tokens by tier, request by request, for one configuration."""
-    hc = CONFIGS[request.param]
+def _engine_hits(hc: HiCacheConfig) -> list[dict[str, int]]:
     with Engine(model="tiny", page_size=PAGE, max_total_tokens=DEVICE_TOKENS, hicache=hc) as engine:
         params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-        real = [engine.generate([p], params)[0].cached_tokens_by_tier for p in PROMPTS]
+        return [engine.generate([p], params)[0].cached_tokens_by_tier for p in PROMPTS]
+
+
+def _simulated_hits(hc: HiCacheConfig) -> list[dict[str, int]]:
     cfg = EngineConfig(model="tiny", page_size=PAGE, max_total_tokens=DEVICE_TOKENS, hicache=hc)
     simulator = Simulator(cfg, load_cost_model("epyc-2core-tiny"))
     try:
-        simulated = [r.cached_tokens_by_tier for r in simulator.run(_trace())]
+        return [r.cached_tokens_by_tier for r in simulator.run(_trace())]
     finally:
         simulator.shutdown()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def both(request, tmp_path_factory):
+    """(engine's, simulator's) cached tokens by tier, request by request, of every server in turn, for
+    one configuration; engine and simulator each on a store of their own."""
+    hc, servers = CONFIGS[request.param]
+    real_store, simulated_store = (str(tmp_path_factory.mktemp(side)) for side in ("real", "simulated"))
+    real = [hit for _ in range(servers) for hit in _engine_hits(dataclasses.replace(hc, hicache_storage_dir=real_store))]
+    simulated_hc = dataclasses.replace(hc, hicache_storage_dir=simulated_store)
+    simulated = [hit for _ in range(servers) for hit in _simulated_hits(simulated_hc)]
     return request.param, real, simulated
 
 
 def test_simulated_hits_equal_the_engines_request_by_request(both):
     name, real, simulated = both
     assert simulated == real
-    totals = {tier: sum(r[tier] for r in real) for tier in ("device", "host")}
+    totals = {tier: sum(r[tier] for r in real) for tier in ("device", "host", "storage")}
     ideal = 3 * 256 + 6 * (256 + 96)  # round 0's later group members, then every conversation's first turn
-    # The trace must exercise what it compares: the device pool alone loses hits to eviction, and the
-    # host tier serves them back.
-    if name == "device + host":
-        assert totals["host"] > 0, totals
-    else:
+    # The trace must exercise what it compares: the device pool alone loses hits to eviction, the host
+    # tier serves them back, and a restarted server finds the first one's prompts in storage.
+    if name == "device only":
         assert totals["host"] == 0 and 0 < totals["device"] < ideal, totals
+    elif name == "device + host":
+        assert totals["host"] > 0 and totals["storage"] == 0, totals
+    else:
+        restarted = {tier: sum(r[tier] for r in real[len(PROMPTS) :]) for tier in totals}
+        assert restarted["storage"] > 0 and totals["storage"] == restarted["storage"], (totals, restarted)
 
 
 def test_a_mooncake_trace_imports_and_runs(tmp_path, capsys):
