@@ -3,7 +3,8 @@
     PYTHONPATH=. .venv/bin/python benchmarks/sim_validate.py [--cost-model epyc-2core-tiny]
 
 One small trace (3 groups sharing a system prompt, 2 conversations each, 2 turns, one request at a time)
-through the real `tiny` engine and through the simulator with the preset, in three configurations:
+through the real `tiny` engine and through the simulator, with the preset and with a cost model
+calibrated at the start of the run (`hicache simulate --calibrate`), in three configurations:
 the device pool below the working set; device + host; device + host + a file store, measured on a
 second server started on the first one's store (a restart). Prints, side by side, each tier's share of
 the prompt tokens and the median TTFT, with the prediction's error against the real run measured in
@@ -22,7 +23,8 @@ import numpy as np
 
 from hicache import Engine, SamplingParams
 from hicache.config import EngineConfig, HiCacheConfig
-from hicache.sim.cost import load_cost_model
+from hicache.sim.calibrate import calibrate
+from hicache.sim.cost import CostModel, load_cost_model
 from hicache.sim.simulator import Simulator
 from hicache.sim.trace import TraceRequest, answer_tokens
 
@@ -30,7 +32,7 @@ PAGE = 16
 VOCAB = 258  # tiny's
 NEW = 4  # prompts are page multiples, so no output fills a page the tree would keep
 SYSTEM, OWN, FOLLOW_UP = 1024, 512, 256
-DEVICE_TOKENS = 4096  # below the working set (3 x 1024 shared + 6 x 768 own = 7,680 tokens)
+DEVICE_TOKENS = 5120  # below the working set (3 x 1024 shared + 6 x 768 own = 7,680 tokens)
 HOST = HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0)
 # name: (the cache, servers run one after another on the same store; the last one is measured)
 CONFIGS = {
@@ -56,13 +58,13 @@ def real_run(hc: HiCacheConfig, trace: list[list[int]]) -> list[tuple[dict[str, 
     return [(r.cached_tokens_by_tier, r.ttft_s) for r in results]
 
 
-def simulated_run(hc: HiCacheConfig, trace: list[list[int]], cost_model: str) -> list[tuple[dict[str, int], float]]:
+def simulated_run(hc: HiCacheConfig, trace: list[list[int]], cost: CostModel) -> list[tuple[dict[str, int], float]]:
     requests = [
         TraceRequest(i, i % 3, i // 6, 100.0 * i, (lambda p=p: list(p)), answer_tokens(i, NEW, VOCAB))
         for i, p in enumerate(trace)
     ]  # fmt: skip
     cfg = EngineConfig(model="tiny", page_size=PAGE, max_total_tokens=DEVICE_TOKENS, hicache=hc)
-    simulator = Simulator(cfg, load_cost_model(cost_model))
+    simulator = Simulator(cfg, cost)
     try:
         return [(r.cached_tokens_by_tier, r.ttft_s) for r in simulator.run(requests)]
     finally:
@@ -83,22 +85,29 @@ def main_bench() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--cost-model", default="epyc-2core-tiny")
     args = parser.parse_args()
+    preset = load_cost_model(args.cost_model)
+    calibrated = calibrate(EngineConfig(model="tiny", page_size=PAGE, max_total_tokens=8192), preset, "calibrated")
+    c = calibrated.compute
+    print(f"calibrated: step {1000 * c.step_overhead_s:.2f} ms + {1000 * c.decode_s_per_request:.3f} ms a decoding "
+          f"request, GEMMs {c.flops / 1e9:.2f} GFLOP/s, attention {c.attention_flops / 1e9:.2f} GFLOP/s\n")  # fmt: skip
     trace = prompts()
     prompt_tokens = sum(len(p) for p in trace)
     print("| configuration | hits device / host / storage, real | simulated | largest gap | median TTFT real "
-          "| simulated | error |")  # fmt: skip
+          f"| simulated, {preset.name} (error) | simulated, calibrated (error) |")  # fmt: skip
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
     for name, (hc, servers) in CONFIGS.items():
         real = measured(lambda c: real_run(c, trace), hc, servers)
-        simulated = measured(lambda c: simulated_run(c, trace, args.cost_model), hc, servers)
-        real_shares, simulated_shares = shares(real, prompt_tokens), shares(simulated, prompt_tokens)
+        predicted = [measured(lambda c: simulated_run(c, trace, cost), hc, servers) for cost in (preset, calibrated)]
+        real_shares, simulated_shares = shares(real, prompt_tokens), shares(predicted[1], prompt_tokens)
         gap = max(abs(a - b) for a, b in zip(real_shares, simulated_shares))
         real_ttft = statistics.median(t for _, t in real)
-        simulated_ttft = statistics.median(t for _, t in simulated)
-        error = 100 * (simulated_ttft - real_ttft) / real_ttft
+        cells = []
+        for results in predicted:
+            ttft = statistics.median(t for _, t in results)
+            cells.append(f"{1000 * ttft:.1f} ms ({100 * (ttft - real_ttft) / real_ttft:+.0f}%)")
         print(f"| {name} | {' / '.join(f'{s:.1f}%' for s in real_shares)} | "
               f"{' / '.join(f'{s:.1f}%' for s in simulated_shares)} | {gap:.1f} points | {1000 * real_ttft:.1f} ms "
-              f"| {1000 * simulated_ttft:.1f} ms | {error:+.0f}% |", flush=True)  # fmt: skip
+              f"| {' | '.join(cells)} |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":
