@@ -13,6 +13,7 @@ used only for its tokenizer, to build a generated workload's prompts and draw to
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import platform
 import time
@@ -60,7 +61,7 @@ def write_calibration(cfg: EngineConfig, base, path: str) -> int:  # noqa: ANN00
     from hicache.sim.calibrate import calibrate, to_toml
 
     cost = calibrate(cfg, base, pathlib.Path(path).stem)
-    note = (f"Measured by `hicache simulate --calibrate` on {platform.node()} ({platform.processor() or 'cpu'}), "
+    note = (f"Measured by `hicache simulate --calibrate` on {platform.node()} ({os.cpu_count()} CPUs), "
             f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},\nfor --model {cfg.model}; "
             f"the model's constants, links and storage are {base.name}'s.")  # fmt: skip
     pathlib.Path(path).write_text(to_toml(cost, note), encoding="utf-8")

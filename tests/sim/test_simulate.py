@@ -11,6 +11,7 @@ import pytest
 from hicache import Engine, SamplingParams
 from hicache.cli import main
 from hicache.config import EngineConfig, HiCacheConfig
+from hicache.sim.calibrate import to_toml
 from hicache.sim.cost import load_cost_model
 from hicache.sim.simulator import Simulator
 from hicache.sim.trace import TraceRequest, answer_tokens
@@ -130,3 +131,12 @@ def test_a_generated_workload_reuses_each_turns_prompt_and_answer(capsys):
     assert set(rows) == {0, 1}, rows
     (hit0, _), (hit1, ideal1) = rows[0], rows[1]
     assert 0 <= ideal1 - hit1 < 100 * 16 / 400 and hit1 > hit0, rows
+
+
+@pytest.mark.parametrize("preset", ["epyc-2core-tiny", "h100x8-llama70b"])
+def test_a_written_cost_model_reads_back_the_same(tmp_path, preset):
+    """What `hicache simulate --calibrate` writes is a cost model `--cost-model` reads, figure for figure."""
+    cost = load_cost_model(preset)
+    path = tmp_path / f"{preset}.toml"
+    path.write_text(to_toml(cost, "a note\non two lines"))
+    assert load_cost_model(str(path)) == cost
