@@ -21,7 +21,9 @@ import statistics
 import numpy as np
 
 from hicache.config import EngineConfig
+from hicache.engine.engine import Engine
 from hicache.errors import UserError
+from hicache.scheduler.request import SamplingParams
 from hicache.sim.cost import Compute, CostModel
 
 PREFILL_LENGTHS = (512, 2048)
@@ -33,7 +35,6 @@ DECODE_BATCH = 8
 
 def calibrate(cfg: EngineConfig, base: CostModel, name: str) -> CostModel:
     """`base` with its compute figures measured on this machine for `cfg`'s model."""
-    from hicache import Engine, SamplingParams
 
     measured = dataclasses.replace(cfg, disable_radix_cache=False, hicache=dataclasses.replace(cfg.hicache,
                                    enable_hierarchical_cache=False, hicache_storage_backend=None))  # fmt: skip
