@@ -104,6 +104,8 @@ class Simulator:
         self.compute = CostedCompute(cost, self.clock, load_link)
         # No model runner and no tokenizer: the compute answers with trace tokens, which ignore EOS.
         self.scheduler = Scheduler(cfg, None, self.cache, None, SIMULATED_CONTEXT, compute=self.compute)  # type: ignore
+        # (virtual time, tokens each tier holds, cached or in use), whenever the time moved on
+        self.occupancy: list[tuple[float, dict[str, int]]] = []
 
     def _link(self, name: str, _delay: float, _seed: int, _timeout: float) -> Worker:
         return self.links[LINK_OF_WORKER[name]]
@@ -135,6 +137,7 @@ class Simulator:
                     entry.record.cached_tokens = sum(event.cached_tokens_by_tier.values())
                 if event.finish_reason is not None:
                     self._finish(live.pop(event.rid), ideal, follower, trace, arrivals)
+            self._sample_occupancy()
             if self.compute.steps == steps and self.scheduler.has_work:
                 self._wait(arrivals)
         for link in self.links.values():
@@ -162,6 +165,10 @@ class Simulator:
         after = follower.get((entry.trace.conv_id, entry.trace.round + 1))
         if after is not None:
             heapq.heappush(arrivals, (self.clock.now + trace[after].arrival_s, after))
+
+    def _sample_occupancy(self) -> None:
+        if not self.occupancy or self.occupancy[-1][0] < self.clock.now:
+            self.occupancy.append((self.clock.now, {tier: used for tier, (used, _) in self.cache.usage().items()}))
 
     def _wait(self, arrivals: list) -> None:
         """Nothing could run (admission waits for a copy to unlock pages): on to the next event."""
