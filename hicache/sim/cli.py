@@ -53,6 +53,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(per_round_table([summary]))
     print()
     print(bytes_table(simulator.bytes_moved()))
+    print()
+    print(occupancy_table(simulator.occupancy))
     print(f"\n{len(records)} requests, {simulator.clock.now:.2f} s of virtual time simulated in {wall_s:.1f} s")
     return 0
 
@@ -74,6 +76,20 @@ def write_calibration(cfg: EngineConfig, base, path: str) -> int:  # noqa: ANN00
 def bytes_table(moved: dict[str, int]) -> str:
     lines = ["| link | bytes moved |", "| --- | ---: |"]
     lines += [f"| {link} | {nbytes / 2**20:.1f} MiB |" for link, nbytes in moved.items()]
+    return "\n".join(lines)
+
+
+def occupancy_table(occupancy: list[tuple[float, dict[str, int]]]) -> str:
+    """Each tier's peak and mean (over virtual time) tokens held, cached or in use."""
+    lines = ["| tier | peak tokens held | time-weighted mean |", "| --- | ---: | ---: |"]
+    if len(occupancy) < 2:
+        return "\n".join(lines)
+    span = occupancy[-1][0] - occupancy[0][0]
+    for tier in occupancy[-1][1]:
+        held = [used.get(tier, 0) for _, used in occupancy]
+        # Each sample holds until the next one.
+        area = sum(n * (t1 - t0) for n, (t0, _), (t1, _) in zip(held, occupancy, occupancy[1:]))
+        lines.append(f"| {tier} | {max(held):,} | {area / span:,.0f} |")
     return "\n".join(lines)
 
 

@@ -106,6 +106,9 @@ def test_a_mooncake_trace_imports_and_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| requests completed | 2 |" in out
     assert f"| hit rate | {100 * 1024 / (1024 + 1536):.1f}% |" in out  # the second request's 1024 shared tokens
+    # At its peak the device holds the second request's 1,536 + 8 tokens in 16-token pages, the first's
+    # 1,024 shared among them (the tree keeps whole pages only: not the first answer's last page).
+    assert "| device | 1,552 |" in out, out
 
 
 def test_a_bad_cost_model_is_one_line_and_exit_2(tmp_path, capsys):
