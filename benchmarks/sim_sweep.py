@@ -84,7 +84,8 @@ def main_bench() -> None:
                 occupancy = simulator.occupancy
             base = rows[0][1]["ttft_median_s"]
             tiers = " / ".join(f"{100 * (summary['hit_rate_by_tier'][t] or 0):.1f}%" for t in ("device", "host"))
-            print(f"| {host_gb:g} GB | {100 * summary['hit_rate']:.1f}% ({tiers}) | {100 * summary['ideal_hit_rate']:.1f}% "
+            print(f"| {host_gb:g} GB | {100 * summary['hit_rate']:.1f}% ({tiers}) "
+                  f"| {100 * summary['ideal_hit_rate']:.1f}% "
                   f"| {1000 * summary['ttft_median_s']:.0f} ms | {summary['ttft_median_s'] / base:.2f}x "
                   f"| {wall_s:.0f} s |", flush=True)  # fmt: skip
     plot(rows, occupancy or [], max(args.host_gb), args)

@@ -74,11 +74,13 @@ def calibrate(cfg: EngineConfig, base: CostModel, name: str) -> CostModel:
     if a <= 0 or b <= 0:
         measured_ms = ", ".join(f"{1000 * t:.1f} ms" for t in prefills)
         raise UserError(f"calibration: prefills of {PREFILL_LENGTHS} tokens and {EXTENSION} after {n} took "
-                        f"{measured_ms}: not a cost growing with tokens and pairs (a busy machine?); run it again")  # fmt: skip
+                        f"{measured_ms}: not a cost growing with tokens and pairs (a busy machine?); "
+                        "run it again")  # fmt: skip
     c = base.compute
     compute = Compute(
-        flops=float(c.flops_per_token / a), flops_per_token=c.flops_per_token, attention_flops=float(c.attention_flops_per_pair / b),
-        attention_flops_per_pair=c.attention_flops_per_pair, step_overhead_s=overhead,
+        flops=float(c.flops_per_token / a), flops_per_token=c.flops_per_token,
+        attention_flops=float(c.attention_flops_per_pair / b), attention_flops_per_pair=c.attention_flops_per_pair,
+        step_overhead_s=overhead,
         decode_s_per_request=per_request, memory_bandwidth=c.memory_bandwidth,
     )  # fmt: skip
     return dataclasses.replace(base, name=name, compute=compute)
