@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import time
 
 import torch
 
-from hicache.cache.controller import SupervisedWorker, WorkerFactory
+from hicache.cache.controller import Clock, SupervisedWorker, WorkerFactory
 from hicache.cache.device_tier import DeviceTier
 from hicache.cache.host_tier import HostTier, WritePolicy, host_pool_pages
 from hicache.cache.lower_tiers import LowerTiers
@@ -88,10 +89,12 @@ def hierarchical_cache(
     storage_writer: bool = True,  # this rank writes its pages to storage (not a replica of them)
     unified: UnifiedPlacement | None = None,  # --hicache-storage-key-scheme unified: the rank's shard
     make_worker: WorkerFactory = SupervisedWorker,
+    clock: Clock = time.monotonic,
 ) -> PrefixCache:
     """The device tier with the host tier below it and, when a backend is configured, the storage tier
     below that. `draft`: a speculative draft whose state the host and storage tiers keep with the
-    target's. `make_worker`: where the host tier's copies run (threads; the simulator's virtual links)."""
+    target's. `make_worker`: where the tiers' copies and storage calls run (threads; the simulator's
+    virtual links); `clock`: what the storage tier's prefetch timeout and put retries read the time from."""
     debug = debug or DebugConfig()
     rank = consensus.pctx.rank
     host_pool = make_host_pool(
@@ -109,7 +112,7 @@ def hierarchical_cache(
         page_bytes = host_pool.parts[0].payload_bytes
         backend = storage_backend(cfg, debug, rank)
         store = open_store(cfg, pool, page_bytes, model_identity, rank_suffix, backend, unified, storage_writer)
-        storage = StorageTier(store, host, consensus, cfg, delay, writes=storage_writer)
+        storage = StorageTier(store, host, consensus, cfg, delay, storage_writer, make_worker, clock)
     logger.info(
         "hierarchical cache: host %d pages (%.2f GB, %s), write policy %s, storage %s",
         host_pool.allocator.num_pages, host_pool.allocator.num_pages * host_pool.page_bytes / 1e9,

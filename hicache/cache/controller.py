@@ -159,6 +159,8 @@ class Worker(Protocol):
 
 # name, debug delay, seed, timeout: a SupervisedWorker's arguments
 WorkerFactory = Callable[[str, float, int, float], Worker]
+# What a tier reads the time from (seconds; time.monotonic, or the simulator's virtual clock)
+Clock = Callable[[], float]
 
 
 class AckQueue:

@@ -21,7 +21,7 @@ import time
 from collections import deque
 from typing import Iterable, Iterator, Sequence
 
-from hicache.cache.controller import SupervisedWorker, TransferOp
+from hicache.cache.controller import Clock, TransferOp, Worker
 from hicache.cache.host_tier import HostTier
 from hicache.cache.radix import TreeNode
 from hicache.cache.stats import StorageTierStats
@@ -36,12 +36,13 @@ class StoragePuts:
         self,
         parts: Sequence[tuple[VerifiedStore, PagePart]],
         host: HostTier,
-        worker: SupervisedWorker,
+        worker: Worker,
         stats: StorageTierStats,
         writes: bool,
+        clock: Clock = time.monotonic,
     ) -> None:
         """`parts`: (store, host part) per object of a page, the target's first; `writes`: this rank is
-        the elected writer of its pages' bytes (not a replica's)."""
+        the elected writer of its pages' bytes (not a replica's); `clock`: what the retry interval reads."""
         self.parts = list(parts)
         self.pool = host.host
         self.tree = host.tree
@@ -49,6 +50,7 @@ class StoragePuts:
         self.worker = worker
         self.stats = stats
         self.writes = writes
+        self.clock = clock
         # Hashes of pages whose put failed: appended by the worker, taken in by the scheduler.
         self._failed: deque[list[bytes]] = deque()
         self.unstored: dict[bytes, None] = {}  # insertion-ordered: the oldest is dropped first
@@ -66,7 +68,7 @@ class StoragePuts:
         self._take_in_failed()
         if not self.unstored:
             return None
-        now = time.monotonic()
+        now = self.clock()
         if not self.parts[0][0].available and now - self._last_retry < RETRY_PROBE_INTERVAL_S:
             return None
         self._last_retry = now
@@ -139,4 +141,4 @@ class StoragePuts:
             if not stored:
                 failed.append(hashes)
 
-        return TransferOp("storage_put", run)
+        return TransferOp("storage_put", run, pages=len(pages))

@@ -35,7 +35,7 @@ from typing import Callable, Iterator, Sequence
 
 import numpy as np
 
-from hicache.cache.controller import SupervisedWorker, TransferOp
+from hicache.cache.controller import Clock, SupervisedWorker, TransferOp, Worker, WorkerFactory
 from hicache.cache.host_tier import HostTier
 from hicache.cache.page_keys import Tokens, pack
 from hicache.cache.radix import RadixTree
@@ -72,8 +72,8 @@ class Prefetch:
     rid: int
     hashes: list[bytes]  # of the pages to look up (after the tree's match)
     start_page: int  # index of hashes[0] in the prompt
+    started: float  # when it was queried, on the tier's clock (the timeout policy counts from it)
     rotation: int = 0  # the prefix's rotation base: which shard rank holds, and reads, which page
-    started: float = field(default_factory=time.monotonic)
     query: TransferOp | None = None
     hit_pages: int = 0
     batch_pages: int = PREFETCH_FIRST_BATCH_PAGES  # the largest read batch, agreed with the hit
@@ -112,8 +112,12 @@ class StorageTier:
         cfg: HiCacheConfig,
         debug_delay_s: float = 0.0,
         writes: bool = True,
+        make_worker: WorkerFactory = SupervisedWorker,
+        clock: Clock = time.monotonic,
     ) -> None:
-        """`writes`: this rank is the elected writer of its pages' bytes (not a replica's)."""
+        """`writes`: this rank is the elected writer of its pages' bytes (not a replica's). `make_worker`
+        and `clock`: where the storage calls run and what time the prefetch timeout and put retries
+        read (a thread and the monotonic clock; the simulator's virtual link and clock)."""
         self.store = store
         self.host = host
         self.placement = host.host.placement
@@ -127,12 +131,11 @@ class StorageTier:
         self.policy = PrefetchPolicy(cfg.hicache_storage_prefetch_policy)
         self.timeout_base = cfg.hicache_storage_prefetch_timeout_base
         self.timeout_per_ki_token = cfg.hicache_storage_prefetch_timeout_per_ki_token
-        self.worker = SupervisedWorker(
-            "storage", debug_delay_s, consensus.pctx.rank * 16 + 2, cfg.hicache_transfer_timeout
-        )
+        self.worker = make_worker("storage", debug_delay_s, consensus.pctx.rank * 16 + 2, cfg.hicache_transfer_timeout)
+        self.clock = clock
         self.prefetches: dict[int, Prefetch] = {}
         self.stats = StorageTierStats()
-        self.puts = StoragePuts(self.parts, host, self.worker, self.stats, writes)
+        self.puts = StoragePuts(self.parts, host, self.worker, self.stats, writes, clock)
 
     # ---- prefetch: queried -> allocated -> read ------------------------------------------------
 
@@ -147,7 +150,7 @@ class StorageTier:
         if (total - start) * self.page_size < max(self.threshold, 1):
             return
         hashes = page_hashes(ids[: total * self.page_size], self.page_size)[start:]
-        prefetch = Prefetch(rid, hashes, start)
+        prefetch = Prefetch(rid, hashes, start, self.clock())
         consensus = self.consensus
         # A path the tree has fixes the base; a new prefix may have been stored from any (unified
         # objects are named without their writer, so any base reads them: the first).
@@ -217,7 +220,8 @@ class StorageTier:
                 continue
             self.stats.prefetch.allocated += hit
             prefetch.host_pages = host_pages
-            prefetch.read = self.worker.submit(TransferOp("storage_read", self._read_run(prefetch)))
+            read = TransferOp("storage_read", self._read_run(prefetch), pages=hit)
+            prefetch.read = self.worker.submit(read)
 
     def _read_batch(self, prefetch: Prefetch, first: int, last: int) -> int:
         """Read this rank's pages among [first, last) of the hit into their host pages, every part; how
@@ -285,7 +289,7 @@ class StorageTier:
         if self.policy is PrefetchPolicy.WAIT_COMPLETE:
             return read_done
         limit = self.timeout_base + self.timeout_per_ki_token * prefetch.hit_pages * self.page_size / 1024
-        return read_done or time.monotonic() - prefetch.started >= limit
+        return read_done or self.clock() - prefetch.started >= limit
 
     def ready_to_admit(self, rid: int, busy: bool) -> bool:
         prefetch = self.prefetches.get(rid)
@@ -347,7 +351,7 @@ class StorageTier:
     # ---- maintenance ---------------------------------------------------------------------------
 
     @property
-    def workers(self) -> list[SupervisedWorker]:
+    def workers(self) -> list[Worker]:
         return [self.worker]
 
     def leak_report(self) -> list[str]:

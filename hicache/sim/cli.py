@@ -4,6 +4,7 @@ in virtual time, costed by a cost model; prints `hicache bench`'s table for it.
     hicache simulate --model tiny --max-total-tokens 8192 --enable-hierarchical-cache \\
         --cost-model epyc-2core-tiny --dataset generated-shared-prefix --gsp-num-turns 4
     hicache simulate --cost-model h100x8-llama70b --trace mooncake.jsonl --max-total-tokens 1048576 --page-size 64
+    hicache simulate --model tiny --calibrate here.toml   # then: hicache simulate --cost-model here.toml ...
 
 The engine flags are `hicache serve`'s: they configure the simulated cache and scheduler (the model is
 used only for its tokenizer, to build a generated workload's prompts and draw token ids).
@@ -12,6 +13,9 @@ used only for its tokenizer, to build a generated workload's prompts and draw to
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
+import platform
 import time
 
 from hicache.bench.cli import add_workload_args, workload_from_args
@@ -29,6 +33,8 @@ def cmd_simulate(args: argparse.Namespace) -> int:
 
     cost = load_cost_model(args.cost_model)
     cfg = EngineConfig.from_args(args)
+    if args.calibrate:
+        return write_calibration(cfg, cost, args.calibrate)
     tokenizer = load_tokenizer(cfg.model)
     if args.trace:
         trace = read_mooncake(args.trace, tokenizer.vocab_size)
@@ -47,13 +53,43 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     print(per_round_table([summary]))
     print()
     print(bytes_table(simulator.bytes_moved()))
+    print()
+    print(occupancy_table(simulator.occupancy))
     print(f"\n{len(records)} requests, {simulator.clock.now:.2f} s of virtual time simulated in {wall_s:.1f} s")
+    return 0
+
+
+def write_calibration(cfg: EngineConfig, base, path: str) -> int:  # noqa: ANN001 - a CostModel
+    from hicache.sim.calibrate import calibrate, to_toml
+
+    cost = calibrate(cfg, base, pathlib.Path(path).stem)
+    note = (f"Measured by `hicache simulate --calibrate` on {platform.node()} ({os.cpu_count()} CPUs), "
+            f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())},\nfor --model {cfg.model}; "
+            f"the model's constants, links and storage are {base.name}'s.")  # fmt: skip
+    pathlib.Path(path).write_text(to_toml(cost, note), encoding="utf-8")
+    c = cost.compute
+    print(f"wrote {path}: step {1000 * c.step_overhead_s:.2f} ms + {1000 * c.decode_s_per_request:.3f} ms a decoding "
+          f"request, GEMMs {c.flops / 1e9:.1f} GFLOP/s, attention {c.attention_flops / 1e9:.1f} GFLOP/s")  # fmt: skip
     return 0
 
 
 def bytes_table(moved: dict[str, int]) -> str:
     lines = ["| link | bytes moved |", "| --- | ---: |"]
     lines += [f"| {link} | {nbytes / 2**20:.1f} MiB |" for link, nbytes in moved.items()]
+    return "\n".join(lines)
+
+
+def occupancy_table(occupancy: list[tuple[float, dict[str, int]]]) -> str:
+    """Each tier's peak and mean (over virtual time) tokens held, cached or in use."""
+    lines = ["| tier | peak tokens held | time-weighted mean |", "| --- | ---: | ---: |"]
+    if len(occupancy) < 2:
+        return "\n".join(lines)
+    span = occupancy[-1][0] - occupancy[0][0]
+    for tier in occupancy[-1][1]:
+        held = [used.get(tier, 0) for _, used in occupancy]
+        # Each sample holds until the next one.
+        area = sum(n * (t1 - t0) for n, (t0, _), (t1, _) in zip(held, occupancy, occupancy[1:]))
+        lines.append(f"| {tier} | {max(held):,} | {area / span:,.0f} |")
     return "\n".join(lines)
 
 
@@ -70,6 +106,8 @@ def add_simulate_command(sub: argparse._SubParsersAction) -> None:
                      help="a preset (epyc-2core-tiny, h100x8-llama70b) or a TOML file")  # fmt: skip
     sim.add_argument("--trace", help="a Mooncake JSONL trace (timestamp, input_length, output_length, hash_ids) "
                      "instead of a generated workload")  # fmt: skip
+    sim.add_argument("--calibrate", metavar="TOML", help="measure this machine's compute figures by running the "
+                     "real engine briefly (the --cost-model preset gives the rest) and write them as a cost model")
     sim.add_argument("--label", help="the run's name in the table (default: the cost model's)")
     add_workload_args(p)
     p.set_defaults(func=cmd_simulate)

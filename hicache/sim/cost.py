@@ -4,7 +4,9 @@ over each link cost, read from a TOML file (presets/ holds the shipped ones).
 A step costs `step_overhead_s`, plus for every token computed `flops_per_token / flops` and for every
 (query, key) pair of its attention `attention_flops_per_pair / attention_flops`, plus for every decoding
 request `decode_s_per_request` and its KV read at `memory_bandwidth`. A copy costs `latency_s + bytes /
-bandwidth` on its link, bytes being pages x page size x `kv_bytes_per_token`.
+bandwidth` on its link, bytes being pages x page size x `kv_bytes_per_token`; storage calls share one
+link (the storage tier's one worker): an existence query costs `latency_s`, a read or a put `latency_s`
+plus its bytes at `read_bandwidth` or `write_bandwidth`.
 """
 
 from __future__ import annotations
@@ -16,12 +18,21 @@ from dataclasses import dataclass, fields
 from hicache.errors import UserError
 
 PRESETS = pathlib.Path(__file__).parent / "presets"
+# Figures a cost divides by
+POSITIVE = ("flops", "attention_flops", "memory_bandwidth", "bandwidth", "read_bandwidth", "write_bandwidth")
 
 
 @dataclass(frozen=True)
 class Link:
     bandwidth: float  # bytes/s
     latency_s: float
+
+
+@dataclass(frozen=True)
+class Storage:
+    read_bandwidth: float  # bytes/s
+    write_bandwidth: float  # bytes/s
+    latency_s: float  # a call (an existence query, a read, a put)
 
 
 @dataclass(frozen=True)
@@ -42,6 +53,7 @@ class CostModel:
     compute: Compute
     host_to_device: Link
     device_to_host: Link
+    storage: Storage
 
     def step_s(self, items: list[tuple[int, int]], decoding: list[int]) -> float:
         """A step computing tokens [start, end) of each of `items`, and one token each of requests
@@ -77,6 +89,7 @@ def load_cost_model(name_or_path: str) -> CostModel:
         compute=_section(Compute, data, path, "compute"),
         host_to_device=_section(Link, data, path, "host_to_device"),
         device_to_host=_section(Link, data, path, "device_to_host"),
+        storage=_section(Storage, data, path, "storage"),
     )
 
 
@@ -93,6 +106,6 @@ def _number(table: dict, path: pathlib.Path, key: str, section: str = "") -> flo
     value = table.get(key)
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise UserError(f"cost model {path}: {where} must be a number, got {value!r}")
-    if value < 0 or (value == 0 and key in ("flops", "attention_flops", "memory_bandwidth", "bandwidth")):
+    if value < 0 or (value == 0 and key in POSITIVE):
         raise UserError(f"cost model {path}: {where} must be positive, got {value!r}")
     return value

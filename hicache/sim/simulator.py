@@ -2,10 +2,12 @@
 on one-row pools, driven in virtual time.
 
 Real: the scheduler (admission, chunked prefill, in-batch prefix waits, decode batching), the cache API
-and everything under it (radix tree, eviction, write policies, load-back threshold, reservations). The
-pools are real too, one layer of one-element rows, so their copies cost nothing; what a step and a copy
-cost is the cost model's (cost.py), charged to a virtual clock. The model is replaced by `CostedCompute`,
-which answers each request with its trace's output tokens.
+and everything under it (radix tree, eviction, write policies, load-back threshold, reservations, the
+storage tier's prefetch and puts against the configured store). The pools are real too, one layer of
+one-element rows, so their copies cost nothing and a stored page is a few bytes (under the namespace of
+the "simulated" model, which no engine reads); what a step, a copy and a storage call cost is the cost
+model's (cost.py), charged to a virtual clock. The model is replaced by `CostedCompute`, which answers
+each request with its trace's output tokens.
 """
 
 from __future__ import annotations
@@ -27,13 +29,13 @@ from hicache.scheduler.model_runner import StepOutput, WorkItem
 from hicache.scheduler.request import Request, SamplingParams
 from hicache.scheduler.scheduler import Scheduler, check_request_fits
 from hicache.sim.cost import CostModel
-from hicache.sim.links import VirtualClock, VirtualLink
+from hicache.sim.links import StorageLink, VirtualClock, VirtualLink
 from hicache.sim.trace import TraceRequest
 
 # What a simulated request may span: the trace's lengths are the limit, not a model's positions.
 SIMULATED_CONTEXT = 2**40
-# The host tier's copy workers, by name (hicache/cache/host_tier.py), and the links they run on.
-LINK_OF_WORKER = {"backup": "device->host", "load": "host->device"}
+# The tiers' workers, by name (hicache/cache/host_tier.py, storage_tier.py), and the links they run on.
+LINK_OF_WORKER = {"backup": "device->host", "load": "host->device", "storage": "storage"}
 
 
 class CostedCompute:
@@ -86,19 +88,24 @@ class Simulator:
         pool = DeviceKVPool(KVLayout.mha(1, 1), 1, cfg.num_pages, cfg.page_size, torch.float32, torch.device("cpu"))
         hc = cfg.hicache
         if hc.enable_hierarchical_cache:
+            if hc.hicache_storage_max_bytes:  # the store holds the simulator's few-byte pages, not the model's
+                raise UserError("hicache simulate cannot cap the store yet: drop --hicache-storage-max-bytes")
             if hc.hicache_storage_backend:
-                raise UserError("hicache simulate has no storage tier yet: drop --hicache-storage-backend")
+                self.links["storage"] = StorageLink(self.clock, cost.storage, page_bytes)
             if hc.hicache_size > 0:  # GB of the modelled KV, not of the simulator's one-row pages
                 ratio = hc.hicache_size * 1e9 / (page_bytes * cfg.num_pages)
                 hc = dataclasses.replace(hc, hicache_size=0.0, hicache_ratio=ratio)
             consensus = Consensus(ParallelContext())  # one rank: agreement is the identity
-            self.cache = hierarchical_cache(pool, hc, consensus, "simulated", make_worker=self._link)
+            self.cache = hierarchical_cache(pool, hc, consensus, "simulated", make_worker=self._link,
+                                            clock=lambda: self.clock.now)  # fmt: skip
         else:
             self.cache = device_cache(pool, radix=not cfg.disable_radix_cache)
         load_link = self.links["host->device"] if hc.enable_hierarchical_cache else None
         self.compute = CostedCompute(cost, self.clock, load_link)
         # No model runner and no tokenizer: the compute answers with trace tokens, which ignore EOS.
         self.scheduler = Scheduler(cfg, None, self.cache, None, SIMULATED_CONTEXT, compute=self.compute)  # type: ignore
+        # (virtual time, tokens each tier holds, cached or in use), whenever the time moved on
+        self.occupancy: list[tuple[float, dict[str, int]]] = []
 
     def _link(self, name: str, _delay: float, _seed: int, _timeout: float) -> Worker:
         return self.links[LINK_OF_WORKER[name]]
@@ -130,6 +137,7 @@ class Simulator:
                     entry.record.cached_tokens = sum(event.cached_tokens_by_tier.values())
                 if event.finish_reason is not None:
                     self._finish(live.pop(event.rid), ideal, follower, trace, arrivals)
+            self._sample_occupancy()
             if self.compute.steps == steps and self.scheduler.has_work:
                 self._wait(arrivals)
         for link in self.links.values():
@@ -158,6 +166,10 @@ class Simulator:
         if after is not None:
             heapq.heappush(arrivals, (self.clock.now + trace[after].arrival_s, after))
 
+    def _sample_occupancy(self) -> None:
+        if not self.occupancy or self.occupancy[-1][0] < self.clock.now:
+            self.occupancy.append((self.clock.now, {tier: used for tier, (used, _) in self.cache.usage().items()}))
+
     def _wait(self, arrivals: list) -> None:
         """Nothing could run (admission waits for a copy to unlock pages): on to the next event."""
         times = [t for t in (link.next_completion for link in self.links.values()) if t is not None]
@@ -167,7 +179,7 @@ class Simulator:
         self.clock.advance_to(min(times))
 
     def bytes_moved(self) -> dict[str, int]:
-        return {name: link.bytes_moved for name, link in self.links.items()}
+        return {direction: n for link in self.links.values() for direction, n in link.moved().items()}
 
     def shutdown(self) -> None:
         self.cache.shutdown()

@@ -1,7 +1,8 @@
 """`hicache simulate` against the real engine: the same trace, the same cache configuration, the same
-hits on every tier, request by request; a Mooncake trace file imports and runs; a bad cost model is one
-line and exit 2."""
+hits on every tier, request by request (with a file store, across a restart too); a Mooncake trace file
+imports and runs; a bad cost model is one line and exit 2."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 from hicache import Engine, SamplingParams
 from hicache.cli import main
 from hicache.config import EngineConfig, HiCacheConfig
+from hicache.sim.calibrate import to_toml
 from hicache.sim.cost import load_cost_model
 from hicache.sim.simulator import Simulator
 from hicache.sim.trace import TraceRequest, answer_tokens
@@ -40,39 +42,58 @@ def _trace() -> list[TraceRequest]:
     ]
 
 
+HOST = HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0)
+STORE = dataclasses.replace(HOST, hicache_storage_backend="file")
+# name: (the cache, how many servers run the trace one after another on the same store)
 CONFIGS = {
-    "device only": HiCacheConfig(),
-    "device + host": HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0),
+    "device only": (HiCacheConfig(), 1),
+    "device + host": (HOST, 1),
+    "device + host + file store, restarted": (STORE, 2),
 }
 
 
-@pytest.fixture(scope="module", params=list(CONFIGS))
-def both(request):
-    """(engine's, simulator's) cached tokens by tier, request by request, for one configuration."""
-    hc = CONFIGS[request.param]
+def _engine_hits(hc: HiCacheConfig) -> list[dict[str, int]]:
     with Engine(model="tiny", page_size=PAGE, max_total_tokens=DEVICE_TOKENS, hicache=hc) as engine:
         params = SamplingParams(max_new_tokens=NEW, ignore_eos=True)
-        real = [engine.generate([p], params)[0].cached_tokens_by_tier for p in PROMPTS]
+        return [engine.generate([p], params)[0].cached_tokens_by_tier for p in PROMPTS]
+
+
+def _simulated_hits(hc: HiCacheConfig) -> list[dict[str, int]]:
     cfg = EngineConfig(model="tiny", page_size=PAGE, max_total_tokens=DEVICE_TOKENS, hicache=hc)
     simulator = Simulator(cfg, load_cost_model("epyc-2core-tiny"))
     try:
-        simulated = [r.cached_tokens_by_tier for r in simulator.run(_trace())]
+        return [r.cached_tokens_by_tier for r in simulator.run(_trace())]
     finally:
         simulator.shutdown()
+
+
+@pytest.fixture(scope="module", params=list(CONFIGS))
+def both(request, tmp_path_factory):
+    """(engine's, simulator's) cached tokens by tier, request by request, of every server in turn, for
+    one configuration; engine and simulator each on a store of their own."""
+    hc, servers = CONFIGS[request.param]
+    real_store, simulated_store = (str(tmp_path_factory.mktemp(side)) for side in ("real", "simulated"))
+    real_hc = dataclasses.replace(hc, hicache_storage_dir=real_store)
+    real = [hit for _ in range(servers) for hit in _engine_hits(real_hc)]
+    simulated_hc = dataclasses.replace(hc, hicache_storage_dir=simulated_store)
+    simulated = [hit for _ in range(servers) for hit in _simulated_hits(simulated_hc)]
     return request.param, real, simulated
 
 
 def test_simulated_hits_equal_the_engines_request_by_request(both):
     name, real, simulated = both
     assert simulated == real
-    totals = {tier: sum(r[tier] for r in real) for tier in ("device", "host")}
+    totals = {tier: sum(r[tier] for r in real) for tier in ("device", "host", "storage")}
     ideal = 3 * 256 + 6 * (256 + 96)  # round 0's later group members, then every conversation's first turn
-    # The trace must exercise what it compares: the device pool alone loses hits to eviction, and the
-    # host tier serves them back.
-    if name == "device + host":
-        assert totals["host"] > 0, totals
-    else:
+    # The trace must exercise what it compares: the device pool alone loses hits to eviction, the host
+    # tier serves them back, and a restarted server finds the first one's prompts in storage.
+    if name == "device only":
         assert totals["host"] == 0 and 0 < totals["device"] < ideal, totals
+    elif name == "device + host":
+        assert totals["host"] > 0 and totals["storage"] == 0, totals
+    else:
+        restarted = {tier: sum(r[tier] for r in real[len(PROMPTS) :]) for tier in totals}
+        assert restarted["storage"] > 0 and totals["storage"] == restarted["storage"], (totals, restarted)
 
 
 def test_a_mooncake_trace_imports_and_runs(tmp_path, capsys):
@@ -86,6 +107,9 @@ def test_a_mooncake_trace_imports_and_runs(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "| requests completed | 2 |" in out
     assert f"| hit rate | {100 * 1024 / (1024 + 1536):.1f}% |" in out  # the second request's 1024 shared tokens
+    # At its peak the device holds the second request's 1,536 + 8 tokens in 16-token pages, the first's
+    # 1,024 shared among them (the tree keeps whole pages only: not the first answer's last page).
+    assert "| device | 1,552 |" in out, out
 
 
 def test_a_bad_cost_model_is_one_line_and_exit_2(tmp_path, capsys):
@@ -111,3 +135,12 @@ def test_a_generated_workload_reuses_each_turns_prompt_and_answer(capsys):
     assert set(rows) == {0, 1}, rows
     (hit0, _), (hit1, ideal1) = rows[0], rows[1]
     assert 0 <= ideal1 - hit1 < 100 * 16 / 400 and hit1 > hit0, rows
+
+
+@pytest.mark.parametrize("preset", ["epyc-2core-tiny", "h100x8-llama70b"])
+def test_a_written_cost_model_reads_back_the_same(tmp_path, preset):
+    """What `hicache simulate --calibrate` writes is a cost model `--cost-model` reads, figure for figure."""
+    cost = load_cost_model(preset)
+    path = tmp_path / f"{preset}.toml"
+    path.write_text(to_toml(cost, "a note\non two lines"))
+    assert load_cost_model(str(path)) == cost
