@@ -65,12 +65,14 @@ def store_pages(backend: dict, tokens: list[int]) -> None:
     assert not op.failed and tier.store.stats.puts == len(tokens) // PAGE, "storage tier: the put did not land"
 
 
-def prefetch(tier: StorageTier, rid: int = 1, prompt: list[int] = PROMPT) -> None:
-    """Arrival, then scheduler checks until the read is out (queried -> allocated -> read)."""
+def prefetch(tier: StorageTier, rid: int = 1, prompt: list[int] = PROMPT, before_read=lambda: None) -> None:
+    """Arrival, then scheduler checks until the read is out (queried -> allocated -> read);
+    `before_read` runs once the query has answered, before the read is queued."""
     tier.start_prefetch(rid, prompt, "")
     querying = tier.querying()
     for p in querying:
         p.query.done.wait()
+    before_read()
     tier.advance(querying)
 
 
@@ -162,8 +164,8 @@ def test_stopping_before_the_read_is_lost_not_read_in_time(backend):
     store_pages(backend, STORED)
     tier, _ = storage_tier(backend, hicache_storage_prefetch_policy="best_effort")
     gate = threading.Event()
-    tier.worker.submit(TransferOp("hold", lambda _: gate.wait(10)))  # the read queues behind this
-    prefetch(tier)
+    # The read queues behind this (the query before it has answered: waiting on it would wait out the gate).
+    prefetch(tier, before_read=lambda: tier.worker.submit(TransferOp("hold", lambda _: gate.wait(10))))
     assert tier.ready_to_admit(1, busy=True), "best effort never holds up a busy engine"
     gate.set()
     assert_consumed(tier, 0, not_read_in_time=6)
