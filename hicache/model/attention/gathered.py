@@ -120,8 +120,11 @@ class GatheredAttention:
             seq, base = batch.seqs[s], e * read.length
             cached = seq.kv_len - seq.length
             stop = min(first + read.length, seq.kv_len)
-            old = torch.arange(first, min(stop, cached), device=self.device)
-            new = torch.arange(max(first, cached), stop, device=self.device)
+            # Keys [first, split) are in the cached prefix, [split, stop) in this step. A block may lie
+            # wholly on either side (past a block of context), so split is clamped into the block.
+            split = min(max(first, cached), stop)
+            old = torch.arange(first, split, device=self.device)
+            new = torch.arange(split, stop, device=self.device)
             parts[0].append(base + old - first)
             parts[1].append(prefix_rows[s][old])
             parts[2].append(base + new - first)
