@@ -3,6 +3,7 @@ the server's own counts and its store's objects; a subscriber that misses messag
 resynchronises to the same view; the same prompt under two cache_salts names different pages; with the
 flag off nothing is published. One tiny engine with the host and storage tiers serves the module."""
 
+import dataclasses
 import re
 
 import pytest
@@ -32,6 +33,18 @@ def drain(sub: KVEventSubscriber, frames: list | None = None) -> None:
             frames.extend(messages)
 
 
+def in_step(engine: Engine, subs: list[KVEventSubscriber]) -> None:
+    """Serve small requests until every subscriber has taken in a batch: a SUB socket gets nothing
+    sent before it has connected."""
+    for i in range(20):
+        engine.generate([list(range(40 + i, 80 + i))], SamplingParams(max_new_tokens=2))
+        for sub in subs:
+            drain(sub)
+        if all(sub.seq is not None for sub in subs):
+            return
+    raise AssertionError("a subscriber never got a batch")
+
+
 def stored_hashes(root) -> set[bytes]:
     """The page hashes the store holds objects for (file backend: <root>/<fan-out>/<hash>_<namespace>)."""
     return {bytes.fromhex(m.group(1)) for p in root.rglob("*") if p.is_file() and (m := STORED.match(p.name))}
@@ -51,9 +64,7 @@ def served(tmp_path_factory):
     held: list = []  # the lossy subscriber's messages, held back by the test
     out = {}
     with Engine(model="tiny", page_size=PAGE, max_total_tokens=DEVICE_TOKENS, hicache=cfg, kv_events_endpoint=endpoint) as engine:
-        engine.generate([list(range(40, 80))], SamplingParams(max_new_tokens=4))
-        drain(whole)
-        drain(lossy)  # in step with the server before the messages it will miss
+        in_step(engine, [whole, lossy])  # before the messages the lossy one will miss
         run_turns(engine, CONVS, TURNS, NEW, cache_salt="tenant-a")
         run_turns(engine, CONVS[:1], 1, NEW)  # unsalted
         drain(whole)
@@ -71,6 +82,13 @@ def served(tmp_path_factory):
         drain(whole)
         out["flushed"] = (engine.snapshot().pool_usage, whole.index.counts())
     out["store"] = stored_hashes(store)
+    # A new server on the same store: the salted chain its prefetch looks up is the one the first put.
+    restart = dataclasses.replace(cfg, hicache_storage_prefetch_threshold=PAGE, hicache_storage_prefetch_policy="wait_complete")
+    prompt = CONVS[0]["system"] + list(range(40, 60))
+    with Engine(model="tiny", page_size=PAGE, hicache=restart) as engine:
+        params = SamplingParams(max_new_tokens=2)
+        out["restart"] = {salt: engine.generate([prompt], params, cache_salt=salt)[0].cached_tokens_by_tier
+                          for salt in ("tenant-b", "tenant-a")}  # fmt: skip
     out["whole"] = whole
     yield out
     whole.close()
@@ -112,3 +130,9 @@ def test_with_the_flag_off_nothing_is_recorded_or_published():
         scheduler = engine.call_in_loop(lambda: scheduler_of(engine))
         assert scheduler.kv_events is None
         assert engine.call_in_loop(scheduler.cache.events.drain) == []
+
+
+def test_after_a_restart_storage_serves_a_tenant_its_own_pages_only(served):
+    restart = served["restart"]
+    assert restart["tenant-b"] == {"device": 0, "host": 0, "storage": 0}
+    assert restart["tenant-a"]["storage"] == len(CONVS[0]["system"]) // PAGE * PAGE
