@@ -63,7 +63,8 @@ def served(tmp_path_factory):
     whole, lossy = KVEventSubscriber(endpoint), KVEventSubscriber(endpoint)
     held: list = []  # the lossy subscriber's messages, held back by the test
     out = {}
-    with Engine(model="tiny", page_size=PAGE, max_total_tokens=DEVICE_TOKENS, hicache=cfg, kv_events_endpoint=endpoint) as engine:
+    events_on = {"kv_events_endpoint": endpoint}
+    with Engine(model="tiny", page_size=PAGE, max_total_tokens=DEVICE_TOKENS, hicache=cfg, **events_on) as engine:
         in_step(engine, [whole, lossy])  # before the messages the lossy one will miss
         run_turns(engine, CONVS, TURNS, NEW, cache_salt="tenant-a")
         run_turns(engine, CONVS[:1], 1, NEW)  # unsalted
@@ -83,11 +84,13 @@ def served(tmp_path_factory):
         out["flushed"] = (engine.snapshot().pool_usage, whole.index.counts())
     out["store"] = stored_hashes(store)
     # A new server on the same store: the salted chain its prefetch looks up is the one the first put.
-    restart = dataclasses.replace(cfg, hicache_storage_prefetch_threshold=PAGE, hicache_storage_prefetch_policy="wait_complete")
+    restart = dataclasses.replace(
+        cfg, hicache_storage_prefetch_threshold=PAGE, hicache_storage_prefetch_policy="wait_complete"
+    )
     prompt = CONVS[0]["system"] + list(range(40, 60))
     with Engine(model="tiny", page_size=PAGE, hicache=restart) as engine:
         params = SamplingParams(max_new_tokens=2)
-        out["restart"] = {salt: engine.generate([prompt], params, cache_salt=salt)[0].cached_tokens_by_tier
+        out["restart"] = {salt: engine.generate([prompt], params, cache_salt=salt)[0]
                           for salt in ("tenant-b", "tenant-a")}  # fmt: skip
     out["whole"] = whole
     yield out
@@ -133,6 +136,7 @@ def test_with_the_flag_off_nothing_is_recorded_or_published():
 
 
 def test_after_a_restart_storage_serves_a_tenant_its_own_pages_only(served):
-    restart = served["restart"]
-    assert restart["tenant-b"] == {"device": 0, "host": 0, "storage": 0}
-    assert restart["tenant-a"]["storage"] == len(CONVS[0]["system"]) // PAGE * PAGE
+    tenant_a, tenant_b = served["restart"]["tenant-a"], served["restart"]["tenant-b"]
+    assert tenant_b.cached_tokens_by_tier == {"device": 0, "host": 0, "storage": 0}
+    assert tenant_a.cached_tokens_by_tier["storage"] == len(CONVS[0]["system"]) // PAGE * PAGE
+    assert tenant_a.token_ids == tenant_b.token_ids  # the storage hit changed no token
