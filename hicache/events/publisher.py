@@ -20,6 +20,7 @@ import time
 import zmq
 
 from hicache.cache import KVEventRecorder
+from hicache.errors import UserError
 from hicache.events.index import BlockIndex
 from hicache.events.wire import SNAPSHOT_REQUEST, Batch, encode_batch, encode_snapshot, snapshot_endpoint
 
@@ -44,8 +45,12 @@ class KVEventPublisher:
         self._router = self._ctx.socket(zmq.ROUTER)
         for sock in (self._pub, self._router):
             sock.setsockopt(zmq.LINGER, 0)
-        self._pub.bind(endpoint)
-        self._router.bind(self.snapshot_endpoint)
+        try:
+            self._pub.bind(endpoint)
+            self._router.bind(self.snapshot_endpoint)
+        except zmq.ZMQError as exc:
+            self._ctx.destroy(linger=0)
+            raise UserError(f"--kv-events-endpoint {endpoint}: cannot bind it and port + 1 ({exc})") from exc
         self._batches: queue.SimpleQueue[tuple[float, list]] = queue.SimpleQueue()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)

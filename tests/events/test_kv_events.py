@@ -10,7 +10,9 @@ import pytest
 
 from hicache import Engine, SamplingParams
 from hicache.config import HiCacheConfig
-from hicache.events import KVEventSubscriber, prompt_hashes
+from hicache.cache import KVEventRecorder
+from hicache.errors import UserError
+from hicache.events import KVEventPublisher, KVEventSubscriber, prompt_hashes
 from tests.conversations import make_conversations, run_turns
 from tests.disagg.pd import free_ports, scheduler_of
 
@@ -140,3 +142,17 @@ def test_after_a_restart_storage_serves_a_tenant_its_own_pages_only(served):
     assert tenant_b.cached_tokens_by_tier == {"device": 0, "host": 0, "storage": 0}
     assert tenant_a.cached_tokens_by_tier["storage"] == len(CONVS[0]["system"]) // PAGE * PAGE
     assert tenant_a.token_ids == tenant_b.token_ids  # the storage hit changed no token
+
+
+def test_an_endpoint_taken_or_malformed_is_a_clear_error():
+    recorder = KVEventRecorder(PAGE)
+    with pytest.raises(UserError, match="tcp://host:port"):
+        KVEventPublisher("127.0.0.1:5557", recorder)
+    endpoint = f"tcp://127.0.0.1:{free_ports(2)}"
+    first = KVEventPublisher(endpoint, recorder)
+    try:
+        with pytest.raises(UserError, match="cannot bind"):
+            KVEventPublisher(endpoint, KVEventRecorder(PAGE))
+    finally:
+        first.close()
+    assert not recorder.enabled  # closed: the cache records nothing more
