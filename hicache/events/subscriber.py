@@ -52,7 +52,8 @@ class KVEventSubscriber:
         return len(messages)
 
     def handle(self, frames: list[bytes]) -> None:
-        """Apply one batch, resynchronising first if it shows that something was missed."""
+        """Apply one batch, resynchronising first if it shows that something was missed. Raises
+        ValueError for a message that is not a batch of this version (wire.py), changing nothing."""
         batch = decode_batch(frames)
         self.page_size = batch.page_size
         if self.seq is None or batch.epoch != self.epoch or batch.seq > self.seq + 1:

@@ -132,8 +132,8 @@ def test_a_prompt_matches_only_under_its_own_salt(served):
 def test_with_the_flag_off_nothing_is_recorded_or_published():
     with Engine(model="tiny", page_size=PAGE) as engine:
         engine.generate([list(range(40, 100))], SamplingParams(max_new_tokens=4))
-        scheduler = engine.call_in_loop(lambda: scheduler_of(engine))
-        assert scheduler.kv_events is None
+        scheduler = scheduler_of(engine)
+        assert scheduler.kv_events is None and not scheduler.cache.events.enabled
         assert engine.call_in_loop(scheduler.cache.events.drain) == []
 
 
