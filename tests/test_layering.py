@@ -23,6 +23,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "model",  # reads the KV layout from mem
         "config debug",  # debug: the consensus checker and fault injection, below what they instrument
         "cache",
+        "events",  # KV events: what the cache stores and drops, published, and indexed by a subscriber
         "scheduler",
         "spec",  # speculative decoding: a way of computing the scheduler's steps, built on its model runner
         "disagg",  # prefill-decode roles of the scheduler, transports

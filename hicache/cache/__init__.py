@@ -23,17 +23,24 @@ from hicache.cache.build import (
 from hicache.cache.controller import TransferOp, Worker
 from hicache.cache.failed_loads import FailedLoads
 from hicache.cache.host_tier import WritePolicy
+from hicache.cache.kv_events import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventRecorder
 from hicache.cache.prefix_cache import PrefixCache
 from hicache.cache.stats import CacheStats, HostStats, PrefetchLoss, StorageTierStats, WorkerStats
 from hicache.cache.storage_tier import PrefetchPolicy
 
 __all__ = [
+    "MEDIA",
     "TIERS",
     "Admission",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
     "CacheStats",
     "FailedLoads",
     "HostStats",
     "KVCache",
+    "KVEvent",
+    "KVEventRecorder",
     "KVHandle",
     "KVState",
     "PrefetchLoss",

@@ -34,6 +34,7 @@ from hicache.cache.page_keys import PackedTokens
 
 if TYPE_CHECKING:
     from hicache.cache.failed_loads import FailedLoads
+    from hicache.cache.kv_events import KVEventRecorder
     from hicache.cache.radix import TreeNode
     from hicache.cache.stats import CacheStats
 
@@ -187,6 +188,9 @@ class KVCache(Protocol):
     are agreed across ranks inside the calls)."""
 
     page_size: int
+    # What the tiers store and drop, page by page (kv_events.py): off until a publisher turns it on
+    # and drains it once per step (hicache/events/).
+    events: KVEventRecorder
 
     def open(self, rid: int, prompt: Sequence[int], namespace: str) -> KVHandle:
         """A request arrived: its handle, WAITING. Changes the tree: no, not even the recency of its

@@ -36,6 +36,7 @@ from hicache.cache.controller import (
     WorkerFactory,
 )  # fmt: skip
 from hicache.cache.failed_loads import FailedLoads, IssuedLoad, LoadLedger
+from hicache.cache.kv_events import HOST
 from hicache.cache.page_budget import PageBudget
 from hicache.cache.page_keys import key_digest
 from hicache.cache.radix import MatchResult, RadixTree, TreeNode
@@ -167,6 +168,7 @@ class HostTier:
         for node in sorted(candidates, key=lambda n: (n.last_access, n.id)):
             if freed >= num_pages:
                 break
+            self.tree.events.removed(node, HOST)
             pages, node.host_pages = node.host_pages or [], None
             self.free(pages)
             freed += len(pages)
@@ -187,6 +189,7 @@ class HostTier:
             self.stats.backup_skipped_host_full_pages += len(node.device_pages)
             return
         node.host_pages = host_pages
+        self.tree.events.stored(node, HOST)
         node.backup_pending = True
         self.tree.lock(node)
         device_pages = list(node.device_pages)
@@ -224,6 +227,7 @@ class HostTier:
         # Synchronously: the device pages are about to be reused.
         self.copies.run(self.copies.fence(), lambda: self.host.backup(self.pool, device_pages, host_pages))
         node.host_pages = host_pages
+        self.tree.events.stored(node, HOST)
         self._count_backup(len(host_pages))
         return True
 
@@ -240,6 +244,7 @@ class HostTier:
         while node is not None and not node.is_root and node.backup_pending:
             node.backup_pending = False
             if op.failed:
+                self.tree.events.removed(node, HOST)
                 self.free(node.host_pages or [])
                 node.host_pages = None
             else:

@@ -78,6 +78,7 @@ class PrefixCache:
         self.pool = device.pool
         self.page_size = self.pool.page_size
         self.tree = device.tree
+        self.events = device.tree.events
         self.budget = device.budget
         # What `reserve` restores, judged by the host tier's ledger (nothing restores without one).
         self.restores = Restores(lower.host.ledger, lower.consensus) if lower is not None else Restores()

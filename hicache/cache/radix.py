@@ -13,15 +13,15 @@ Contracts:
 - Device eviction of a node that has a host copy keeps it as host-only; of a node without one removes it
   (with its host-only descendants). Host eviction removes host-only, unlocked leaves. Least recently
   used first in both.
-- `namespace` (a request's cache_salt) selects a separate root: different salts never share pages.
+- `namespace` (a request's cache_salt) selects a separate root, which seeds its page hash chain.
 - Keys are packed int64 bytes (hicache/cache/page_keys.py): a node's run is compared with the query in
   one memcmp, and a divergence is found by bisecting pages with memcmps, so no step loops over pages
   or tokens in Python. Children are keyed by their first page's bytes.
-- Recency is a logical clock, not wall time, so ranks that apply the same operations in the same order
-  make the same eviction choices. The candidates of each eviction are kept across calls
-  (radix_lru.py), so an eviction costs O(log tree) per node it takes, not O(tree) per call; every
-  change below that can make a node a candidate, or touches one, offers it there. `peek` reports what
-  a match would find and changes nothing of this (radix_walk.py): arrival and routing only look.
+- Recency is a logical clock, so ranks applying the same operations in the same order evict alike.
+  Eviction candidates are kept across calls (radix_lru.py): O(log tree) per node taken, not O(tree)
+  per call; every change that can make a node a candidate, or touches one, offers it there. `peek`
+  changes nothing of this (radix_walk.py): arrival and routing only look.
+- Every change of a node's pages on a tier is told to `events` (kv_events.py), where it happens.
 - Sharded pages (`num_classes` N > 1, hicache/parallel/placement.py): every shard rank keeps this same tree
   with the same logical page ids. A root's subtree has one rotation base (tree_node.py); an insert
   whose base differs from the cached path's is refused whole, never grafted. Evictable device pages
@@ -34,11 +34,13 @@ import itertools
 from collections import Counter
 from typing import Callable, Iterable, Iterator
 
+from hicache.cache.kv_events import DEVICE, HOST, KVEventRecorder
 from hicache.cache.page_keys import TOKEN_BYTES, Tokens, pack
 from hicache.cache.radix_lru import LRUCandidates
 from hicache.cache.radix_walk import Peek, matched_runs
 from hicache.cache.tree_node import InsertResult, MatchResult, TreeNode
 from hicache.debug.consensus_checker import consensus_checked
+from hicache.storage import salt_seed
 
 __all__ = ["InsertResult", "MatchResult", "PagesFn", "Peek", "RadixTree", "TreeNode"]
 
@@ -57,6 +59,7 @@ class RadixTree:
         self._clock = itertools.count(1)
         self._device_lru = LRUCandidates(self._device_leaf)
         self._host_lru = LRUCandidates(self._host_leaf)
+        self.events = KVEventRecorder(page_size)  # the cache's one recorder (kv_events.py)
         self.reset()
 
     def reset(self) -> None:
@@ -68,6 +71,7 @@ class RadixTree:
         self.protected_by_class = [0] * self.num_classes
         self._device_lru.clear()
         self._host_lru.clear()
+        self.events.cleared((DEVICE, HOST))
 
     # ---- queries -------------------------------------------------------------------------------
 
@@ -76,6 +80,7 @@ class RadixTree:
         if root is None:
             root = self._roots[namespace] = TreeNode(b"", [], None)
             root.lock_ref = 1  # roots are never evicted
+            root.hashes = [salt_seed(namespace)]  # its pages' hash chain starts from its salt
         return root
 
     def _child_key(self, key: bytes) -> bytes:
@@ -179,9 +184,6 @@ class RadixTree:
         for owner, n in Counter(map(self.num_classes.__rmod__, pages)).items():
             counts[owner] += sign * n
 
-    def _conflicts(self, path: list[TreeNode], rotation: int) -> bool:
-        return any(node.rotation != rotation for node in path)
-
     def insert(self, tokens: Tokens, pages: list[int], namespace: str = "", rotation: int = 0) -> InsertResult:
         """Cache `tokens` (a page multiple) whose KV lives in device `pages`, placed from rotation base
         `rotation`. Where the tree already has the KV on the device, its pages win and the caller frees
@@ -191,7 +193,7 @@ class RadixTree:
         if len(query) % self._page_bytes or len(pages) * self._page_bytes != len(query):
             raise ValueError("insert needs a page-aligned key and one page per page_size tokens")
         path = self._walk(query, namespace)
-        if self._conflicts(path, rotation):
+        if any(node.rotation != rotation for node in path):
             return InsertResult(list(pages), path[-1], refused=True)
         now = next(self._clock)
         tree_pages: list[int] = []
@@ -200,6 +202,7 @@ class RadixTree:
             if node.device_pages is None:
                 node.device_pages = list(pages[len(tree_pages) : len(tree_pages) + len(node.key) // self._page_bytes])
                 self._account_device(node, +1)
+                self.events.stored(node, DEVICE)
             tree_pages.extend(node.device_pages)
         parent = path[-1] if path else self._root(namespace)
         new_nodes = []
@@ -209,6 +212,7 @@ class RadixTree:
             child.last_access = now
             parent.children[self._child_key(child.key)] = child
             self._account_device(child, +1)
+            self.events.stored(child, DEVICE)
             tree_pages.extend(child.device_pages)  # type: ignore[arg-type]
             new_nodes.append(child)
             parent = child
@@ -225,7 +229,7 @@ class RadixTree:
         n_prefix = total - len(host_pages)
         path = self._walk(query, namespace)
         covered = sum(len(n.key) for n in path) // self._page_bytes
-        if covered < n_prefix or self._conflicts(path, rotation):
+        if covered < n_prefix or any(node.rotation != rotation for node in path):
             return list(host_pages)
         rejected: list[int] = []
         pos = 0  # page index along tokens
@@ -235,6 +239,7 @@ class RadixTree:
             mine = list(host_pages[max(pos, n_prefix) - n_prefix : max(pos + k - n_prefix, 0)])
             if node.host_pages is None and len(mine) == k:
                 node.host_pages = mine
+                self.events.stored(node, HOST)
             else:
                 rejected.extend(mine)
             pos += k
@@ -244,6 +249,7 @@ class RadixTree:
             child = TreeNode(bytes(query[covered * self._page_bytes :]), None, parent, rest, rotation=rotation)
             child.last_access = next(self._clock)
             parent.children[self._child_key(child.key)] = child
+            self.events.stored(child, HOST)
             self._host_lru.offer(child)
         return rejected
 
@@ -253,6 +259,7 @@ class RadixTree:
         assert node.parent is not None and (node.parent.is_root or node.parent.on_device)
         node.device_pages = list(device_pages)
         self._account_device(node, +1)
+        self.events.stored(node, DEVICE)
         self._device_lru.offer(node)
 
     def lock(self, node: TreeNode) -> None:
@@ -292,6 +299,7 @@ class RadixTree:
             if node.lock_ref > 0 or node.host_pages is None or any(c.on_device for c in node.children.values()):
                 continue
             self._account_device(node, -1)
+            self.events.removed(node, DEVICE)
             taken.extend(node.device_pages or [])
             node.device_pages = None
             self._host_lru.offer(node)
@@ -325,6 +333,7 @@ class RadixTree:
             self._account_device(node, -1)
             freed += len(pages)
             keep = node.backed_up or (keep_if is not None and keep_if(node))
+            self.events.removed(node, DEVICE)
             node.device_pages = None
             self._free_device(pages)
             parent = node.parent
@@ -344,6 +353,7 @@ class RadixTree:
             n = stack.pop()
             assert not n.on_device or n is node, "device residency must be a prefix of every path"
             if n.host_pages is not None and self._free_host is not None:
+                self.events.removed(n, HOST)
                 self._free_host(n.host_pages)
             n.host_pages = None  # gone from both tiers: a stale candidate entry must never look current
             stack.extend(n.children.values())

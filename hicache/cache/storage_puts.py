@@ -23,10 +23,12 @@ from typing import Iterable, Iterator, Sequence
 
 from hicache.cache.controller import Clock, TransferOp, Worker
 from hicache.cache.host_tier import HostTier
+from hicache.cache.kv_events import STORAGE
 from hicache.cache.radix import TreeNode
+from hicache.cache.tree_node import chain_hashes
 from hicache.cache.stats import StorageTierStats
 from hicache.mem.host_pool import PagePart
-from hicache.storage import VerifiedStore, page_hashes
+from hicache.storage import VerifiedStore
 
 RETRY_PROBE_INTERVAL_S = 1.0  # while the store is down, how often a retried put may find out it is back
 
@@ -59,6 +61,8 @@ class StoragePuts:
     def put(self, nodes: list[TreeNode]) -> TransferOp | None:
         """Queue the host copies of `nodes` for storage (the put, to wait for; None: nothing to put)."""
         pages = [page for node in nodes for page in self._own_pages(node)]
+        for node in nodes:  # the whole page, as every owner puts its part of it
+            self.tree.events.stored(node, STORAGE)
         self.stats.put_pages += len(pages)
         return self._submit(pages)
 
@@ -73,6 +77,7 @@ class StoragePuts:
             return None
         self._last_retry = now
         pages = self._unstored_pages(path)
+        self.tree.events.stored_pages([digest for digest, _ in pages], STORAGE)
         self.stats.put_retried_pages += len(pages)
         return self._submit(pages)
 
@@ -83,21 +88,11 @@ class StoragePuts:
         if self.unstored and (last := self._op(self._unstored_pages(self.tree.nodes()))) is not None:
             last.run(last)
 
-    def _node_hashes(self, node: TreeNode) -> list[bytes]:
-        """Chained storage hashes of a node's pages, computed once per node from its parent's."""
-        if node.hashes is None:
-            parent = node.parent
-            prior = None
-            if parent is not None and not parent.is_root:
-                prior = self._node_hashes(parent)[-1]
-            node.hashes = page_hashes(node.tokens, self.page_size, prior)
-        return node.hashes
-
     def _own_pages(self, node: TreeNode) -> Iterator[tuple[bytes, int]]:
         """(hash, host page) of the node's pages this rank writes: its own, once per distinct copy."""
         if not self.writes:
             return
-        for digest, page in zip(self._node_hashes(node), node.host_pages or []):
+        for digest, page in zip(chain_hashes(node, self.page_size), node.host_pages or []):
             if self.pool.owns(page):
                 yield digest, page
 
@@ -118,6 +113,7 @@ class StoragePuts:
         while self._failed:
             hashes = self._failed.popleft()
             self.stats.put_failed_pages += len(hashes)
+            self.tree.events.removed_pages(hashes, STORAGE)
             self.unstored.update(dict.fromkeys(hashes))
         for _ in range(len(self.unstored) - self.pool.allocator.num_pages):
             del self.unstored[next(iter(self.unstored))]

@@ -45,7 +45,7 @@ from hicache.cache.stores import part_store
 from hicache.config import HiCacheConfig
 from hicache.debug.consensus_checker import consensus_checked
 from hicache.parallel.consensus import Consensus
-from hicache.storage import StorageStats, VerifiedStore, page_hashes
+from hicache.storage import StorageStats, VerifiedStore, page_hashes, salt_seed
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ class StorageTier:
         start = match.device_pages + match.host_pages
         if (total - start) * self.page_size < max(self.threshold, 1):
             return
-        hashes = page_hashes(ids[: total * self.page_size], self.page_size)[start:]
+        hashes = page_hashes(ids[: total * self.page_size], self.page_size, salt_seed(namespace))[start:]
         prefetch = Prefetch(rid, hashes, start, self.clock())
         consensus = self.consensus
         # A path the tree has fixes the base; a new prefix may have been stored from any (unified

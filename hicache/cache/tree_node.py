@@ -7,6 +7,8 @@ sharded over N ranks (hicache/parallel/placement.py): page P of the path from th
 to both halves, an insert that would mix two is refused). At N = 1 it is always 0.
 
 `key` is the node's run packed as int64 bytes (hicache/cache/page_keys.py); `tokens` unpacks it.
+`hashes` are its pages' chained storage hashes (hicache/storage/keys.py), computed once, when storage or
+the KV events first need them; a root's is the chain's seed, its namespace's `salt_seed`.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from dataclasses import dataclass, field
 from itertools import chain
 
 from hicache.cache.page_keys import num_tokens, unpack
+from hicache.storage import page_hashes
 
 
 class TreeNode:
@@ -78,6 +81,21 @@ class TreeNode:
             f"TreeNode(id={self.id}, tokens={self.num_tokens}, lock_ref={self.lock_ref}, "
             f"device={self.device_pages is not None}, host={self.host_pages is not None})"
         )
+
+
+def chain_hashes(node: TreeNode, page_size: int) -> list[bytes]:
+    """The chained page hashes of a non-root node's pages, each continuing its parent's chain (seeded by
+    its root: its namespace's salt), computed once per node: down from the nearest ancestor that has
+    them, so the cost is one SHA-256 per page never hashed before, whatever the depth."""
+    unhashed = []
+    while node.hashes is None:
+        unhashed.append(node)
+        node = node.parent  # type: ignore[assignment]  # a root always has its seed
+    prior = node.hashes[-1]
+    for n in reversed(unhashed):
+        n.hashes = page_hashes(n.tokens, page_size, prior)
+        prior = n.hashes[-1]
+    return unhashed[0].hashes if unhashed else node.hashes  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)

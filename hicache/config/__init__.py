@@ -294,6 +294,7 @@ class EngineConfig(FromArgs):
     disable_radix_cache: bool = False
     default_max_new_tokens: int = 128
     request_timeout: float = 0.0  # seconds from submission; 0: none
+    kv_events_endpoint: str | None = None  # tcp://host:port of the KV events PUB socket (hicache/events/)
     # False: plain F.linear without the batch-invariant call shapes, for benchmarks that measure what
     # invariance costs (no CLI flag: a prefix cache on plain ops can change answers).
     batch_invariant_ops: bool = True

@@ -29,6 +29,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse at all")
     g.add_argument("--request-timeout", type=float, default=d.request_timeout,
                    help="fail a request not finished this many seconds after submission (0: never)")
+    g.add_argument("--kv-events-endpoint", default=None,
+                   help="publish what the cache stores and drops per tier on a ZeroMQ PUB socket bound here "
+                        "(tcp://host:port; snapshots for resynchronising on port + 1); off by default")
     h = HiCacheConfig()
     t = parser.add_argument_group("hierarchical cache")
     t.add_argument("--enable-hierarchical-cache", action="store_true", help="add the host-memory tier")

@@ -11,6 +11,7 @@ from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker
 from hicache.disagg.roles import pd_role, radix_enabled
 from hicache.errors import UserError
+from hicache.events import KVEventPublisher
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.build import build_decoder, resolve_quantization, with_weight_format
 from hicache.model.config import LoadedModel, ModelConfig
@@ -84,7 +85,11 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
     compute = build_decoder_for(cfg, runner, draft, cache, context) if draft is not None else None
     # The scheduler's parts: how a step is computed (plain or speculative) and its P/D role, if any.
     role = pd_role(cfg, runner, pctx, loaded.identity)
-    scheduler = Scheduler(cfg, runner, cache, loaded.tokenizer, context, checker, compute, role)
+    # Every rank of the tree-sharing group keeps the same tree: rank 0 publishes for them.
+    kv_events = None
+    if cfg.kv_events_endpoint and pctx.rank == 0:
+        kv_events = KVEventPublisher(cfg.kv_events_endpoint, cache.events)
+    scheduler = Scheduler(cfg, runner, cache, loaded.tokenizer, context, checker, compute, role, kv_events)
     checker.instrument(scheduler)
     if compute is not None:
         checker.instrument(compute)  # speculative acceptance, the same on every rank

@@ -33,6 +33,7 @@ from hicache.cache import FailedLoads, KVCache, KVState
 from hicache.config import EngineConfig
 from hicache.debug.consensus_checker import ConsensusChecker, consensus_checked
 from hicache.errors import RequestTooLargeError
+from hicache.events import KVEventPublisher
 from hicache.model.tokenizer import Tokenizer
 from hicache.scheduler.model_runner import ModelRunner, StepCompute, WorkItem
 from hicache.scheduler.request import FinishReason, Request, RequestEvent, TokenLogprob
@@ -105,10 +106,12 @@ class Scheduler:
         checker: ConsensusChecker | None = None,
         compute: StepCompute | None = None,
         role: Role | None = None,
+        kv_events: KVEventPublisher | None = None,
     ) -> None:
         """`compute`: how a step's work is computed (speculative decoding, hicache/spec/); the runner's
         plain forward pass by default. `role`: a P/D role (hicache/disagg/roles.py); None serves a
-        request here from its prompt to its end."""
+        request here from its prompt to its end. `kv_events`: publishes what each step's cache changes
+        stored and dropped (--kv-events-endpoint)."""
         self.cfg = cfg
         self.checker = checker if checker is not None else ConsensusChecker(env={})
         self.runner = runner
@@ -120,6 +123,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.role = role
+        self.kv_events = kv_events
 
     # ---- intake --------------------------------------------------------------------------------
 
@@ -151,6 +155,15 @@ class Scheduler:
     # ---- one step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestEvent]:
+        events = self._step()
+        self._publish_kv_events()
+        return events
+
+    def _publish_kv_events(self) -> None:
+        if self.kv_events is not None:
+            self.kv_events.publish()
+
+    def _step(self) -> list[RequestEvent]:
         events = self.role.intake(self) if self.role is not None else []
         self.cache.check()
         events += self._drop_aborted()
@@ -337,6 +350,7 @@ class Scheduler:
         if self.has_work:
             return False
         self.cache.flush()
+        self._publish_kv_events()
         return True
 
     def leak_report(self) -> list[str]:
@@ -348,3 +362,5 @@ class Scheduler:
         """Stop what this scheduler started besides the cache (a P/D role's transfer endpoint)."""
         if self.role is not None:
             self.role.close()
+        if self.kv_events is not None:
+            self.kv_events.close()

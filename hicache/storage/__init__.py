@@ -16,7 +16,7 @@ from hicache.errors import UserError
 from hicache.storage.backend import StorageBackend, StorageUnavailable
 from hicache.storage.codec import CorruptObject, decode, encode
 from hicache.storage.file_backend import FileBackend, default_storage_dir
-from hicache.storage.keys import Namespace, pack_u32, page_hashes
+from hicache.storage.keys import Namespace, pack_u32, page_hashes, salt_seed
 from hicache.storage.redis_backend import DEFAULT_URL, RedisBackend
 from hicache.storage.store import StorageStats, VerifiedStore
 from hicache.storage.unified_store import UnifiedStore
@@ -40,6 +40,7 @@ __all__ = [
     "make_backend",
     "pack_u32",
     "page_hashes",
+    "salt_seed",
 ]
 
 

@@ -22,6 +22,7 @@ import numpy as np
 
 HASH_BYTES = 32  # SHA-256
 ROOT_HASH = bytes(HASH_BYTES)  # digest_{-1}: the chain's seed, the "parent" of the first page
+SALT_DOMAIN = b"hicache/cache_salt/v1\0"  # keeps a salted seed from equalling any page digest
 NAMESPACE_DIGEST_HEX = 16  # 64 bits: collisions between namespaces a deployment actually uses are negligible
 
 
@@ -52,6 +53,17 @@ def page_hashes(tokens: Sequence[int] | np.ndarray, page_size: int, prior: bytes
         prev = h.digest()
         out.append(prev)
     return out
+
+
+def salt_seed(cache_salt: str) -> bytes:
+    """The digest a request's chain starts from (`prior` of its first page): ROOT_HASH without a salt, so
+    unsalted keys stay as they were; else SHA-256 over a domain tag, the salt's length and its UTF-8
+    bytes (framed, so no salt's seed equals another's or an unsalted page's digest). Tenants with
+    different salts never share a page hash on any tier, nor in the KV events (hicache/events/)."""
+    if not cache_salt:
+        return ROOT_HASH
+    salt = cache_salt.encode()
+    return hashlib.sha256(SALT_DOMAIN + len(salt).to_bytes(8, "little") + salt).digest()
 
 
 def pack_u32(tokens: Sequence[int] | np.ndarray) -> np.ndarray:

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from hicache.storage.keys import ROOT_HASH, Namespace, page_hashes
+from hicache.storage.keys import ROOT_HASH, Namespace, page_hashes, salt_seed
 
 TOKENS = st.lists(st.integers(0, 2**32 - 1), max_size=200)
 PAGE = st.sampled_from([1, 2, 3, 4, 16])
@@ -144,3 +144,15 @@ def test_hashes_are_pinned() -> None:
     assert page_hashes(_PINNED_TOKENS, 16, prior)[-1].hex() == (
         "ac3bc0ba7dad367a0a9d01920781a296bf296841ea7da8096b5a86461463f57c"
     )
+
+
+@given(TOKENS, PAGE, st.text(min_size=1, max_size=20), st.text(max_size=20))
+def test_a_cache_salt_gives_every_page_its_own_key(tokens, page_size, salt, other):
+    """Unsalted keys are what they always were; a salted chain shares no key with the unsalted one or
+    with another salt's (framed and domain-separated, so no salt's seed is another's)."""
+    assert page_hashes(tokens, page_size, salt_seed("")) == reference_chain(tokens, page_size)
+    salted = page_hashes(tokens, page_size, salt_seed(salt))
+    assert not set(salted) & set(reference_chain(tokens, page_size))
+    if other != salt:
+        assert not set(salted) & set(page_hashes(tokens, page_size, salt_seed(other)))
+    assert salted == page_hashes(tokens, page_size, salt_seed(salt))  # every server computes the same
