@@ -554,7 +554,9 @@ def where_time_goes(model: str, fmt: Format) -> None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2"])
-    parser.add_argument("--quantizations", nargs="+", default=["none", "auto", "int8", "int4"], choices=quant.QUANTIZATIONS)
+    parser.add_argument(
+        "--quantizations", nargs="+", default=["none", "auto", "int8", "int4"], choices=quant.QUANTIZATIONS
+    )
     parser.add_argument(
         "--dtypes",
         nargs="+",
@@ -596,7 +598,9 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"Limits measured in this run: copy of {s.copy_bytes >> 20} MiB {copy:.1f} GB/s counted as read + write "
         f"({copy / 2:.1f} GB/s copied); F.linear "
-        + ", ".join(f"{n}^2 {short} {gflops:.3g} GFLOP/s" for short, (gflops, n) in zip(("bf16", "fp32"), gemms.values()))
+        + ", ".join(
+            f"{n}^2 {short} {gflops:.3g} GFLOP/s" for short, (gflops, n) in zip(("bf16", "fp32"), gemms.values())
+        )
         + "."
     )
     dtypes = list(

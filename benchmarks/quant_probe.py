@@ -3,7 +3,8 @@
 For smollm2's linear shapes it measures, per weight format (bf16 F.linear, int8 per-channel
 `aten._weight_int8pack_mm`, int4 group-32 `aten._weight_int4pack_mm_for_cpu`):
 
-1. time per call at M = 1, 8, 32, 512 rows (dense = F.linear on a weight in the activation dtype) and the weight bytes each call reads, against the
+1. time per call at M = 1, 8, 32, 512 rows (dense = F.linear on a weight in the activation dtype) and the weight
+   bytes each call reads, against the
    bandwidth of a 256 MB tensor copy (bytes moved = read + write);
 2. row invariance: whether each row of a 64-row reference call equals, bit for bit, the same row
    computed alone (M=1, every row) and inside calls of 1..16, 37 and 517 rows at offsets 0 and 37
@@ -316,7 +317,8 @@ def main() -> None:
 
         if not args.skip_invariance:
             print(
-                f"\n== 2. row invariance, activations {aname}: call sizes (rows@offset) that differ from the {REFERENCE_ROWS}-row call =="
+                f"\n== 2. row invariance, activations {aname}: call sizes (rows@offset) that differ from the "
+                f"{REFERENCE_ROWS}-row call =="
             )
             for sname, (n, k) in SHAPES.items():
                 for cls in kernels:

@@ -42,7 +42,8 @@ def main() -> None:
     n = len(prompt) // args.page_size * args.page_size
     tree.insert(prompt[:n], list(range(n // args.page_size)))
     print(
-        f"| admission match, prompt list sliced and packed each step | {best_ms(lambda: tree.match_prefix(prompt[: len(prompt) - 1], count_hit=True)):.2f} ms |"
+        f"| admission match, prompt list sliced and packed each step | "
+        f"{best_ms(lambda: tree.match_prefix(prompt[: len(prompt) - 1], count_hit=True)):.2f} ms |"
     )
     try:
         from hicache.cache.page_keys import PackedTokens, pack
@@ -50,13 +51,15 @@ def main() -> None:
         from hicache.scheduler.scheduler import common_prefix_len
 
         print(
-            f"| in-batch prefix check, 64-token list slices | {best_ms(lambda: common_prefix_len(prompt, other)):.2f} ms |"
+            f"| in-batch prefix check, 64-token list slices | "
+            f"{best_ms(lambda: common_prefix_len(prompt, other)):.2f} ms |"
         )
         return
     packed, packed_other = PackedTokens(prompt), PackedTokens(other)
     view = packed.view(len(prompt) - 1)
     print(
-        f"| admission match, from the handle's packed prompt | {best_ms(lambda: tree.match_prefix(view, count_hit=True)):.3f} ms |"
+        f"| admission match, from the handle's packed prompt | "
+        f"{best_ms(lambda: tree.match_prefix(view, count_hit=True)):.3f} ms |"
     )
     print(f"| packing the prompt (once per request) | {best_ms(lambda: PackedTokens(prompt), repeat=3):.2f} ms |")
     print(f"| in-batch prefix check, packed prompts | {best_ms(lambda: packed.common_prefix(packed_other)):.3f} ms |")
@@ -64,7 +67,10 @@ def main() -> None:
     n = len(sequence) // args.page_size * args.page_size
     print(f"| release key, the whole sequence converted | {best_ms(lambda: pack(sequence[:n]), repeat=3):.2f} ms |")
     if hasattr(packed, "prefix_of"):
-        print(f"| release key, packed prompt + output converted | {best_ms(lambda: packed.prefix_of(sequence, n)):.2f} ms |")
+        print(
+            f"| release key, packed prompt + output converted | "
+            f"{best_ms(lambda: packed.prefix_of(sequence, n)):.2f} ms |"
+        )
 
 
 if __name__ == "__main__":

@@ -62,13 +62,19 @@ def main() -> None:
     args = parser.parse_args()
     reference = json.loads(SMOLLM2_REFERENCE.read_text())
     print(f"smollm2, {args.dtype} activations, teacher-forced over the reference fixture\n")
-    print("| --quantization | steps | top-1 agreement | top-5 overlap | max / mean abs logprob diff | max regret | pick outside ref top-5 |")
+    print(
+        "| --quantization | steps | top-1 agreement | top-5 overlap | max / mean abs logprob diff | max regret "
+        "| pick outside ref top-5 |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for fmt in args.formats:
         with Engine(model="smollm2", dtype=args.dtype, quantization=fmt, max_total_tokens=4096) as engine:
             a = agreement(engine, reference)
-        print(f"| {fmt} | {a['steps']} | {a['top1']:.3f} | {a['top5_overlap']:.3f} | "
-              f"{a['max_logprob_diff']:.3f} / {a['mean_logprob_diff']:.3f} | {a['max_regret']:.3f} | {a['outside_top5']} |")
+        print(
+            f"| {fmt} | {a['steps']} | {a['top1']:.3f} | {a['top5_overlap']:.3f} | "
+            f"{a['max_logprob_diff']:.3f} / {a['mean_logprob_diff']:.3f} | {a['max_regret']:.3f} | "
+            f"{a['outside_top5']} |"
+        )
 
 
 if __name__ == "__main__":

@@ -214,7 +214,9 @@ class Engine:
         `hicache router`; ignored by a server that does everything itself)."""
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
-        max_new = params.max_new_tokens or min(self.config.default_max_new_tokens, max(1, self.context_length - len(ids)))
+        max_new = params.max_new_tokens or min(
+            self.config.default_max_new_tokens, max(1, self.context_length - len(ids))
+        )
         check_request_fits(self.config, self.context_length, len(ids), max_new)
         mode = self.config.disagg.disaggregation_mode
         if self.config.disagg.enabled and bootstrap is None:
@@ -301,7 +303,6 @@ class Engine:
     def disagg_stats(self) -> DisaggStats | None:
         """P/D transfer counters (None on a server without a role)."""
         return self.snapshot().disagg
-
 
     def on_fatal(self, callback: Callable[[str], None]) -> None:
         """Call `callback(reason)` (from a background thread) if a rank dies or ranks diverge."""

@@ -44,7 +44,9 @@ def run_router(args: argparse.Namespace) -> int:
     pairing = asyncio.run(find())
     # No read timeout: a long generation is the client's to give up on (it disconnects; both halves cancel).
     timeout = httpx.Timeout(connect=10.0, read=None, write=60.0, pool=None)
-    client = httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=128))
+    client = httpx.AsyncClient(
+        timeout=timeout, limits=httpx.Limits(max_connections=None, max_keepalive_connections=128)
+    )
     app = create_router_app(pairing, client)
     server = uvicorn.Server(uvicorn.Config(app, log_config=None, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S))
     host, port = sock.getsockname()[:2]
@@ -61,12 +63,26 @@ def add_router_command(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "router", help="OpenAI-compatible front of a prefill-decode deployment (pairs a prefill and a decode server)"
     )
-    p.add_argument("--prefill", action="append", required=True, metavar="URL",
-                   help="a server started with --disaggregation-mode prefill (repeat for several)")
-    p.add_argument("--decode", action="append", required=True, metavar="URL",
-                   help="a server started with --disaggregation-mode decode (repeat for several)")
+    p.add_argument(
+        "--prefill",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a server started with --disaggregation-mode prefill (repeat for several)",
+    )
+    p.add_argument(
+        "--decode",
+        action="append",
+        required=True,
+        metavar="URL",
+        help="a server started with --disaggregation-mode decode (repeat for several)",
+    )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--startup-timeout", type=float, default=120.0,
-                   help="seconds to wait for every server to answer before giving up")
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=120.0,
+        help="seconds to wait for every server to answer before giving up",
+    )
     p.set_defaults(func=run_router)

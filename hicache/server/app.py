@@ -57,7 +57,9 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
     async def health() -> Response:
         if client.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
-        return JSONResponse({"status": "ok", "batch_invariance": engine.invariance, "weight_format": engine.weight_format})
+        return JSONResponse(
+            {"status": "ok", "batch_invariance": engine.invariance, "weight_format": engine.weight_format}
+        )
 
     @app.get("/v1/models")
     async def models() -> Response:

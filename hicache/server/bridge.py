@@ -61,7 +61,11 @@ class Generation:
         self.choices: list[Choice] = []
 
     def _submit(
-        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams, cache_salt: str, bootstrap: Bootstrap | None
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams,
+        cache_salt: str,
+        bootstrap: Bootstrap | None,
     ) -> None:
         engine = self._client.engine
         try:

@@ -41,7 +41,9 @@ class _EngineCollector(Collector):
         yield used
         yield capacity
         resident = GaugeMetricFamily(
-            "hicache_kv_resident_bytes", "KV bytes each rank holds (its own pages when sharded)", labels=["rank", "tier"]
+            "hicache_kv_resident_bytes",
+            "KV bytes each rank holds (its own pages when sharded)",
+            labels=["rank", "tier"],
         )
         for rank, tiers in snap.kv_bytes_by_rank.items():
             for tier, n in tiers.items():
@@ -67,10 +69,14 @@ def _tier_counters(stats: CacheStats) -> Iterator[Metric]:
     every lost page was lost. Label values are the typed fields' names (storage ones prefixed
     `storage_`), so the series keep their names as the tiers gain counters."""
     lost = CounterMetricFamily(
-        "hicache_prefetch_lost_pages", "pages found in storage that did not serve a request, by reason", labels=["reason"]
+        "hicache_prefetch_lost_pages",
+        "pages found in storage that did not serve a request, by reason",
+        labels=["reason"],
     )
     stages = CounterMetricFamily(
-        "hicache_prefetch_pages", "storage prefetch lifecycle: queried, hit, allocated, read, inserted", labels=["stage"]
+        "hicache_prefetch_pages",
+        "storage prefetch lifecycle: queried, hit, allocated, read, inserted",
+        labels=["stage"],
     )
     events = CounterMetricFamily("hicache_cache_events", "cache tier counters (transfers, storage)", labels=["event"])
     counts: dict[str, int] = {}

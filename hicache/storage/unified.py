@@ -96,10 +96,13 @@ class Grid:
     def __post_init__(self) -> None:
         g = self.geometry
         if not 0 < self.layer_partition <= g.num_layers:
-            raise UserError(f"--hicache-storage-layer-partition must be in 1..{g.num_layers}, got {self.layer_partition}")
+            raise UserError(
+                f"--hicache-storage-layer-partition must be in 1..{g.num_layers}, got {self.layer_partition}"
+            )
         if not g.latent and (self.head_partition <= 0 or g.num_kv_heads % self.head_partition):
             raise UserError(
-                f"--hicache-storage-head-partition {self.head_partition} must divide the model's {g.num_kv_heads} KV heads"
+                f"--hicache-storage-head-partition {self.head_partition} must divide the model's "
+                f"{g.num_kv_heads} KV heads"
             )
 
     @cached_property

@@ -162,7 +162,12 @@ def test_the_checker_records_every_admission_decision(tmp_path, monkeypatch):
     admit = by_call["PrefixCache.admit"]
     assert admit["params"] == {"rid": 7, "total_pages": 5, "reserved_elsewhere": 0}
     nothing_cached = {"device": 0, "host": 0, "storage": 0}
-    assert admit["result"] == {"result": True, "kv_len": 0, "cached_tokens_by_tier": nothing_cached, "reserved_pages": 5}
+    assert admit["result"] == {
+        "result": True,
+        "kv_len": 0,
+        "cached_tokens_by_tier": nothing_cached,
+        "reserved_pages": 5,
+    }
     assert by_call["PrefixCache.release"]["params"] == {"rid": 7, "kv_len": len(A)}
     assert by_call["PrefixCache.ready_to_admit"]["params"] == {"rid": 7, "busy": False}
     assert by_call["StorageTier.consume"]["params"] == {"rid": 7}

@@ -13,7 +13,11 @@ from hicache.mem.kv_layout import KVLayout
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
     "device_pages,host_pages",
-    [(list(range(2, 12)), list(range(5, 15))), ([9, 1, 4, 7, 0], [3, 12, 6, 0, 10]), ([3, 4, 5, 9, 10], [0, 1, 2, 7, 8])],
+    [
+        (list(range(2, 12)), list(range(5, 15))),
+        ([9, 1, 4, 7, 0], [3, 12, 6, 0, 10]),
+        ([3, 4, 5, 9, 10], [0, 1, 2, 7, 8]),
+    ],
     ids=["runs", "scattered", "mixed"],
 )
 def test_backup_and_load_move_whole_pages(layout, device_pages, host_pages):
@@ -30,9 +34,9 @@ def test_backup_and_load_move_whole_pages(layout, device_pages, host_pages):
         host.load_layer(device, layer, host_pages, targets)
     for layer in range(3):
         for src, dst in zip(device_pages, targets):
-            assert torch.equal(
-                device.pages_of_layer(layer)[dst], original[layer].view(16, -1)[src]
-            ), f"layer {layer} page {src}->{dst}"
+            assert torch.equal(device.pages_of_layer(layer)[dst], original[layer].view(16, -1)[src]), (
+                f"layer {layer} page {src}->{dst}"
+            )
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -60,7 +60,9 @@ def model(request, loaded):
 
 
 def _pool(model, regions: int, region: int) -> DeviceKVPool:
-    return DeviceKVPool(model.kv_layout, model.num_local_layers, regions * region // PAGE, PAGE, model.dtype, model.device)
+    return DeviceKVPool(
+        model.kv_layout, model.num_local_layers, regions * region // PAGE, PAGE, model.dtype, model.device
+    )
 
 
 def _first_difference(whole: torch.Tensor, got: torch.Tensor) -> str:

@@ -5,8 +5,9 @@ activations, its next-token distribution stays close to the reference's, step by
 Measured (benchmarks/reference_agreement.py, AMD EPYC AVX512-BF16, 64 teacher-forced steps): dense
 bf16 top-1 0.984, top-5 overlap 0.991; checkpoint formats 0.953 / 0.969, max regret 0.179 nats (an
 exact tie of two bf16 logits, broken towards the lower id), every pick inside the reference's top-5;
-everything int8 0.938 / 0.944; everything int4 (the head too) 0.812 / 0.884. The bounds leave room for other CPUs' kernels, not for a broken format (a
-scrambled nibble order or a dropped zero point puts most picks outside the top-5)."""
+everything int8 0.938 / 0.944; everything int4 (the head too) 0.812 / 0.884. The bounds leave room
+for other CPUs' kernels, not for a broken format (a scrambled nibble order or a dropped zero point puts
+most picks outside the top-5)."""
 
 import json
 

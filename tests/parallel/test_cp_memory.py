@@ -61,7 +61,9 @@ def test_admission_keeps_every_gather_within_the_scratch_budget():
     for rank, s in stats.items():
         assert 0 < s.most_per_owner <= budget // PAGE, (rank, s)
     # Two buffers of N ranks x the budget's pages of one layer (tiny's bf16/fp32 row of 128 elements).
-    assert len(set(scratch.values())) == 1 and next(iter(scratch.values())) in {2 * 2 * budget * 128 * n for n in (2, 4)}
+    assert len(set(scratch.values())) == 1 and next(iter(scratch.values())) in {
+        2 * 2 * budget * 128 * n for n in (2, 4)
+    }
 
 
 @pytest.fixture(scope="module")

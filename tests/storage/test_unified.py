@@ -53,7 +53,10 @@ def test_seed_example_tp2_pp1_reader_needs_four_per_rank():
     # Whole objects, laid end to end in the reader's host page (group major, then layers).
     lb = SEED_GRID.layer_bytes(64, 2)
     assert [(s.offset, s.length, s.local_offset) for s in tp0] == [
-        (0, 30 * lb, 0), (0, 30 * lb, 30 * lb), (0, 30 * lb, 60 * lb), (0, 30 * lb, 90 * lb)
+        (0, 30 * lb, 0),
+        (0, 30 * lb, 30 * lb),
+        (0, 30 * lb, 60 * lb),
+        (0, 30 * lb, 90 * lb),
     ]
     assert u.local_page_bytes(SEED_GRID, u.shard_of(SEED, 2, 0, 1, 0), 64, 2) == 120 * lb
 
@@ -144,7 +147,9 @@ def test_a_grid_the_model_cannot_hold_is_refused():
 def topologies(draw):
     heads = draw(st.sampled_from([1, 2, 4, 8]))
     geo = u.KVGeometry(draw(st.integers(1, 24)), heads, 2, latent=draw(st.booleans()))
-    grid = u.Grid(geo, draw(st.integers(1, geo.num_layers)), draw(st.sampled_from([h for h in (1, 2, 4, 8) if heads % h == 0])))
+    grid = u.Grid(
+        geo, draw(st.integers(1, geo.num_layers)), draw(st.sampled_from([h for h in (1, 2, 4, 8) if heads % h == 0]))
+    )
     tp = draw(st.sampled_from([t for t in (1, 2, 4, 8) if heads % t == 0]))
     pp = draw(st.integers(1, geo.num_layers))
     return grid, tp, pp
@@ -171,8 +176,10 @@ def test_spans_tile_each_rank_page_and_the_grid(topology, page_size, itemsize):
     for t in range(tp):
         for p in range(pp):
             shard = u.shard_of(geo, tp, t, pp, p)
-            if not geo.latent and any(not set(grid.group_heads(g)) <= set(shard.heads) and
-                                      set(grid.group_heads(g)) & set(shard.heads) for g in grid.groups):
+            if not geo.latent and any(
+                not set(grid.group_heads(g)) <= set(shard.heads) and set(grid.group_heads(g)) & set(shard.heads)
+                for g in grid.groups
+            ):
                 continue  # a rank that cuts a head group reads nothing (refused); covered elsewhere
             spans = u.reads(grid, shard, page_size, itemsize)
             lb = grid.layer_bytes(page_size, itemsize)

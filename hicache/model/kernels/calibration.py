@@ -7,8 +7,9 @@ change of summation order shows in the output. Candidates are tried in order of 
 reordered weight, then `F.linear`, each with the smallest granule in GRANULES that passes, then
 fixed TILE-row tiles. A quantized weight (int8/int4 codes) is planned on its format's kernel alone,
 with probe codes built the same way (`probe_quantized`): one kernel serves it at every row count.
-What was found is kept in a JSON file per platform fingerprint (torch build, CPU or GPU model, the ISA and reproducibility variables that steer MKL and oneDNN, thread count), so
-a restart does not measure again; the start-up self-check still verifies the assembled model.
+What was found is kept in a JSON file per platform fingerprint (torch build, CPU or GPU model, the ISA and
+reproducibility variables that steer MKL and oneDNN, thread count), so a restart does not measure again;
+the start-up self-check still verifies the assembled model.
 """
 
 from __future__ import annotations
@@ -37,7 +38,13 @@ SMALL_ROWS = range(1, 17)
 OFFSETS = (0, 37)  # an odd offset puts a row at another position of its call than in the reference
 LARGE_ROWS = 517  # an odd count: the large-call kernels and their remainder handling
 # Environment variables that change which kernels MKL and oneDNN run.
-NUMERICS_ENV = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR", "MKL_DEBUG_CPU_TYPE", "ONEDNN_MAX_CPU_ISA")
+NUMERICS_ENV = (
+    "ATEN_CPU_CAPABILITY",
+    "MKL_ENABLE_INSTRUCTIONS",
+    "MKL_CBWR",
+    "MKL_DEBUG_CPU_TYPE",
+    "ONEDNN_MAX_CPU_ISA",
+)
 
 
 class NoInvariantPlan(RuntimeError):
@@ -243,8 +250,8 @@ class LinearPlanner:
             n, k = shape
             alone, stacked = self.plan(shape, weight_format), self.plan((count * n, k), weight_format)
             self._stacks[key] = rows_stack(shape, count, self.dtype, self.device, alone, stacked)
-            logger.info("linear %dx %s stacked %s: %s", count, self._key(shape, weight_format), "as one call" if
-                        self._stacks[key] else "in separate calls (one call rounds otherwise)", stacked.describe())  # fmt: skip
+            how = "as one call" if self._stacks[key] else "in separate calls (one call rounds otherwise)"
+            logger.info("linear %dx %s stacked %s: %s", count, self._key(shape, weight_format), how, stacked.describe())
         return self._stacks[key]
 
     def forget(self) -> None:

@@ -76,8 +76,8 @@ class QuantizedWeight:
             g = slice(start // self.group, -(-stop // self.group))
             codes, scale = codes[:, start:stop], scale[:, g]
             offset = None if offset is None else offset[:, g]
-        return QuantizedWeight(codes.contiguous(), scale.contiguous(),
-                               None if offset is None else offset.contiguous(), self.group, self.bits, self.source)  # fmt: skip
+        offset = None if offset is None else offset.contiguous()
+        return QuantizedWeight(codes.contiguous(), scale.contiguous(), offset, self.group, self.bits, self.source)
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
