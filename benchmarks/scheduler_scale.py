@@ -35,6 +35,8 @@ HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGE = 16
 AIM_MS = 1.0  # issue 22: the per-request scheduler cost at 100K tokens, a step
 PHASES = ("check", "schedule", "batch", "plan", "sample", "rest")
+TURN = 1024  # an arriving request's new tokens after its cached history
+ARRIVALS = 3
 
 
 def measure(requests: int, context: int, steps: int) -> dict:
@@ -54,10 +56,10 @@ def measure(requests: int, context: int, steps: int) -> dict:
     from hicache.scheduler.request import Request, SamplingParams
     from hicache.scheduler.scheduler import Scheduler
 
-    decode_tokens = requests + steps + 4  # the first requests decode while the last ones prefill
-    pages = requests * -(-(context + decode_tokens) // PAGE)
+    decode_tokens = requests + steps + ARRIVALS + 4  # the first requests decode while the last ones prefill
+    pages = requests * -(-(context + decode_tokens) // PAGE) + ARRIVALS * -(-(TURN + 1) // PAGE)
     cfg = EngineConfig(model="tiny", page_size=PAGE, max_total_tokens=pages * PAGE, chunked_prefill_size=context,
-                       max_running_requests=requests, device="cpu")  # fmt: skip
+                       max_running_requests=requests + 1, device="cpu")  # fmt: skip
     loaded, pctx = load_tiny(), ParallelContext()
     model = build_decoder(loaded, pctx, cfg.resolved_dtype(), cfg.resolved_device(), invariant=cfg.batch_invariant_ops)
     # No layer: the step's layers do not run, and a pool of them would hold 2 KiB a token never read.
@@ -96,27 +98,36 @@ def measure(requests: int, context: int, steps: int) -> dict:
     checker.instrument(scheduler)
     scheduler._schedule = timed("schedule", scheduler._schedule)
     cache.check = timed("check", cache.check)
-    params = SamplingParams(max_new_tokens=decode_tokens, ignore_eos=True)
     vocab = model.cfg.vocab_size
-    for r in range(requests):  # prompts sharing no prefix: each request holds its own pages
-        prompt = [(i * 7919 + r * 104729 + r) % (vocab - 2) + 1 for i in range(context)]
-        scheduler.add(Request(prompt, params, decode_tokens))
+
+    def tokens(n: int, salt: int) -> list[int]:
+        return [(i * 7919 + salt * 104729 + salt) % (vocab - 2) + 1 for i in range(n)]
+
+    prompts = [tokens(context, r) for r in range(requests)]  # no shared prefix: each holds its own pages
+    for prompt in prompts:
+        scheduler.add(Request(prompt, SamplingParams(max_new_tokens=decode_tokens, ignore_eos=True), decode_tokens))
     while any(req.in_prefill for req in scheduler.running) or scheduler.waiting:
         scheduler.step()
     compute.setting_up = False
-    per_step: dict[str, list[float]] = {phase: [] for phase in (*PHASES, "total")}
-    for i in range(steps + 2):
+
+    def step(events_expected: int) -> dict[str, float]:
         timings.clear()
         started = time.perf_counter()
         events = scheduler.step()
         total = time.perf_counter() - started
-        assert len(events) == requests and all(e.finish_reason is None for e in events), "every request decodes"
-        if i >= 2:  # two warm-ups
-            timings["rest"] = total - sum(timings.values())
-            timings["total"] = total
-            for phase, seconds in timings.items():
-                per_step[phase].append(seconds)
-    return {phase: 1e3 * statistics.median(values) for phase, values in per_step.items()}
+        assert len(events) == events_expected, "every request gets its token"
+        return {**timings, "rest": total - sum(timings.values()), "total": total}
+
+    def medians(steps: list[dict[str, float]]) -> dict[str, float]:
+        return {phase: 1e3 * statistics.median(s.get(phase, 0.0) for s in steps) for phase in (*PHASES, "total")}
+
+    decode = [step(requests) for _ in range(steps + 2)][2:]  # two warm-ups
+    arrivals = []
+    for k in range(ARRIVALS):  # a new turn after a cached history: matched, admitted, its turn prefilled
+        turn = prompts[k] + tokens(TURN, requests + k)
+        scheduler.add(Request(turn, SamplingParams(max_new_tokens=1, ignore_eos=True), 1))
+        arrivals.append(step(requests + 1))
+    return {"decode": medians(decode), "arrival": medians(arrivals)}
 
 
 def main() -> None:
@@ -132,18 +143,17 @@ def main() -> None:
         return
     trees = {"before": args.baseline_tree} if args.baseline_tree else {}
     trees["this"] = HERE
-    print(f"{'tree':7} {'reqs':>4} {'context':>7} " + " ".join(f"{p:>8}" for p in PHASES)
-          + f" {'step ms':>8} {'ms/req':>7} {'/aim':>6}")  # fmt: skip
+    print(f"{'tree':7} {'step':7} {'reqs':>4} {'context':>7} " + " ".join(f"{p:>8}" for p in PHASES)
+          + f" {'total ms':>8} {'ms/req':>7} {'/aim':>6}")  # fmt: skip
     for context in args.contexts:
         for name, tree in trees.items():
             env = {**os.environ, "PYTHONPATH": tree}
             command = [sys.executable, __file__, "--one", str(args.requests), str(context), "--steps", str(args.steps)]
             out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
-            r = json.loads(out.strip().splitlines()[-1])
-            per_request = r["total"] / args.requests
-            print(f"{name:7} {args.requests:>4} {context:>7} " + " ".join(f"{r.get(p, 0.0):>8.2f}" for p in PHASES)
-                  + f" {r['total']:>8.2f} {per_request:>7.3f} {per_request / AIM_MS:>6.2f}", flush=True)  # fmt: skip
-
+            for kind, r in json.loads(out.strip().splitlines()[-1]).items():
+                per_request = r["total"] / args.requests
+                print(f"{name:7} {kind:7} {args.requests:>4} {context:>7} " + " ".join(f"{r[p]:>8.2f}" for p in PHASES)
+                      + f" {r['total']:>8.2f} {per_request:>7.3f} {per_request / AIM_MS:>6.2f}", flush=True)  # fmt: skip
 
 if __name__ == "__main__":
     main()
