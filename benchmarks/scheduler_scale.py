@@ -17,8 +17,11 @@ the batch and plan skipped (the setup), then the steps measured are decode steps
 once. Phases, each the median over the measured steps: `check` (the cache's agreed check), `schedule`
 (admission and the pages each item needs, `extend`), `batch`, `plan`, `sample`, and `rest` (the step's
 remainder: advance, the tokens' events). Per request: the step's total divided by the requests, set
-against issue 22's aim of 1 ms. One kernel thread: on a shared machine a parallel region waits for its
-slowest thread.
+against issue 22's aim of 1 ms. Times are the scheduler thread's CPU time (`time.thread_time`), one
+kernel thread: on a machine shared with other jobs, wall time counts the time they held the cores.
+After the decode steps, three requests arrive, each a new turn of TURN tokens after a running
+request's prompt (its history, cached in the tree): the step that matches and admits one and prefills
+its turn is the `arrival` row (its phases the median over the three).
 """
 
 from __future__ import annotations
@@ -71,11 +74,11 @@ def measure(requests: int, context: int, steps: int) -> dict:
 
     def timed(phase: str, fn):
         def run(*args, **kwargs):
-            started = time.perf_counter()
+            started = time.thread_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                timings[phase] = timings.get(phase, 0.0) + time.perf_counter() - started
+                timings[phase] = timings.get(phase, 0.0) + time.thread_time() - started
 
         return run
 
@@ -112,9 +115,9 @@ def measure(requests: int, context: int, steps: int) -> dict:
 
     def step(events_expected: int) -> dict[str, float]:
         timings.clear()
-        started = time.perf_counter()
+        started = time.thread_time()
         events = scheduler.step()
-        total = time.perf_counter() - started
+        total = time.thread_time() - started
         assert len(events) == events_expected, "every request gets its token"
         return {**timings, "rest": total - sum(timings.values()), "total": total}
 

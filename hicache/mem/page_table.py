@@ -65,6 +65,8 @@ class PageTable:
         """The table's first len(pages) pages become `pages` (the tree's pages for the same tokens)."""
         if len(pages) > len(self.pages):
             raise ValueError(f"{len(pages)} pages replace a table of {len(self.pages)}")
+        if list(pages) == self.pages[: len(pages)]:
+            return  # the usual case (the tree had none of them first, or the handle holds the tree's): a C compare
         self._slots[: len(pages) * self.page_size] = page_slots(pages, self.page_size).to(self.device)
         self.pages[: len(pages)] = pages
 
