@@ -127,7 +127,7 @@ def measure(requests: int, context: int, steps: int) -> dict:
     decode = [step(requests) for _ in range(steps + 2)][2:]  # two warm-ups
     arrivals = []
     for k in range(ARRIVALS):  # a new turn after a cached history: matched, admitted, its turn prefilled
-        turn = prompts[k] + tokens(TURN, requests + k)
+        turn = prompts[k % requests] + tokens(TURN, requests + k)
         scheduler.add(Request(turn, SamplingParams(max_new_tokens=1, ignore_eos=True), 1))
         arrivals.append(step(requests + 1))
     return {"decode": medians(decode), "arrival": medians(arrivals)}
@@ -155,8 +155,9 @@ def main() -> None:
             out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
             for kind, r in json.loads(out.strip().splitlines()[-1]).items():
                 per_request = r["total"] / args.requests
-                print(f"{name:7} {kind:7} {args.requests:>4} {context:>7} " + " ".join(f"{r[p]:>8.2f}" for p in PHASES)
-                      + f" {r['total']:>8.2f} {per_request:>7.3f} {per_request / AIM_MS:>6.2f}", flush=True)  # fmt: skip
+                phases = " ".join(f"{r[p]:>8.2f}" for p in PHASES)
+                figures = f"{r['total']:>8.2f} {per_request:>7.3f} {per_request / AIM_MS:>6.2f}"
+                print(f"{name:7} {kind:7} {args.requests:>4} {context:>7} {phases} {figures}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,7 @@
 slots they hold as one int64 tensor on the pool's device, kept as the pages change.
 
 A step's batch needs each sequence's slots (`hicache/model/batch.py`). Built from the page list every
-step, that is O(context) per request per step: at 64 requests of 100K tokens, 103 of the 122 ms a step
+step, that is O(context) per request per step: at 64 requests of 100K tokens, 87 of the 108 ms a step
 cost the scheduler (docs/BENCHMARKS.md section 15). Kept here, the slots of tokens [0, end) are a view,
 and a step that allocates a page writes that page's slots alone. The tensor grows by doubling, so
 appending a page costs O(1) amortized however long the sequence.
