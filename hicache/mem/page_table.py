@@ -33,9 +33,6 @@ class PageTable:
         self.pages: list[int] = []
         self._slots = torch.empty(0, dtype=torch.int64, device=device)  # room for more: only a prefix is valid
 
-    def __len__(self) -> int:
-        return len(self.pages)
-
     @property
     def num_slots(self) -> int:
         return len(self.pages) * self.page_size

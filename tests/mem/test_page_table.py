@@ -16,7 +16,7 @@ page_ids = st.lists(st.integers(0, 10_000), max_size=5)
 operations = st.lists(st.tuples(st.sampled_from(("append", "replace", "clear")), page_ids), max_size=30)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(operations=operations)
 def test_any_sequence_of_changes_keeps_the_slots_of_the_pages(operations):
     table, pages = PageTable(PAGE), []
