@@ -28,7 +28,7 @@ def sequence(spans: list[int], slot: int) -> list[int]:
     return prompt + [300 + 20 * slot + i for i in range(NEW_TOKENS)]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(calls=calls, prompts=st.lists(st.sampled_from(PROMPTS), min_size=3, max_size=3))
 # Two requests compute the same span before either caches it: the second's pages become the tree's.
 @example(calls=[("admit", 0, 0), ("admit", 1, 0), ("step", 0, 9), ("step", 1, 9), ("cache", 0, 0), ("cache", 1, 0)],
