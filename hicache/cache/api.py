@@ -30,7 +30,10 @@ from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkable
 
+import torch
+
 from hicache.cache.page_keys import PackedTokens
+from hicache.mem.page_table import PageTable
 
 if TYPE_CHECKING:
     from hicache.cache.failed_loads import FailedLoads
@@ -106,7 +109,10 @@ class KVHandle:
     namespace: str
     page_size: int
     state: KVState = KVState.WAITING
-    pages: list[int] = field(default_factory=list)  # logical device pages holding its KV, in order
+    slot_device: torch.device = torch.device("cpu")  # where its slot table lives: the device pool's device
+    # Its logical device pages, in order, and their slots (hicache/mem/page_table.py): the cache alone
+    # changes it; a step reads the slots of its tokens as a view (`slots`).
+    table: PageTable = field(init=False)
     kv_len: int = 0  # tokens whose KV is in `pages`
     reserved_pages: int = 0  # pages it may still allocate, promised at admission
     committed_len: int = 0  # tokens handed to the tree (shared with other requests)
@@ -125,6 +131,19 @@ class KVHandle:
     # Prompt pages its storage prefetch put on the host, taken in at its first admission attempt and
     # kept, so an attempt refused for room does not make a retry count them as host hits.
     from_storage: range = range(0)
+
+    def __post_init__(self) -> None:
+        self.table = PageTable(self.page_size, self.slot_device)
+
+    @property
+    def pages(self) -> list[int]:
+        """Logical device pages holding its KV, in order (read-only: the cache changes them)."""
+        return self.table.pages
+
+    def slots(self, end: int) -> torch.Tensor:
+        """The logical slots of tokens [0, end), a view of its page table (O(1), whatever its length).
+        `end` may pass kv_len up to its pages' end (speculative rows). Raises ValueError beyond that."""
+        return self.table.slots(end)
 
     @cached_property
     def packed_prompt(self) -> PackedTokens:

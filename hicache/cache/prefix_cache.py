@@ -87,7 +87,8 @@ class PrefixCache:
     # ---- a handle's life -----------------------------------------------------------------------
 
     def open(self, rid: int, prompt: Sequence[int], namespace: str) -> KVHandle:
-        handle = KVHandle(rid, prompt, namespace, self.page_size, draft_len=0 if self.draft else None)
+        draft_len = 0 if self.draft else None
+        handle = KVHandle(rid, prompt, namespace, self.page_size, slot_device=self.pool.device, draft_len=draft_len)
         if self.lower is not None:
             self.lower.open(handle)
         return handle
@@ -179,12 +180,12 @@ class PrefixCache:
             handle.enter(KVState.WAITING)
             return None
         handle.enter(KVState.RESERVED)
-        handle.pages = list(match.device_pages)
+        handle.table.append(match.device_pages)  # a waiting handle holds no page
         # Without a lower tier no node is host-only, so nothing loads.
         host = self.lower.host if self.lower is not None and handle.load_host else None
         load = host.load_back(match, need, self.alloc) if host is not None else None
         loaded = load.device_pages if load is not None else []
-        handle.pages.extend(loaded)
+        handle.table.append(loaded)
         deepest = match.host_nodes[-1] if loaded else match.last_device_node
         self.tree.lock(deepest)
         self.tree.unlock(match.last_node)
@@ -238,7 +239,7 @@ class PrefixCache:
         self._promise(handle, want, -1)
         self.budget.hold(handle.rotation, len(handle.pages), want, +1)
         classes = self.budget.classes(handle.rotation, len(handle.pages), want)
-        handle.pages.extend(self.device.alloc(want, keep_if=self._keep_on_evict, classes=classes))
+        handle.table.append(self.device.alloc(want, keep_if=self._keep_on_evict, classes=classes))
         handle.reserved_pages -= want
 
     def alloc(self, n: int, classes: Sequence[int] | None = None) -> list[int]:
@@ -256,7 +257,7 @@ class PrefixCache:
         res = self.device.insert(key, handle.pages[: n // self.page_size], handle.namespace, handle.rotation)
         if res.refused:  # another placement of these tokens is cached: this request keeps its own pages
             return
-        handle.pages[: len(res.pages)] = res.pages
+        handle.table.replace(res.pages)
         self.tree.lock(res.last_node)
         self.tree.unlock(handle.lock)
         handle.lock = res.last_node
@@ -285,7 +286,7 @@ class PrefixCache:
             self._promise(handle, handle.reserved_pages, -1)
             self.budget.hold(handle.rotation, kept, len(handle.pages) - kept, -1)
             self.device.free(handle.pages[kept:])
-            handle.pages = []
+            handle.table.clear()
             handle.reserved_pages = 0
         # After the handle let go of them: pages a failed restore never wrote.
         self.device.free(self.restores.take_back(failed, self.tree.detach_device))

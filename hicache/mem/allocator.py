@@ -18,6 +18,7 @@ from typing import Sequence
 
 import torch
 
+from hicache.mem.page_table import page_slots
 from hicache.parallel.placement import Placement
 
 
@@ -94,9 +95,5 @@ class PageAllocator:
 
     def slots(self, pages: list[int], num_tokens: int | None = None) -> torch.Tensor:
         """Logical slots of the first `num_tokens` tokens stored in `pages` (all of them by default)."""
-        if not pages:
-            return torch.empty(0, dtype=torch.int64)
-        p = self.page_size
-        base = torch.tensor(pages, dtype=torch.int64).unsqueeze(1) * p
-        slots = (base + torch.arange(p, dtype=torch.int64)).reshape(-1)
+        slots = page_slots(pages, self.page_size)
         return slots if num_tokens is None else slots[:num_tokens]

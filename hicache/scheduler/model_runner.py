@@ -81,8 +81,8 @@ class ModelRunner:
         logit_rows: list[int] = []
         for item in work:
             r, s, e = item.req, item.start, item.end
-            kv_slots = self.pool.allocator.slots(r.kv.pages, e)
-            seqs.append(SeqSlice(len(ids), e - s, kv_slots.to(self.pool.device)))
+            kv_slots = r.kv.slots(e)  # a view of its page table, on the pool's device: not rebuilt each step
+            seqs.append(SeqSlice(len(ids), e - s, kv_slots))
             out_slots.append(kv_slots[s:e])
             ids.extend(item.token(i) for i in range(s, e))
             positions.extend(range(s, e))
@@ -91,7 +91,7 @@ class ModelRunner:
         return ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.int64, device=dev),
             positions=torch.tensor(positions, dtype=torch.int64, device=dev),
-            out_slots=torch.cat(out_slots).to(dev),
+            out_slots=torch.cat(out_slots),
             seqs=seqs,
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
         )

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 
+import torch
+
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -83,6 +85,8 @@ def test_any_sequence_of_calls_returns_every_page_and_lock(calls, failing):
                 del handles[slot]
             promised = sum(h.reserved_pages for h, _ in handles.values() if h.state in (KVState.READY, KVState.RESERVED))
             assert cache.reserved_pages == promised
+            for h, _ in handles.values():  # the slots a step reads from a handle are its pages' slots
+                assert torch.equal(h.slots(len(h.pages) * PAGE), cache.pool.allocator.slots(h.pages))
         for handle, prompt in handles.values():
             if handle.state is KVState.READY:
                 cache.release(handle, prompt)

@@ -14,7 +14,7 @@ from hicache.spec.draft_state import KVGeometry, choose_layout
 def ready_handle(pages: int = 4, page_size: int = 4, draft: bool = True) -> KVHandle:
     handle = KVHandle(1, [1] * 8, "", page_size, draft_len=0 if draft else None)
     handle.state = KVState.READY
-    handle.pages = list(range(pages))
+    handle.table.append(range(pages))
     return handle
 
 

@@ -12,6 +12,7 @@ sequence: a step's memory is bounded by the block size and its rows, not by cont
 
 from __future__ import annotations
 
+import dataclasses
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
@@ -95,7 +96,14 @@ def _entries(q: QueryRows, block: int) -> dict[int, list[_Entry]]:
     for a in range(0, len(q.seen), Q_PIECE):
         seen = q.seen[a : a + Q_PIECE]
         rows = range(q.start + a, q.start + a + len(seen))
-        for j in range((seen[-1] - 1) // block + 1):
+        # Blocks that every row sees whole (a long context's all but the last): one entry for all of
+        # them, so the plan's calls over them share their tensors (`plan`).
+        every = seen[0] // block
+        if every:
+            whole = _Entry(q.seq, list(rows), [block] * len(seen), block, False)
+            for j in range(every):
+                out.setdefault(j, []).append(whole)
+        for j in range(every, (seen[-1] - 1) // block + 1):
             lo = j * block
             full = bisect_left(seen, lo + block)
             i = bisect_right(seen, lo)
@@ -125,6 +133,16 @@ def plan(queries: list[QueryRows], rows: int, device: torch.device, block: int =
         for j, entries in _entries(q, block).items():
             by_block.setdefault(j, []).extend(entries)
     result = KeyBlockPlan(rows, [], [])
+    # The calls of entries already planned, by the entries: a decode batch's whole blocks repeat one
+    # group of entries block after block, and a call's tensors depend on its entries alone.
+    made: dict[tuple[int, ...], BlockCall] = {}
+
+    def call(read: int, entries: list[_Entry]) -> BlockCall:
+        key = tuple(map(id, entries))  # entries live until the plan is made: their ids are theirs
+        if key not in made:
+            made[key] = _call(read, entries, device)
+        return dataclasses.replace(made[key], read=read)
+
     for j in range(max(by_block, default=-1) + 1):
         lo, step = j * block, []
         # Rows of many sequences (decode steps) share a call per shape; a sequence's multi-row groups
@@ -142,10 +160,10 @@ def plan(queries: list[QueryRows], rows: int, device: torch.device, block: int =
             result.reads.append(BlockRead(((seq, lo),), length))
         for e in by_block.get(j, []):
             if len(e.rows) > 1:
-                step.append(_call(read_of[e.seq], [e], device))
+                step.append(call(read_of[e.seq], [e]))
         for (keys, _), group in singles.items():
             result.reads.append(BlockRead(tuple((e.seq, lo) for e in group), keys))
-            step.append(_call(len(result.reads) - 1, group, device))
+            step.append(call(len(result.reads) - 1, group))
         step.sort(key=lambda c: c.read)
         result.steps.append(step)
     return result
