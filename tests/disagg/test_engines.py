@@ -26,12 +26,12 @@ CHUNK_DELAY_MS = 25  # streaming: a 75-chunk transfer takes about 2 s, long enou
 
 @pytest.fixture(scope="module")
 def engines():
-    port, streaming_port = free_ports(1), free_ports(1)
+    port = free_ports(2)  # and port + 1 for the streaming prefill (a prefill rank r listens on its port + r)
+    streaming_port = port + 1
     started = [prefill_engine(port), decode_engine(reuse=True), decode_engine(reuse=False)]
     started.append(Engine(EngineConfig(model="tiny", disable_radix_cache=True)))
-    started.append(
-        prefill_engine(streaming_port, disaggregation_transfer_chunk_pages=1, debug_disagg_chunk_delay_ms=CHUNK_DELAY_MS)
-    )
+    slow_chunks = {"disaggregation_transfer_chunk_pages": 1, "debug_disagg_chunk_delay_ms": CHUNK_DELAY_MS}
+    started.append(prefill_engine(streaming_port, **slow_chunks))
     pre, dec, plain, ref, streaming = started
     yield {
         "reuse": PDPair(pre, dec, port),
