@@ -172,8 +172,9 @@ class DecodeRole:
 
     # ---- the end of a request -----------------------------------------------------------------
 
-    def release(self, scheduler: Scheduler, req: Request, logprob: TokenLogprob | None) -> None:
+    def release(self, scheduler: Scheduler, req: Request, logprob: TokenLogprob | None) -> bool:
         """A decoding request's KV stays here: what it computed goes to this server's own cache."""
+        return False
 
     def abort_all(self, scheduler: Scheduler, reason: FinishReason, message: str) -> list[RequestEvent]:
         events = [self._end(scheduler, inc, reason, message) for inc in self.incoming + self.transferring]

@@ -1,5 +1,5 @@
-"""P/D disaggregation: the copy boundary between a device KV pool and a transfer — staging a prompt's
-rows out of prefill's pages, landing them in decode's reserved pages.
+"""P/D disaggregation: the copy boundary between a device KV pool and a transfer — reading a prompt's
+rows out of prefill's pages one chunk at a time, landing them in decode's reserved pages.
 
 A transfer starts at a page boundary (decode_prefix_len is page-aligned) and covers whole pages but
 the last, which carries only the prompt's rows (the rest of that page is decode's to fill). Between
@@ -15,16 +15,31 @@ import warnings
 import torch
 
 from hicache.disagg.cells import Cut
-from hicache.disagg.transfer import StagedKV
 from hicache.mem.device_pool import DeviceKVPool
 
 CHUNK_BYTES = 4 << 20  # one message of a transfer carries about this much KV (whole pages)
 
 
-def stage(pool: DeviceKVPool, pages: list[int], start: int, end: int) -> StagedKV:
-    """Copy the rows of tokens [start, end) out of `pages` (a request's pages, in order), every layer."""
-    slots = pool.allocator.slots(pages, end)[start:].to(pool.device)
-    return StagedKV(start, end, [pool.buffers[layer].index_select(0, slots).cpu() for layer in range(pool.num_layers)])
+class PoolRows:
+    """A request's rows of tokens [start, end) in its device `pages` (transfer.KVSource): each `read`
+    copies one chunk of them, every layer, to host memory, so what a transfer holds on the host is a
+    chunk, not the suffix (docs/DESIGN.md, "P/D streaming"). The pages must stay the request's until the
+    transport has read them (the prefill role keeps them locked: prefill_role.py)."""
+
+    def __init__(self, pool: DeviceKVPool, pages: list[int], start: int, end: int) -> None:
+        self.pool = pool
+        self.pages = list(pages)  # the handle's list, as it was when the request ended
+        self.start, self.end = start, end
+
+    def read(self, start: int, end: int) -> list[torch.Tensor]:
+        """Rows of tokens [start, end) (absolute positions), one [end - start, row] tensor per layer."""
+        if not self.start <= start <= end <= self.end:
+            raise ValueError(f"rows [{start}, {end}) outside [{self.start}, {self.end})")
+        p = self.pool.page_size
+        first = start // p
+        slots = self.pool.allocator.slots(self.pages[first : -(-end // p)])[start - first * p : end - first * p]
+        slots = slots.to(self.pool.device)
+        return [buffer.index_select(0, slots).cpu() for buffer in self.pool.buffers]
 
 
 def chunk_tokens(pool_page_size: int, row_bytes: int) -> int:
@@ -33,13 +48,12 @@ def chunk_tokens(pool_page_size: int, row_bytes: int) -> int:
     return pages * pool_page_size
 
 
-def frames_of(kv: StagedKV, start: int, end: int, cut: Cut) -> list[memoryview]:
-    """The bytes of rows [start, end) (absolute token positions) of `cut`'s cells, one frame per layer
+def frames_of(chunk: list[torch.Tensor], cut: Cut) -> list[memoryview]:
+    """The bytes of `cut`'s cells of one chunk's rows (a tensor per local layer), one frame per layer
     (zero-copy when the cut takes whole rows)."""
-    a, b = start - kv.start, end - kv.start
     frames = []
     for layer in cut.layers:
-        rows = kv.layers[layer][a:b]
+        rows = chunk[layer]
         if not cut.whole_rows:
             rows = torch.cat([rows[:, x:y] for x, y in cut.columns], dim=1)
         frames.append(memoryview(rows.contiguous().view(torch.uint8).numpy()).cast("B"))

@@ -7,11 +7,13 @@ request first, so prefill never computes for a decode that has no room for the r
 validated here (the handshake matches this rank's, both servers tokenized the same prompt, 0 <=
 decode_prefix_len <= prompt length and page-aligned); a request that fails it fails with the reason, and
 decode is told. Then the request is admitted like any other (this server's own prefix cache decides how
-much of the prompt it skips), its prompt and first token computed, and as it finishes the KV of the
-tokens after decode_prefix_len is staged out of its pages and handed to the sender with the first token.
-The request is released at once; the bytes travel on the transport's thread. A request whose decode
-gives up meanwhile (its client left, its transfer timed out) is aborted: nobody would receive what it
-computes.
+much of the prompt it skips), its prompt and first token computed, and as it finishes the sender is
+handed its KV after decode_prefix_len, still in its pages, with the first token. The request's result
+is final then, but its pages stay locked (the scheduler's release stops at this role) while the
+transport's thread reads them a chunk at a time; once every rank's transport has read them (or given
+up), agreed like every other transfer outcome, every rank gives them back to the cache at the same
+step (docs/DESIGN.md, "P/D streaming"). A request whose decode gives up meanwhile (its client left, its
+transfer timed out) is aborted: nobody would receive what it computes.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from typing import Any
 from hicache.disagg.agreement import agree_min
 from hicache.disagg.cells import misaligned
 from hicache.disagg.handshake import Handshake
-from hicache.disagg.kv_rows import stage
+from hicache.disagg.kv_rows import PoolRows
 from hicache.disagg.stats import DisaggStats
 from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVSender, KVTransferBackend, PrefillResult
 from hicache.disagg.wire import prompt_digest
@@ -61,6 +63,9 @@ class PrefillRole:
         self.counters = DisaggStats("prefill")
         self.bootstrapping: list[tuple[Request, KVSender]] = []  # waiting for decode's metadata
         self._senders: dict[int, KVSender] = {}  # rid -> sender, from bootstrap to release
+        # Ended requests whose pages their transfer may still read, in release order (the same on
+        # every rank): the scheduler gave them to this role instead of the cache.
+        self.sending: list[tuple[Request, KVSender]] = []
 
     # ---- intake --------------------------------------------------------------------------------
 
@@ -78,7 +83,7 @@ class PrefillRole:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.bootstrapping)
+        return bool(self.bootstrapping or self.sending)
 
     # ---- each step, before the batch -------------------------------------------------------------
 
@@ -94,15 +99,22 @@ class PrefillRole:
 
     @checked_intake
     def intake(self, scheduler: Scheduler) -> list[RequestEvent]:
-        """Move the requests whose metadata every rank has into the waiting queue; fail the refused;
-        abort those being computed for a decode that has given up on them."""
+        """Give back the pages every rank's transport has read; move the requests whose metadata every
+        rank has into the waiting queue; fail the refused; abort those being computed for a decode that
+        has given up on them."""
         admitted = list(self._senders.items())  # in admission order, the same on every rank
-        if not self.bootstrapping and not admitted:
+        if not self.bootstrapping and not admitted and not self.sending:
             return []
         local = [self._local_status(req, sender) for req, sender in self.bootstrapping]
         wanted = [int(sender.poll() is not KVPoll.FAILED) for _, sender in admitted]
-        agreed = agree_min(self.pctx, [status for status, _ in local] + wanted)
-        for (rid, _), still_wanted in zip(admitted, agreed[len(local) :]):
+        read = [int(not sender.reading) for _, sender in self.sending]
+        agreed = agree_min(self.pctx, [status for status, _ in local] + wanted + read)
+        n_local, n_admitted = len(local), len(admitted)
+        done = agreed[n_local + n_admitted :]
+        for req, _ in [entry for entry, was_read in zip(self.sending, done) if was_read]:
+            scheduler.release_kv(req)
+        self.sending = [entry for entry, was_read in zip(self.sending, done) if not was_read]
+        for (rid, _), still_wanted in zip(admitted, agreed[n_local : n_local + n_admitted]):
             if not still_wanted:
                 scheduler.abort(rid)  # nobody will receive it: the step drops it
         events, still = [], []
@@ -132,26 +144,32 @@ class PrefillRole:
 
     # ---- the end of a request: send what decode needs --------------------------------------------
 
-    def release(self, scheduler: Scheduler, req: Request, logprob: TokenLogprob | None) -> None:
+    def release(self, scheduler: Scheduler, req: Request, logprob: TokenLogprob | None) -> bool:
         """Every way a request ends passes here, its pages still held: finished with its first token
-        (its only one, so `logprob` is the first token's), it sends; otherwise (aborted, failed) decode
-        is told."""
+        (its only one, so `logprob` is the first token's), it sends, and keeps the pages until the
+        transfer has read them (True); otherwise (aborted, failed) decode is told."""
         sender = self._senders.pop(req.rid, None)
         if sender is None:
-            return
+            return False
         meta = sender.metadata()
         if req.output_ids and not req.aborted and meta is not None:
-            kv = stage(scheduler.runner.pool, req.kv.pages, meta.decode_prefix_len, req.prompt_len)
+            kv = PoolRows(scheduler.runner.pool, req.kv.pages, meta.decode_prefix_len, req.prompt_len)
             sender.send(kv, PrefillResult(req.output_ids[0], logprob, dict(req.kv.cached_tokens_by_tier)))
             self.counters.sent_tokens += kv.end - kv.start
             self.counters.transfers_ok += 1
-        else:
-            sender.abort("the prefill request was aborted before its KV was computed")
-            self.counters.transfers_failed += 1
+            self.sending.append((req, sender))
+            return True
+        sender.abort("the prefill request was aborted before its KV was computed")
+        self.counters.transfers_failed += 1
+        return False
 
     def abort_all(self, scheduler: Scheduler, reason: FinishReason, message: str) -> list[RequestEvent]:
         events = [self._end(scheduler, req, sender, reason, message) for req, sender in self.bootstrapping]
         self.bootstrapping = []
+        for req, sender in self.sending:  # their results were final: only the transfer ends
+            sender.abort(message)  # the transport reads at most the chunk it is on before it stops
+            scheduler.release_kv(req)
+        self.sending = []
         return events
 
     # ---- what the control commands see -----------------------------------------------------------
@@ -161,7 +179,11 @@ class PrefillRole:
         return {"bootstrap_host": host, "bootstrap_port": port, "handshake": self.handshake.to_json()}
 
     def stats(self) -> DisaggStats:
-        return replace(self.counters.snapshot(), sent_bytes=self.transfer.moved_bytes)
+        return replace(
+            self.counters.snapshot(),
+            sent_bytes=self.transfer.moved_bytes,
+            peak_staged_bytes=self.transfer.peak_staged_bytes,
+        )
 
     def close(self) -> None:
         self.transfer.shutdown()

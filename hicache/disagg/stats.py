@@ -20,6 +20,9 @@ class DisaggStats:
     # prefill: prompt tokens handed to the transport, and the bytes sent so far (this rank's shard)
     sent_tokens: int = 0
     sent_bytes: int = 0
+    # prefill: the most KV bytes held in host memory at once on their way out (bounded by a couple of
+    # transfer chunks per transfer in flight, whatever the prompt's length: docs/DESIGN.md, "P/D streaming")
+    peak_staged_bytes: int = 0
     transfers_ok: int = 0
     transfers_failed: int = 0
 
@@ -29,8 +32,9 @@ class DisaggStats:
     @staticmethod
     def combine(ranks: Sequence[DisaggStats]) -> DisaggStats:
         """One deployment's record: token counts are logical (the same on every rank, rank 0's is
-        taken), bytes are per shard (summed)."""
+        taken), bytes are per shard (summed), the staging peak is per process (the highest rank's)."""
         first = ranks[0].snapshot()
         first.received_bytes = sum(r.received_bytes for r in ranks)
         first.sent_bytes = sum(r.sent_bytes for r in ranks)
+        first.peak_staged_bytes = max(r.peak_staged_bytes for r in ranks)
         return first

@@ -8,8 +8,9 @@ One `KVTransferBackend` per rank process (SGLang's KVManager) makes one sender (
     decode                                              prefill
     receiver.init(slots, metadata) ── metadata ──▶      sender.poll(): BOOTSTRAPPING → WAITING_FOR_INPUT
       (send_metadata: decode_prefix_len, handshake)     (the request is admitted and prefilled)
-                                   ◀── KV pages ──      sender.send(staged KV after decode_prefix_len,
-    receiver.poll(): TRANSFERRING → SUCCESS  ◀─ done ─                  first token)
+                                   ◀── KV pages ──      sender.send(its rows after decode_prefix_len,
+                                   (chunk by chunk)                 first token); sender.reading
+    receiver.poll(): TRANSFERRING → SUCCESS  ◀─ done ─    (pages stay locked until it is False)
     receiver.result(): the first token            ── ack ──▶  sender.poll(): SUCCESS
 
 Either side's `abort(reason)` tells the other; a peer that goes away, a refused handshake or a timeout
@@ -62,14 +63,15 @@ class PrefillResult:
     cached_tokens_by_tier: dict[str, int]
 
 
-@dataclass(frozen=True)
-class StagedKV:
-    """This rank's KV rows of tokens [start, end), one [end - start, row] tensor per local layer, copied
-    out of the device pool (so the request's pages can be released while the bytes travel)."""
+class KVSource(Protocol):
+    """This rank's KV rows of tokens [start, end), still in the request's device pages: the transport
+    reads them a chunk at a time (kv_rows.PoolRows), so its host memory holds chunks, not the suffix."""
 
     start: int
     end: int
-    layers: list[torch.Tensor]
+
+    def read(self, start: int, end: int) -> list[torch.Tensor]:
+        """A host copy of rows [start, end) (absolute token positions), one tensor per local layer."""
 
 
 class KVSender(Protocol):
@@ -82,8 +84,14 @@ class KVSender(Protocol):
     def metadata(self) -> DecodeMetadata | None:
         """Decode's metadata, once it arrived (poll() >= WAITING_FOR_INPUT)."""
 
-    def send(self, kv: StagedKV, result: PrefillResult) -> None:
-        """Send the KV after decode_prefix_len and the first token (returns at once)."""
+    def send(self, kv: KVSource, result: PrefillResult) -> None:
+        """Send the KV after decode_prefix_len and the first token (returns at once; the transport
+        reads `kv` on its own thread while `reading`)."""
+
+    @property
+    def reading(self) -> bool:
+        """Whether the transport may still read the source handed to `send`: until it is False on
+        every rank, the pages under it must stay the request's."""
 
     def abort(self, reason: str) -> None:
         """Give up; decode is told `reason`. Idempotent."""
@@ -123,6 +131,11 @@ class KVTransferBackend(Protocol):
     @property
     def moved_bytes(self) -> int:
         """KV bytes this rank has sent (prefill) or landed (decode) so far, as they move."""
+
+    @property
+    def peak_staged_bytes(self) -> int:
+        """The most KV bytes this rank held in host memory at once on their way out (prefill; 0 on
+        decode, which lands each message in the pool as it arrives)."""
 
     def shutdown(self) -> None:
         """Fail what is in flight, stop the threads, close the endpoint."""

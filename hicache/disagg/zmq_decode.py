@@ -102,6 +102,7 @@ class ZmqDecodeBackend:
         self._layouts: dict[str, Handshake] = {}  # prefill server (rank-0 endpoint) -> its rank 0's handshake
         self._asked: dict[str, list[_Room]] = {}  # prefill server -> rooms waiting for its LAYOUT
         self.moved_bytes = 0  # landed in the pool (transfer.KVTransferBackend.moved_bytes)
+        self.peak_staged_bytes = 0  # each message lands as it arrives: nothing staged
         self._dealers: dict[str, zmq.Socket] = {}  # I/O thread only
         self._monitors: dict[str, zmq.Socket] = {}
         self.io = IOLoop("hicache-kv-decode")

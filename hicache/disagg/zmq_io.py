@@ -63,7 +63,9 @@ class IOLoop:
                 ready = dict(self._poller.poll(POLL_MS))
                 if self._wake_r.fileno() in ready or self._wake_r in ready:
                     self._drain_wakeups()
-                    while not self._commands.empty():
+                    # Only the commands queued so far: one that queues its sequel (a transfer's next
+                    # chunk) lets the sockets be read in between, so an abort is seen mid-transfer.
+                    for _ in range(self._commands.qsize()):
                         self._commands.get()()
                 for sock, handler in list(self._handlers.items()):
                     if sock in ready:

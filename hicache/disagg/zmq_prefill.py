@@ -5,9 +5,13 @@ KV with it (cells.py) connect DEALERs to it, ask once for its server's topology 
 request's metadata (wire.py). A rank's request waits for the metadata of every decode rank it owes
 cells, which may arrive before the request does (the router sends both halves at once): it waits in
 `_early` until the request arrives, or until the transfer timeout. Sending is done on the I/O thread,
-in messages of about kv_rows.CHUNK_BYTES, each message's rows to every decode peer in turn; an abort
-stops it at the next message. ROUTER_MANDATORY makes a send to a decode that went away an error
-instead of a silent drop.
+in messages of about kv_rows.CHUNK_BYTES (`chunk_tokens`), each read out of the request's locked device
+pages just before it goes and sent to every decode peer in turn; the next message is queued behind what
+arrived meanwhile, so an abort (from decode or the scheduler) stops it at the next message. Frames go
+to ZeroMQ without a copy and tracked: a transfer reads its next chunk only once at most one earlier
+chunk is still queued, so the host memory it holds is at most two chunks whatever the prompt's length
+(`peak_staged_bytes`; docs/DESIGN.md, "P/D streaming"). ROUTER_MANDATORY makes a send to a decode that
+went away an error instead of a silent drop.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,7 +28,7 @@ import zmq
 from hicache.disagg import cells, wire
 from hicache.disagg.handshake import Handshake
 from hicache.disagg.kv_rows import frames_of
-from hicache.disagg.transfer import DecodeMetadata, KVPoll, PrefillResult, StagedKV
+from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVSource, PrefillResult
 from hicache.disagg.zmq_io import IOLoop
 from hicache.errors import UserError
 from hicache.scheduler.request import Bootstrap
@@ -50,6 +55,7 @@ class _Room:
     peers: dict[int, _Peer] = field(default_factory=dict)  # decode rank -> who asked
     acked: set[bytes] = field(default_factory=set)
     error: str | None = None
+    reading: bool = False  # the I/O thread may still read the request's pages (transfer.KVSender.reading)
 
     @property
     def identities(self) -> list[bytes]:
@@ -83,13 +89,17 @@ class ZmqKVSender:
     def metadata(self) -> DecodeMetadata | None:
         return self._state.meta
 
-    def send(self, kv: StagedKV, result: PrefillResult) -> None:
+    def send(self, kv: KVSource, result: PrefillResult) -> None:
         with self._backend.lock:
             if self._state.status is not KVPoll.WAITING_FOR_INPUT:
                 return  # aborted meanwhile: decode was told
-            self._state.status = KVPoll.TRANSFERRING
+            self._state.status, self._state.reading = KVPoll.TRANSFERRING, True
             self._state.deadline = time.monotonic() + self._backend.timeout_s + self._backend.send_allowance(kv)
-        self._backend.io.call(lambda: self._backend.transmit(self._state, kv, result))
+        self._backend.io.call(lambda: self._backend.transmit(self._state, kv, result, kv.start))
+
+    @property
+    def reading(self) -> bool:
+        return self._state.reading
 
     def abort(self, reason: str) -> None:
         self._backend.abort(self._state, reason)
@@ -114,8 +124,12 @@ class ZmqPrefillBackend:
         self._rooms: dict[int, _Room] = {}
         self._early: dict[int, _Early] = {}
         self.moved_bytes = 0  # handed to the socket (transfer.KVTransferBackend.moved_bytes)
+        self.staged_bytes = 0  # read out of the pool and not yet released by ZeroMQ (I/O thread)
+        self.peak_staged_bytes = 0  # the most staged at once (transfer.KVTransferBackend.peak_staged_bytes)
+        self._queued: deque[_Queued] = deque()  # chunks ZeroMQ still holds, oldest first (I/O thread)
         self.io = IOLoop("hicache-kv-prefill", tick=self._tick)
         self._router = self.io.ctx.socket(zmq.ROUTER)
+        self._router.copy_threshold = 0  # every frame zero-copy and tracked, so none is staged unseen
         self._router.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self._router.setsockopt(zmq.LINGER, 0)
         try:
@@ -129,7 +143,7 @@ class ZmqPrefillBackend:
 
     # ---- scheduler thread ------------------------------------------------------------------------
 
-    def send_allowance(self, kv: StagedKV) -> float:
+    def send_allowance(self, kv: KVSource) -> float:
         """Extra seconds a transfer may take for its debug delays (none without fault injection)."""
         chunks = -(-(kv.end - kv.start) // self.chunk_tokens)
         return chunks * self.chunk_delay_s
@@ -167,6 +181,7 @@ class ZmqPrefillBackend:
         def close() -> None:
             with self.lock:
                 for state in self._rooms.values():
+                    state.reading = False  # the I/O thread has stopped
                     if state.status not in (KVPoll.FAILED, KVPoll.SUCCESS):
                         state.status, state.error = KVPoll.FAILED, "the prefill server is shutting down"
                 self._rooms.clear()
@@ -243,42 +258,91 @@ class ZmqPrefillBackend:
         if reply is not None and kind == wire.META:
             self._send(identity, wire.encode(wire.ERROR, {"room": room, "reason": reply}))
 
-    def transmit(self, state: _Room, kv: StagedKV, result: PrefillResult) -> None:
-        """Send the staged KV in page-aligned messages, each to every decode peer its cells, then the
-        first token to each."""
-        peers = list(state.peers.values())
-        start = kv.start
-        while start < kv.end:
-            end = min(kv.end, start - start % self.chunk_tokens + self.chunk_tokens)
-            if self.chunk_delay_s:
-                time.sleep(self.chunk_delay_s)
-            for peer in peers:
-                if state.status is not KVPoll.TRANSFERRING:
-                    return  # aborted: decode was told
-                header = {"room": state.room, "start": start, "end": end}
-                frames = frames_of(kv, start, end, peer.cut)
-                if not self._send(peer.identity, [*wire.encode(wire.KV, header), *frames], state):
-                    return
-                self.moved_bytes += sum(f.nbytes for f in frames)
-            start = end
+    def transmit(self, state: _Room, kv: KVSource, result: PrefillResult, start: int) -> None:
+        """Read the chunk of rows from `start` out of the pool and send each decode peer its cells; queue
+        the next chunk behind what arrived meanwhile, or after the last, send each peer the first token."""
+        end = min(kv.end, start - start % self.chunk_tokens + self.chunk_tokens)
+        sent = False
+        try:
+            sent = self._send_rows(state, kv, start, end)
+        finally:
+            if not sent or end == kv.end:
+                state.reading = False  # nothing reads the request's pages any more: they may go
+        if not sent:
+            return
+        if end < kv.end:
+            self.io.call(lambda: self.transmit(state, kv, result, end))
+            return
         with self.lock:
             state.deadline = time.monotonic() + self.timeout_s  # now waiting for the acks
         done = wire.encode(wire.DONE, wire.result_header(state.room, kv.end, result))
-        for peer in peers:
-            if not self._send(peer.identity, done, state):
+        for peer in state.peers.values():
+            if self._send(peer.identity, done, state) is None:
                 return
 
-    def _send(self, identity: bytes, frames: list, state: _Room | None = None) -> bool:
+    def _send_rows(self, state: _Room, kv: KVSource, start: int, end: int) -> bool:
+        """One message of rows [start, end) to every decode peer, read once the transfer's window has
+        room; False when the transfer has ended (aborted, a peer gone or not taking its KV)."""
+        if self.chunk_delay_s:
+            time.sleep(self.chunk_delay_s)
+        if state.status is not KVPoll.TRANSFERRING or not self._wait_for_window(state):
+            return False
+        chunk = kv.read(start, end)
+        messages = [(peer, frames_of(chunk, peer.cut)) for peer in state.peers.values()]
+        # A cut of part of each row is a copy, held as long as the chunk.
+        copies = sum(f.nbytes for peer, frames in messages if not peer.cut.whole_rows for f in frames)
+        queued = _Queued(state, sum(rows.nbytes for rows in chunk) + copies)
+        self._stage(queued)
+        header = {"room": state.room, "start": start, "end": end}
+        for peer, frames in messages:
+            if state.status is not KVPoll.TRANSFERRING:
+                return False  # aborted: decode was told
+            tracker = self._send(peer.identity, [*wire.encode(wire.KV, header), *frames], state)
+            if tracker is None:
+                return False
+            queued.trackers.append(tracker)
+            self.moved_bytes += sum(f.nbytes for f in frames)
+        return True
+
+    def _stage(self, queued: _Queued) -> None:
+        self._queued.append(queued)
+        self.staged_bytes += queued.nbytes
+        self.peak_staged_bytes = max(self.peak_staged_bytes, self.staged_bytes)
+
+    def _release_sent(self) -> None:
+        """Forget the chunks ZeroMQ has written out (or dropped with a peer that left)."""
+        while self._queued and self._queued[0].sent:
+            self.staged_bytes -= self._queued.popleft().nbytes
+
+    def _wait_for_window(self, state: _Room) -> bool:
+        """Block until at most one earlier chunk of `state` is still queued (False: its deadline passed
+        first, and the transfer is failed: a decode that does not read its KV)."""
+        while True:
+            self._release_sent()
+            mine = [queued for queued in self._queued if queued.state is state and not queued.sent]
+            if len(mine) <= 1:
+                return True
+            try:
+                for tracker in mine[0].trackers:
+                    tracker.wait(max(0.0, state.deadline - time.monotonic()))
+            except zmq.NotDone:
+                with self.lock:
+                    self._fail(state, "decode did not take its KV within the transfer timeout")
+                return False
+
+    def _send(self, identity: bytes, frames: list, state: _Room | None = None) -> zmq.MessageTracker | None:
+        """Hand a message to ZeroMQ without a copy: its tracker (done once ZeroMQ has written it out), or
+        None when the decode that asked is gone (`state` is failed then)."""
         try:
-            self._router.send_multipart([identity, *frames], copy=False)
-            return True
+            return self._router.send_multipart([identity, *frames], copy=False, track=True)
         except zmq.ZMQError as exc:  # EHOSTUNREACH: the decode that asked is gone
             if state is not None:
                 with self.lock:
                     self._fail(state, f"decode went away mid-transfer ({exc})")
-            return False
+            return None
 
     def _tick(self) -> None:
+        self._release_sent()
         now = time.monotonic()
         with self.lock:
             for room, early in list(self._early.items()):
@@ -287,6 +351,20 @@ class ZmqPrefillBackend:
             for room, state in list(self._rooms.items()):
                 if state.status is KVPoll.TRANSFERRING and now > state.deadline:
                     self._fail(state, "decode never acknowledged the transfer")
+
+
+@dataclass(eq=False)
+class _Queued:
+    """A chunk's host bytes, held until ZeroMQ has written every message of it. A message is tracked by
+    its last frame: ZeroMQ writes a message's frames in order, and drops them together with its peer."""
+
+    state: _Room
+    nbytes: int
+    trackers: list[zmq.MessageTracker] = field(default_factory=list)
+
+    @property
+    def sent(self) -> bool:
+        return all(tracker.done for tracker in self.trackers)
 
 
 def _request(meta: DecodeMetadata) -> tuple[int, int, str]:

@@ -21,13 +21,15 @@ The scheduler calls (hicache/scheduler/scheduler.py):
   decisions are the consensus checker's to compare (`checked_intake`).
 - `release(scheduler, req, logprob)` on every end of a request this scheduler ran or queued (finished,
   aborted, failed), its pages still held, before the cache takes them back; `logprob` is that of the
-  token it finished on (None when it ended otherwise).
+  token it finished on (None when it ended otherwise). It returns True when the role keeps the pages
+  (the prefill role, until its transfer has read them) and gives them back itself later, at the same
+  step on every rank, through `scheduler.release_kv(req)`.
 - `abort(rid)`, `has_work`, `abort_all(scheduler, reason, message)` for the requests the role holds
   itself; `info()`, `stats()` for the control commands (hicache/engine/commands.py); `close()` when
   the scheduler stops.
 
 A role reaches the scheduler only through what the calls pass: its `cache`, `runner.pool`, `cfg`,
-`waiting`, `running`, `open`, `pages_needed`, `start_decoding` and `abort`.
+`waiting`, `running`, `open`, `pages_needed`, `start_decoding`, `abort` and `release_kv`.
 """
 
 from __future__ import annotations
@@ -62,8 +64,9 @@ class Role(Protocol):
     def intake(self, scheduler: Scheduler) -> list[RequestEvent]:
         """Move the requests that may go on into the scheduler's queues; end those that cannot."""
 
-    def release(self, scheduler: Scheduler, req: Request, logprob: TokenLogprob | None) -> None:
-        """A request of the scheduler's ends, its pages still held: hand on what it computed."""
+    def release(self, scheduler: Scheduler, req: Request, logprob: TokenLogprob | None) -> bool:
+        """A request of the scheduler's ends, its pages still held: hand on what it computed. True: the
+        role keeps the pages and hands them to `scheduler.release_kv` itself (`has_work` meanwhile)."""
 
     def abort(self, rid: int) -> None:
         """The client went away: mark the request if the role holds it (the next `intake` ends it)."""

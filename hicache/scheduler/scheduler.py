@@ -322,9 +322,13 @@ class Scheduler:
 
     def _release(self, req: Request, logprob: TokenLogprob | None = None) -> None:
         """Finished (`logprob`: of its last token), aborted or never admitted: the role hands on what
-        it computed, then the cache keeps that and takes the rest back."""
-        if self.role is not None:
-            self.role.release(self, req, logprob)
+        it computed, then the cache keeps that and takes the rest back (later, through `release_kv`,
+        when the role keeps the pages until a transfer has read them)."""
+        if self.role is None or not self.role.release(self, req, logprob):
+            self.release_kv(req)
+
+    def release_kv(self, req: Request) -> None:
+        """The cache keeps what a request that ended computed and takes the rest back."""
         kv = req.kv
         if kv.state is KVState.READY:
             # Only what every pool holds, up to the sequence's end, is shared: not speculative rows

@@ -137,12 +137,17 @@ def disagg_counters(stats: DisaggStats | None) -> Iterator[Metric]:
         "hicache_disagg_sent_bytes", "bytes of KV sent to decode, every rank's shard (prefill)"
     )
     sent_bytes.add_metric([], stats.sent_bytes)
+    staged = GaugeMetricFamily(
+        "hicache_disagg_peak_staged_bytes",
+        "the most KV bytes a prefill rank held in host memory at once on their way to decode (prefill)",
+    )
+    staged.add_metric([], stats.peak_staged_bytes)
     transfers = CounterMetricFamily(
         "hicache_disagg_transfers", "KV transfers by outcome (ok, failed)", labels=["outcome"]
     )
     transfers.add_metric(["ok"], stats.transfers_ok)
     transfers.add_metric(["failed"], stats.transfers_failed)
-    role = (received, received_bytes, prefix) if stats.role == "decode" else (sent, sent_bytes)
+    role = (received, received_bytes, prefix) if stats.role == "decode" else (sent, sent_bytes, staged)
     yield from (*role, transfers)
 
 

@@ -15,7 +15,6 @@ from hypothesis import strategies as st
 from hicache.disagg import cells
 from hicache.disagg.handshake import Handshake
 from hicache.disagg.kv_rows import frames_of, land
-from hicache.disagg.transfer import StagedKV
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
 from tests.disagg.test_handshake import BASE
@@ -75,9 +74,8 @@ def test_rows_cut_from_prefill_ranks_land_as_the_decode_ranks_own(prefill_tp, pr
         slots = torch.arange(3, 3 + tokens - 2)  # tokens [2, tokens) land here
         for p_rank, shared in cells.peers(d, prefill).items():
             p = cells.everyone(prefill)[p_rank]
-            staged = StagedKV(0, tokens, rows(p))
             for start, end in ((2, 5), (5, tokens)):  # two messages
-                frames = frames_of(staged, start, end, cells.cut(p, shared))
+                frames = frames_of([layer[start:end] for layer in rows(p)], cells.cut(p, shared))
                 land(pool, slots[start - 2 : end - 2], frames, cells.cut(d, shared))
         for got, want in zip(pool.buffers, rows(d)):
             assert torch.equal(got[slots], want[2:]), "decode's rows equal its own shard of the model's KV"

@@ -2,8 +2,10 @@
 invariant (greedy tokens and logprobs through a P/D pair equal one cache-off engine's, turn after
 turn, with decode reuse on and off), the transferred tokens (prompt - decode_prefix_len; the whole
 prompt without reuse), Figure 5 (docs/DESIGN.md, "P/D decode reuse") end to end, restores of different
-requests in flight at once, and a cancelled half failing the other cleanly with nothing leaked and every
-lock balanced."""
+requests in flight at once, a cancelled half failing the other cleanly with nothing leaked and every
+lock balanced, and the suffix streamed out of prefill's locked pages (docs/DESIGN.md, "P/D streaming"):
+with one-page transfer chunks, prompts of 19 and 75 chunks stage at most two chunks in prefill's host
+memory, and a decode gone mid-transfer frees the pages prefill kept for it."""
 
 from __future__ import annotations
 
@@ -19,15 +21,24 @@ from tests.disagg.pd import PDPair, decode_engine, free_ports, prefill_engine, s
 
 PAGE = 16
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=2)
+CHUNK_DELAY_MS = 25  # streaming: a 75-chunk transfer takes about 2 s, long enough to cut in the middle
 
 
 @pytest.fixture(scope="module")
 def engines():
-    port = free_ports(1)
+    port = free_ports(2)  # and port + 1 for the streaming prefill (a prefill rank r listens on its port + r)
+    streaming_port = port + 1
     started = [prefill_engine(port), decode_engine(reuse=True), decode_engine(reuse=False)]
     started.append(Engine(EngineConfig(model="tiny", disable_radix_cache=True)))
-    pre, dec, plain, ref = started
-    yield {"reuse": PDPair(pre, dec, port), "plain": PDPair(pre, plain, port), "ref": ref}
+    slow_chunks = {"disaggregation_transfer_chunk_pages": 1, "debug_disagg_chunk_delay_ms": CHUNK_DELAY_MS}
+    started.append(prefill_engine(streaming_port, **slow_chunks))
+    pre, dec, plain, ref, streaming = started
+    yield {
+        "reuse": PDPair(pre, dec, port),
+        "plain": PDPair(pre, plain, port),
+        "ref": ref,
+        "streaming": PDPair(streaming, plain, streaming_port),
+    }
     for engine in started:
         engine.shutdown()
 
@@ -46,7 +57,10 @@ def extend(histories: list[list[int]], answers: list[list[int]], rng: random.Ran
 
 def assert_no_leaks(*engines: Engine) -> None:
     for engine in engines:
-        assert engine.flush_cache(), "requests still running"
+        deadline = time.monotonic() + 10
+        while not engine.flush_cache():  # a prefill gives back the pages its transfer read at its next step
+            assert time.monotonic() < deadline, "requests still running, or pages still held"
+            time.sleep(0.01)
         assert engine.leak_report() == []
 
 
@@ -189,3 +203,48 @@ def test_a_cancelled_half_fails_the_other_cleanly_and_locks_balance(engines):
         (turn,) = reuse.run([prompt], PARAMS)  # and the next request succeeds
         assert turn.decode.token_ids == ref.generate([prompt], PARAMS)[0].token_ids
     assert_no_leaks(reuse.prefill, reuse.decode)
+
+
+def test_many_chunks_stage_at_most_two_and_answer_as_cache_off(engines):
+    pd, ref = engines["streaming"], engines["ref"]
+    rng = random.Random(11)
+    for tokens in (300, 1200):  # 19 and 75 one-page chunks
+        prompt = [rng.randrange(32, 127) for _ in range(tokens)]
+        before = pd.prefill.disagg_stats()
+        (turn,) = pd.run([prompt], PARAMS)
+        assert turn.decode.error is None, turn.decode.error
+        assert turn.decode.token_ids == ref.generate([prompt], PARAMS)[0].token_ids
+        stats = pd.prefill.disagg_stats()
+        sent = stats.sent_bytes - before.sent_bytes
+        assert sent % tokens == 0 and stats.sent_tokens - before.sent_tokens == tokens, "the whole prompt crossed"
+        chunk = PAGE * sent // tokens  # one page of every layer's rows
+        assert 0 < stats.peak_staged_bytes <= 2 * chunk, f"{stats.peak_staged_bytes} bytes staged at once"
+    assert_no_leaks(pd.prefill, pd.decode)
+
+
+def test_a_decode_gone_mid_transfer_frees_the_pages_prefill_kept_for_it(engines):
+    pd, ref = engines["streaming"], engines["ref"]
+    rng = random.Random(13)
+    prompt = [rng.randrange(32, 127) for _ in range(1200)]
+
+    def locked() -> object:
+        return pd.prefill.call_in_loop(lambda: scheduler_of(pd.prefill).cache.tree.locked_nodes())
+
+    before = pd.prefill.disagg_stats()
+    hp, hd = pd.submit(prompt, PARAMS)
+    assert hp.result().finish_reason == "length", "prefill's half is final before its KV has crossed"
+    deadline = time.monotonic() + 20
+    while pd.prefill.disagg_stats().sent_bytes == before.sent_bytes:
+        assert time.monotonic() < deadline, "no KV was ever sent"
+        time.sleep(0.01)
+    assert locked(), "the finished request's prefix stays locked while the transfer reads it"
+    assert not pd.prefill.flush_cache(), "and a flush is refused meanwhile"
+    hd.cancel()  # decode's client left: decode aborts, and tells prefill mid-transfer
+    assert hd.result().finish_reason == "abort"
+    assert_no_leaks(pd.prefill, pd.decode)
+    assert locked() == []
+    sent = pd.prefill.disagg_stats().sent_bytes - before.sent_bytes
+    whole = len(prompt) * scheduler_of(pd.prefill).runner.pool.bytes_per_token
+    assert sent < whole, "the transfer stopped in the middle, not at its end"
+    (turn,) = pd.run([prompt[:400]], PARAMS)  # and the next request is served
+    assert turn.decode.token_ids == ref.generate([prompt[:400]], PARAMS)[0].token_ids
