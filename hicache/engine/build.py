@@ -37,8 +37,6 @@ def context_length(cfg: EngineConfig, model: ModelConfig) -> int:
 def check_topology(cfg: EngineConfig, model: ModelConfig) -> None:
     """The model must split evenly over the ranks asked for (checked before any rank starts)."""
     tp, pp, cp = cfg.parallel.tp_size, cfg.parallel.pp_size, cfg.parallel.cp_size
-    if cp > 1 and pp > 1:
-        raise UserError("--cp-size with --pp-size > 1 is not supported yet")
     if cp > 1 and cfg.num_pages < 2:
         raise UserError("--cp-size needs a device pool of at least two pages per rank (a padding page and one)")
     for what, count in (("KV heads", model.num_kv_heads), ("MLP columns", model.intermediate_size)):

@@ -19,8 +19,9 @@ def test_cp_size_flag_sets_the_world_size():
     assert (cfg.parallel.cp_size, cfg.parallel.world_size) == (2, 4)
 
 
-def test_cp_with_pipeline_stages_is_refused_with_one_line():
-    with pytest.raises(UserError, match="--cp-size with --pp-size"):
-        check_topology(EngineConfig(parallel=ParallelConfig(cp_size=2, pp_size=2)), TINY_CONFIG)
+def test_cp_with_pipeline_stages_is_a_topology_and_a_bad_cp_size_is_one_line():
+    cfg = EngineConfig(parallel=ParallelConfig(cp_size=2, pp_size=2))
+    check_topology(cfg, TINY_CONFIG)  # runs: tests/parallel/test_cp_tiers.py
+    assert cfg.parallel.world_size == 4
     with pytest.raises(UserError, match="--cp-size must be >= 1"):
         ParallelConfig(cp_size=0)

@@ -25,21 +25,24 @@ def reference():
         return w.run(engine)
 
 
-def cp_engine(storage_dir, cp=2, tp=1, delay_ms=0.0) -> Engine:
+def cp_engine(storage_dir, cp=2, tp=1, pp=1, delay_ms=0.0) -> Engine:
     return Engine(
         model="tiny",
         max_total_tokens=w.DEVICE_TOKENS // 2,  # per rank: the logical pool stays below the working set
         hicache=w.tiers(storage_dir),
-        parallel=ParallelConfig(cp_size=cp, tp_size=tp),
+        parallel=ParallelConfig(cp_size=cp, tp_size=tp, pp_size=pp),
         debug=DebugConfig(debug_transfer_delay_ms=delay_ms),
     )
 
 
-@pytest.mark.timeout(240)
-def test_cp2_with_delayed_transfers_equals_single_rank_cache_off(reference, tmp_path, monkeypatch):
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pp", [1, 2], ids=["cp2", "cp2pp2"])
+def test_cp2_with_delayed_transfers_equals_single_rank_cache_off(reference, tmp_path, monkeypatch, pp):
+    """At PP2 each stage's CP pair shards its layers' pages alike; the first stage's agreed decisions
+    go down the pipeline as without CP."""
     monkeypatch.setenv(ENV_ENABLE, "1")
     monkeypatch.setenv(ENV_LOG_DIR, str(tmp_path / "logs"))
-    engine = cp_engine(tmp_path / "store", delay_ms=50)
+    engine = cp_engine(tmp_path / "store", pp=pp, delay_ms=50)
     monkeypatch.delenv(ENV_ENABLE)
     with engine:
         turns = run_equal_to(engine, reference)
@@ -48,7 +51,7 @@ def test_cp2_with_delayed_transfers_equals_single_rank_cache_off(reference, tmp_
         assert stats.host.load_pages > 0 and stats.storage.prefetch.inserted > 0, stats
     checked = consensus_check(tmp_path / "logs")
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "2 ranks agree" in checked.stdout
+    assert f"{2 * pp} ranks agree" in checked.stdout
 
 
 def test_a_cp2_store_is_read_after_a_restart_by_cp2(reference, tmp_path):
