@@ -1,0 +1,68 @@
+"""The MTP-shaped draft (docs/DESIGN.md, "Speculative decoding: an MTP head"): `tiny-mtp` reads tiny's
+last hidden states, kept beside its own KV. Greedy outputs with it equal the target's alone with the cache
+off, token for token; served from device, host and storage hits (a restart on the same store) its
+acceptance equals the cache-off run's with nothing recomputed (each cached position's hidden state comes
+back with the head's KV); without the head's restore (the negative control) its acceptance changes and
+the outputs do not. It is refused where it has not run: on several ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache import Engine
+from hicache.config import DebugConfig, EngineConfig, ParallelConfig
+from hicache.errors import UserError
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.mem.kv_layout import KVLayout
+from hicache.model.loading.loader import load_model
+from hicache.parallel.parallel import ParallelContext
+from hicache.spec.build import build_draft
+from tests.conversations import run_turns
+from tests.parallel.workload import tier_totals as hits
+from tests.parallel.workload import tokens
+from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
+
+DRAFT = "tiny-mtp"
+
+
+def test_hits_on_every_tier_keep_outputs_and_the_heads_acceptance(reference, cache_off_acceptance, tmp_path):
+    cfg = tiers(tmp_path)
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(DRAFT)) as engine:
+        # Its row carries the target's hidden state beside its KV: not the target's row, so a sidecar.
+        assert engine._runtime.scheduler.cache.lower.host.host.draft_layout == "sidecar"
+        turns = run_turns(engine, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference
+        assert hits(turns)["device"] > 0 and hits(turns)["host"] > 0
+        assert acceptance(turns) == cache_off_acceptance[DRAFT]
+        assert engine.spec_stats().draft_recomputed_tokens == 0
+        assert_clean(engine)
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(DRAFT)) as engine:
+        turns = run_turns(engine, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference
+        assert hits(turns)["storage"] > 0
+        assert acceptance(turns) == cache_off_acceptance[DRAFT]
+        assert engine.spec_stats().draft_recomputed_tokens == 0
+        assert_clean(engine)
+
+
+def test_without_the_heads_restore_its_acceptance_changes_and_outputs_stay(reference, cache_off_acceptance, tmp_path):
+    debug = DebugConfig(debug_skip_draft_restore=True)
+    cfg = tiers(tmp_path)
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(DRAFT), debug=debug) as e:
+        turns = run_turns(e, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference  # the target verifies every token
+        restored = hits(turns)["host"] + hits(turns)["storage"]
+        assert restored > 0 and e.spec_stats().draft_recomputed_tokens == restored
+        # Recomputing its KV is not enough: the target's hidden states of that prefix were not restored.
+        assert acceptance(turns) != cache_off_acceptance[DRAFT]
+        assert_clean(e)
+
+
+@pytest.mark.parametrize("parallel", [ParallelConfig(tp_size=2), ParallelConfig(pp_size=2)])
+def test_the_head_is_refused_on_several_ranks(parallel):
+    pool = DeviceKVPool(KVLayout.mha(2, 32), 1, 8, 16, torch.float32, torch.device("cpu"))
+    cfg = EngineConfig(speculative=spec(DRAFT), parallel=parallel)
+    pctx = ParallelContext(tp_size=parallel.tp_size, pp_size=parallel.pp_size)
+    with pytest.raises(UserError, match="tiny-mtp reads the target's last hidden states"):
+        build_draft(cfg, load_model("tiny"), pool, pctx)
