@@ -2,15 +2,16 @@
 last hidden states, kept beside its own KV. Greedy outputs with it equal the target's alone with the cache
 off, token for token; served from device, host and storage hits (a restart on the same store) its
 acceptance equals the cache-off run's with nothing recomputed (each cached position's hidden state comes
-back with the head's KV); without the head's restore (the negative control) its acceptance changes and
-the outputs do not. It is refused where it has not run: on several ranks."""
+back with the head's KV), and the pages it stores hold the same bytes whether their tokens came as
+accepted proposals or in a prompt; without the head's restore (the negative control) its acceptance
+changes and the outputs do not. It is refused where it has not run: on several ranks."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hicache import Engine
+from hicache import Engine, SamplingParams
 from hicache.config import DebugConfig, EngineConfig, ParallelConfig
 from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
@@ -24,6 +25,7 @@ from tests.parallel.workload import tokens
 from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
 
 DRAFT = "tiny-mtp"
+NEW_HERE = 48  # enough accepted proposals that rows made of the head's own hidden states would show
 
 
 def test_hits_on_every_tier_keep_outputs_and_the_heads_acceptance(reference, cache_off_acceptance, tmp_path):
@@ -57,6 +59,27 @@ def test_without_the_heads_restore_its_acceptance_changes_and_outputs_stay(refer
         # Recomputing its KV is not enough: the target's hidden states of that prefix were not restored.
         assert acceptance(turns) != cache_off_acceptance[DRAFT]
         assert_clean(e)
+
+
+def stored_draft_pages(store) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in store.rglob("*_draft")}
+
+
+def test_a_tokens_head_row_is_the_same_whether_it_came_as_a_proposal_or_in_a_prompt(tmp_path):
+    """The head's rows of accepted proposals are recomputed from the target's hidden states, so the pages
+    a generation stores hold what a prompt of the same tokens stores, byte for byte: what a later hit
+    restores is what the cache-off run computes. (Keeping the rows made from the head's own hidden
+    states passes the acceptance test above on its workload, but changes these bytes.)"""
+    prompts = [list(c["system"]) + [40 + i] * 30 for i, c in enumerate(CONVS[::2])]  # two system prompts
+    with Engine(model="tiny", hicache=tiers(tmp_path / "generated"), speculative=spec(DRAFT)) as engine:
+        results = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_HERE, ignore_eos=True))
+        assert sum(r.spec_tokens[1] for r in results) > 0  # some rows came from accepted proposals
+    sequences = [p + r.token_ids for p, r in zip(prompts, results)]
+    with Engine(model="tiny", hicache=tiers(tmp_path / "prompted"), speculative=spec(DRAFT)) as engine:
+        engine.generate(sequences, SamplingParams(max_new_tokens=2, ignore_eos=True))
+    generated, prompted = stored_draft_pages(tmp_path / "generated"), stored_draft_pages(tmp_path / "prompted")
+    assert len(generated) > len(prompts) * NEW_HERE // 16 and generated.keys() == prompted.keys()  # output pages too
+    assert [name for name in generated if generated[name] != prompted[name]] == []
 
 
 @pytest.mark.parametrize("parallel", [ParallelConfig(tp_size=2), ParallelConfig(pp_size=2)])
