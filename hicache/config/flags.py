@@ -94,7 +94,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     v = parser.add_argument_group("speculative decoding")
     v.add_argument("--speculative-algorithm", default=None, help="draft: a separate draft model proposes tokens")
     v.add_argument("--speculative-draft-model", default=None,
-                   help="tiny-draft-packed, tiny-draft-sidecar, smollm2-draft[-N], or a model path")
+                   help="tiny-draft-packed, tiny-draft-sidecar, tiny-mtp, smollm2-draft[-N], or a model path")
     v.add_argument("--speculative-num-draft-tokens", type=int, default=s.speculative_num_draft_tokens,
                    help="tokens the draft proposes per step (the target verifies them in one pass)")
     s = DisaggConfig()
