@@ -30,6 +30,12 @@ the verify rows. Only the sampling rank (last stage) has the target's logits: it
 request keeps and shares it (hicache/parallel/pipeline.py, with a digest of the batch and its
 proposals), and every rank applies the same decision (`accept`, recorded by the consensus checker).
 
+An MTP head (docs/DESIGN.md, "Speculative decoding: an MTP head") reads the target's hidden states: the
+target's pass writes them into the head's pool rows, the catch-up computes a row only once the target
+has computed the one before it (a prompt whose first token is its last: after the target's pass, in the
+same step), and its proposal rows after the first read the head's own output and are
+not kept (the next catch-up recomputes the accepted ones from the target's hidden states).
+
 Speculation is greedy-only: a sampling request takes K = 0 (its verify item is a plain decode row,
 sampled as without speculation), as does a request with one token left. The draft's load events are
 the target's (a layer's event covers both models' copies, hicache/mem/host_group.py).
@@ -109,6 +115,8 @@ class SpeculativeDecoder:
         target_work = [verify.get(id(item), item) for item in work]
         sink = self._store_target_hidden if self._chains_hidden else None
         logits = self.target.forward(target_work, before_layer, sink)  # None on a stage before the last
+        if self._chains_hidden:
+            self._finish_prompts(work, self._draft_hook(before_layer))
         link = self.target.link
         choices = self._choices(work, target_work, logits) if link.samples_here else None
         # Its digest covers the proposals: a rank whose draft proposed otherwise finds out here.
@@ -150,14 +158,12 @@ class SpeculativeDecoder:
             restored = kv.draft_len >= kv.cached.total
             if item.req.in_prefill and self._left(item.req) > 1 and restored:
                 continue  # later, from its first decode step on
+            if item.req.in_prefill and self._chains_hidden and self._left(item.req) <= 1:
+                continue  # after the target's pass (`_finish_prompts`)
             end = min(item.end, kv.draft_len + self.catch_up_limit)
             if self._chains_hidden:  # only rows whose predecessor's hidden state the target has computed
-                end = min(end, kv.kv_len + 1)
-                if end <= kv.draft_len:
-                    continue
-            # Rows over the cached prefix: its draft state was not restored with the target's.
-            self._stats.draft_recomputed_tokens += max(0, min(end, kv.cached.total) - kv.draft_len)
-            catch_up.append(WorkItem(item.req, kv.draft_len, end, logit_rows=int(id(item) in wants_proposal)))
+                end = min(end, kv.kv_len + 1)  # above draft_len: the head never runs ahead of the target
+            catch_up.append(self._catch_up(item, end, logit_rows=int(id(item) in wants_proposal)))
         if not catch_up:
             return [[] for _ in budgets]
         logits, hidden = self._draft_forward(catch_up, hook)
@@ -185,6 +191,24 @@ class SpeculativeDecoder:
                     # same whether it came as a proposal or in a prompt (after a hit too).
                     outputs[i] = hidden[n]
         return proposals
+
+    def _catch_up(self, item: WorkItem, end: int, logit_rows: int) -> WorkItem:
+        """The draft's rows of `item`'s sequence it lags behind, up to `end`."""
+        kv = item.req.kv
+        # Rows over the cached prefix: its draft state was not restored with the target's.
+        self._stats.draft_recomputed_tokens += max(0, min(end, kv.cached.total) - kv.draft_len)
+        return WorkItem(item.req, kv.draft_len, end, logit_rows=logit_rows)
+
+    def _finish_prompts(self, work: list[WorkItem], hook: LayerHook | None) -> None:
+        """An MTP head's rows of the prompt chunks whose first token is also their last, once the target's
+        pass has written the hidden states they read: no later step would compute them, and the tree
+        shares a prompt only once every pool holds it."""
+        items = [self._catch_up(item, item.end, logit_rows=0)
+                 for item in work if item.req.in_prefill and self._left(item.req) <= 1]  # fmt: skip
+        if items:
+            self._draft_forward(items, hook)
+            for item in items:
+                item.req.kv.advance_draft(item.end)
 
     def _choices(
         self, work: list[WorkItem], target_work: list[WorkItem], logits: torch.Tensor | None
