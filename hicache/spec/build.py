@@ -57,10 +57,10 @@ def build_draft(cfg: EngineConfig, target: LoadedModel, target_pool: DeviceKVPoo
             f"--speculative-draft-model {loaded.name} keeps per-token state beside its KV that --cp-size > 1 "
             "cannot shard yet (each token reads its predecessor's); use a draft without it, or --cp-size 1"
         )
-    if family_of(loaded).decoder.reads_target_hidden and (pctx.tp_size > 1 or pctx.pp_size > 1):
+    if family_of(loaded).decoder.reads_target_hidden and pctx.pp_size > 1:
         raise UserError(
-            f"--speculative-draft-model {loaded.name} reads the target's last hidden states, which it does not "
-            "take over several ranks yet (only the last pipeline stage has them); use --tp-size 1 --pp-size 1"
+            f"--speculative-draft-model {loaded.name} reads the target's last hidden states, which only the last "
+            "pipeline stage has, and the draft runs on every stage; use --pp-size 1"
         )
     device, dtype = target_pool.device, target_pool.dtype
     context = draft_context(pctx, loaded)

@@ -32,7 +32,8 @@ from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, as
 
 TOPOLOGIES = {"tp2-packed": (ParallelConfig(tp_size=2), "tiny-draft-packed"),
               "pp2-sidecar": (ParallelConfig(pp_size=2), "tiny-draft-sidecar"),
-              "cp2-packed": (ParallelConfig(cp_size=2), "tiny-draft-packed")}  # fmt: skip
+              "cp2-packed": (ParallelConfig(cp_size=2), "tiny-draft-packed"),
+              "tp2-mtp": (ParallelConfig(tp_size=2), "tiny-mtp")}  # fmt: skip
 ACCEPT = "SpeculativeDecoder.accept"
 
 
