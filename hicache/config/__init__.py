@@ -259,7 +259,7 @@ class SpeculativeConfig(FromArgs):
     target verifies in one forward pass; greedy output is the target's alone, token for token."""
 
     speculative_algorithm: str | None = None  # "draft": a separate draft model
-    speculative_draft_model: str | None = None  # tiny-draft-packed, tiny-draft-sidecar, smollm2-draft, or a path
+    speculative_draft_model: str | None = None  # tiny-draft-packed, tiny-draft-sidecar, tiny-mtp, smollm2-draft, a path
     speculative_num_draft_tokens: int = 4  # tokens the draft proposes per step
 
     def __post_init__(self) -> None:

@@ -196,7 +196,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     v.add_argument(
         "--speculative-draft-model",
         default=None,
-        help="tiny-draft-packed, tiny-draft-sidecar, smollm2-draft[-N], or a model path",
+        help="tiny-draft-packed, tiny-draft-sidecar, tiny-mtp, smollm2-draft[-N], or a model path",
     )
     v.add_argument(
         "--speculative-num-draft-tokens",

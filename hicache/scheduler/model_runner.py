@@ -96,11 +96,20 @@ class ModelRunner:
             logit_rows=torch.tensor(logit_rows, dtype=torch.int64, device=dev),
         )
 
-    def forward(self, work: list[WorkItem], before_layer: Callable[[int], None] | None = None) -> torch.Tensor | None:
+    def forward(
+        self,
+        work: list[WorkItem],
+        before_layer: Callable[[int], None] | None = None,
+        hidden_sink: Callable[[ForwardBatch, torch.Tensor], None] | None = None,
+        carried_hidden: torch.Tensor | None = None,
+    ) -> torch.Tensor | None:
         """Logits [rows needing logits, vocab] as float32 on the CPU on the last pipeline stage; None on
-        the others, whose output went to the next stage."""
+        the others, whose output went to the next stage. `hidden_sink` and `carried_hidden`: what an MTP
+        head exchanges with its target and its own proposals (`ForwardBatch`)."""
         batch = self.build(work)
         batch.before_layer = before_layer
+        batch.hidden_sink = hidden_sink
+        batch.carried_hidden = carried_hidden
         model = self.model
         hidden = self.link.recv_hidden(batch.num_tokens, model.cfg.hidden_size, model.dtype, self.pool.device)
         out = model.forward(batch, self.pool, hidden)

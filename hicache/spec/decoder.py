@@ -30,6 +30,12 @@ the verify rows. Only the sampling rank (last stage) has the target's logits: it
 request keeps and shares it (hicache/parallel/pipeline.py, with a digest of the batch and its
 proposals), and every rank applies the same decision (`accept`, recorded by the consensus checker).
 
+An MTP head (docs/DESIGN.md, "Speculative decoding: an MTP head") reads the target's hidden states: the
+target's pass writes them into the head's pool rows, the catch-up computes a row only once the target
+has computed the one before it (a prompt whose first token is its last: after the target's pass, in the
+same step), and its proposal rows after the first read the head's own output and are
+not kept (the next catch-up recomputes the accepted ones from the target's hidden states).
+
 Speculation is greedy-only: a sampling request takes K = 0 (its verify item is a plain decode row,
 sampled as without speculation), as does a request with one token left. The draft's load events are
 the target's (a layer's event covers both models' copies, hicache/mem/host_group.py).
@@ -45,6 +51,7 @@ import torch
 from hicache.cache import KVCache
 from hicache.debug.consensus_checker import consensus_checked
 from hicache.mem.host_group import draft_event_layer
+from hicache.model.batch import ForwardBatch
 from hicache.scheduler.model_runner import ModelRunner, StepOutput, WorkItem
 from hicache.scheduler.request import Request, TokenLogprob
 from hicache.scheduler.sampler import sample
@@ -74,6 +81,8 @@ class SpeculativeDecoder:
         self.context_length = context_length
         self.catch_up_limit = catch_up_limit
         self._target_layers = target.model.num_local_layers
+        # An MTP head reads the target's hidden states, and its proposals its own (hicache/model/families/mtp.py).
+        self._chains_hidden = draft.model.reads_target_hidden
         self._stats = SpecStats()
 
     def stats(self) -> SpecStats:
@@ -104,12 +113,32 @@ class SpeculativeDecoder:
             for item, k, p in zip(decoding, budgets, proposals)
         }
         target_work = [verify.get(id(item), item) for item in work]
-        logits = self.target.forward(target_work, before_layer)  # None on a stage before the last
+        sink = self._store_target_hidden if self._chains_hidden else None
+        logits = self.target.forward(target_work, before_layer, sink)  # None on a stage before the last
+        if self._chains_hidden:
+            self._finish_prompts(work, self._draft_hook(before_layer))
         link = self.target.link
         choices = self._choices(work, target_work, logits) if link.samples_here else None
         # Its digest covers the proposals: a rank whose draft proposed otherwise finds out here.
         digest = hash(tuple((done.req.rid, done.start, done.end, done.draft) for done in target_work))
         return self.accept(work, target_work, link.share_samples(choices, digest))
+
+    def _store_target_hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:
+        self.draft.model.store_target_hidden(self.draft.pool, batch.out_slots, hidden)
+
+    def _draft_forward(
+        self, items: list[WorkItem], hook: LayerHook | None, carried: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The draft's logits, and for an MTP head its output hidden states of the same rows (what its
+        next proposal reads)."""
+        if not self._chains_hidden:
+            logits = self.draft.forward(items, hook)
+            assert logits is not None
+            return logits, None
+        out: list[torch.Tensor] = []
+        logits = self.draft.forward(items, hook, lambda batch, h: out.append(h[batch.logit_rows]), carried)
+        assert logits is not None
+        return logits, out[0]
 
     def _draft_hook(self, before_layer: LayerHook | None) -> LayerHook | None:
         if before_layer is None:
@@ -129,30 +158,57 @@ class SpeculativeDecoder:
             restored = kv.draft_len >= kv.cached.total
             if item.req.in_prefill and self._left(item.req) > 1 and restored:
                 continue  # later, from its first decode step on
+            if item.req.in_prefill and self._chains_hidden and self._left(item.req) <= 1:
+                continue  # after the target's pass (`_finish_prompts`)
             end = min(item.end, kv.draft_len + self.catch_up_limit)
-            # Rows over the cached prefix: its draft state was not restored with the target's.
-            self._stats.draft_recomputed_tokens += max(0, min(end, kv.cached.total) - kv.draft_len)
-            catch_up.append(WorkItem(item.req, kv.draft_len, end, logit_rows=int(id(item) in wants_proposal)))
+            if self._chains_hidden:  # only rows whose predecessor's hidden state the target has computed
+                end = min(end, kv.kv_len + 1)  # above draft_len: the head never runs ahead of the target
+            catch_up.append(self._catch_up(item, end, logit_rows=int(id(item) in wants_proposal)))
         if not catch_up:
             return [[] for _ in budgets]
-        logits = self.draft.forward(catch_up, hook)
-        assert logits is not None
+        logits, hidden = self._draft_forward(catch_up, hook)
         for item in catch_up:
             item.req.kv.advance_draft(item.end)
         first = iter(int(torch.argmax(row)) for row in logits)
         proposals = [[next(first)] if k > 0 else [] for k in budgets]
+        # Per proposing item, the MTP head's output hidden state of its last row.
+        outputs = dict(zip([i for i, k in enumerate(budgets) if k > 0], hidden if hidden is not None else []))
         for j in range(1, max(budgets, default=0)):
             active = [i for i, k in enumerate(budgets) if k > j]
             steps = [
                 WorkItem(decoding[i].req, decoding[i].end + j - 1, decoding[i].end + j, tuple(proposals[i]))
                 for i in active
             ]
-            logits = self.draft.forward(steps, hook)
-            assert logits is not None
-            for i, step, row in zip(active, steps, logits):
+            carried = torch.stack([outputs[i] for i in active]) if self._chains_hidden else None
+            logits, hidden = self._draft_forward(steps, hook, carried)
+            for n, (i, step, row) in enumerate(zip(active, steps, logits)):
                 proposals[i].append(int(torch.argmax(row)))
-                step.req.kv.advance_draft(step.end)
+                if hidden is None:
+                    step.req.kv.advance_draft(step.end)
+                else:
+                    # Not kept: a row made from the head's own hidden state, not the target's. The next
+                    # catch-up recomputes the accepted ones from the target's, so a token's row is the
+                    # same whether it came as a proposal or in a prompt (after a hit too).
+                    outputs[i] = hidden[n]
         return proposals
+
+    def _catch_up(self, item: WorkItem, end: int, logit_rows: int) -> WorkItem:
+        """The draft's rows of `item`'s sequence it lags behind, up to `end`."""
+        kv = item.req.kv
+        # Rows over the cached prefix: its draft state was not restored with the target's.
+        self._stats.draft_recomputed_tokens += max(0, min(end, kv.cached.total) - kv.draft_len)
+        return WorkItem(item.req, kv.draft_len, end, logit_rows=logit_rows)
+
+    def _finish_prompts(self, work: list[WorkItem], hook: LayerHook | None) -> None:
+        """An MTP head's rows of the prompt chunks whose first token is also their last, once the target's
+        pass has written the hidden states they read: no later step would compute them, and the tree
+        shares a prompt only once every pool holds it."""
+        items = [self._catch_up(item, item.end, logit_rows=0)
+                 for item in work if item.req.in_prefill and self._left(item.req) <= 1]  # fmt: skip
+        if items:
+            self._draft_forward(items, hook)
+            for item in items:
+                item.req.kv.advance_draft(item.end)
 
     def _choices(
         self, work: list[WorkItem], target_work: list[WorkItem], logits: torch.Tensor | None

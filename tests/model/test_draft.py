@@ -1,7 +1,8 @@
-"""The built-in drafts (hicache/model/loading/draft.py, hicache/model/families/shift.py): cut from the
-target's own layers, the packed one with the target's KV geometry, the sidecar one with a token-shift
-state beside its KV that the model really reads back (a cache that dropped it would change the draft's
-output), batch-invariant like the target; a draft with another vocabulary is refused."""
+"""The built-in drafts (hicache/model/loading/draft.py, hicache/model/families/shift.py and mtp.py): cut
+from the target's own layers, the packed one with the target's KV geometry, the sidecar one with a
+token-shift state beside its KV that the model really reads back (a cache that dropped it would change the
+draft's output), the MTP head with the target's hidden states beside its KV, read back the same way,
+batch-invariant like the target; a draft with another vocabulary is refused."""
 
 from dataclasses import replace
 
@@ -12,6 +13,7 @@ from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.build import build_decoder
+from hicache.model.families.mtp import HIDDEN, MTPHeadModel
 from hicache.model.families.shift import SHIFT, TokenShiftModel
 from hicache.model.families.tiny import load_tiny
 from hicache.model.loading.draft import load_draft
@@ -44,7 +46,7 @@ def test_the_sidecar_draft_keeps_a_state_beside_its_kv_and_stays_batch_invariant
     assert model.invariance.verified, model.invariance.detail
 
 
-def forward(model, pool, ids, start):
+def forward(model, pool, ids, start, carried=None):
     """Feed ids at positions start.. (slots = positions), the prefix's KV already in `pool`."""
     n = len(ids)
     batch = ForwardBatch(
@@ -53,6 +55,7 @@ def forward(model, pool, ids, start):
         out_slots=torch.arange(start, start + n),
         seqs=[SeqSlice(0, n, torch.arange(start + n))],
         logit_rows=torch.tensor([n - 1]),
+        carried_hidden=carried,
     )
     return model.forward(batch, pool)
 
@@ -68,6 +71,24 @@ def test_the_sidecar_drafts_output_depends_on_the_stored_state(tiny):
     for buf in pool.buffers:
         buf[: len(prompt) - 1, offset : offset + numel] = 0  # the KV kept, the state beside it lost
     assert not torch.equal(forward(model, pool, prompt[-1:], len(prompt) - 1), whole)
+
+
+def test_the_mtp_head_reads_the_targets_hidden_state_from_its_pool_or_as_carried(tiny):
+    model = build(load_draft("tiny-mtp", tiny))
+    assert isinstance(model, MTPHeadModel) and model.num_local_layers == 1
+    assert [c.name for c in model.kv_layout.components] == ["k", "v", HIDDEN]
+    assert model.invariance.verified, model.invariance.detail
+    pool = DeviceKVPool(model.kv_layout, 1, 4, 16, torch.float32, CPU)
+    prompt = list(range(60, 80))
+    hidden = torch.randn(len(prompt), tiny.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    model.store_target_hidden(pool, torch.arange(len(prompt)), hidden)  # what the target's pass writes
+    whole = forward(model, pool, prompt, 0)
+    forward(model, pool, prompt[:-1], 0)
+    assert torch.equal(forward(model, pool, prompt[-1:], len(prompt) - 1), whole)  # restored: the same
+    carried = forward(model, pool, prompt[-1:], len(prompt) - 1, carried=hidden[-2:-1])
+    assert torch.equal(carried, whole)  # the predecessor's hidden state given instead of read: the same
+    model.store_target_hidden(pool, torch.tensor([len(prompt) - 2]), torch.zeros(1, tiny.config.hidden_size))
+    assert not torch.equal(forward(model, pool, prompt[-1:], len(prompt) - 1), whole)  # one hidden state lost
 
 
 def test_drafts_are_cut_from_the_target_or_refused(tiny):

@@ -9,6 +9,7 @@ import pytest
 
 from hicache.model.families.llama import LlamaModel
 from hicache.model.families.mla import MLAModel
+from hicache.model.families.mtp import MTPHeadModel
 from hicache.model.families.registry import family_of
 from hicache.model.families.shift import TokenShiftModel
 from hicache.model.families.tiny_mla import TINY_MLA_CONFIG
@@ -22,6 +23,7 @@ def test_each_builtin_model_and_draft_is_built_as_its_family():
     assert family_of(load_model("tiny-mla")).decoder is MLAModel
     assert family_of(load_draft("tiny-draft-packed", tiny)).decoder is LlamaModel
     assert family_of(load_draft("tiny-draft-sidecar", tiny)).decoder is TokenShiftModel
+    assert family_of(load_draft("tiny-mtp", tiny)).decoder is MTPHeadModel
 
 
 def test_a_config_of_another_family_is_refused():

@@ -34,8 +34,10 @@ from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, as
 TOPOLOGIES = {"tp2-packed": (ParallelConfig(tp_size=2), "tiny-draft-packed"),
               "pp2-sidecar": (ParallelConfig(pp_size=2), "tiny-draft-sidecar"),
               "cp2-packed": (ParallelConfig(cp_size=2), "tiny-draft-packed"),
-              # The seed's section 1.4 shape (TP4/CP4 + MTP + host cache), at the 4 processes CI has.
-              "tp2cp2-packed": (ParallelConfig(tp_size=2, cp_size=2), "tiny-draft-packed")}  # fmt: skip
+              # The seed's section 1.4 shape (TP4/CP4 + MTP + host cache) at the 4 processes CI has, with the
+              # separate draft (an MTP head reads its predecessor's row: refused under CP).
+              "tp2cp2-packed": (ParallelConfig(tp_size=2, cp_size=2), "tiny-draft-packed"),
+              "tp2-mtp": (ParallelConfig(tp_size=2), "tiny-mtp")}  # fmt: skip
 ACCEPT = "SpeculativeDecoder.accept"
 
 

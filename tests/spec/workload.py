@@ -11,7 +11,6 @@ CONVS = make_conversations(num_groups=2, per_group=2, system_len=200, question_l
 TURNS = 3
 NEW = 16
 DEVICE_TOKENS = 512  # the working set is ~3x this: later turns come back from host memory
-DRAFTS = ("tiny-draft-packed", "tiny-draft-sidecar")
 K = 4
 
 

@@ -88,6 +88,8 @@ class LlamaModel:
     # Whether its pages can be sharded over CP ranks: nothing but attention (which gathers them) reads
     # another token's row.
     page_shardable = True
+    # Whether it reads the target's final hidden states (an MTP head, hicache/model/families/mtp.py).
+    reads_target_hidden = False
 
     def __init__(
         self,
@@ -193,6 +195,8 @@ class LlamaModel:
             self.attention.close(meta)
         if not self.pctx.is_last_stage:
             return hidden
+        if batch.hidden_sink is not None:
+            batch.hidden_sink(batch, hidden)
         rows = ops.rms_norm(hidden[batch.logit_rows], self.norm, self.cfg.rms_norm_eps)
         return self.lm_head(rows).float()
 

@@ -3,8 +3,8 @@ class a LoadedModel is built as (hicache/model/build.py) and which config type t
 
 A loader names its model's family in `LoadedModel.family`: the GGUF and Hugging Face loaders and `tiny`
 load Llamas (the default), `tiny-mla` an MLA decoder, the sidecar draft (hicache/model/loading/draft.py)
-a token-shift decoder. Another family plugs in with its config type, a decoder implementing
-`DecoderModel` (hicache/model/base.py) and one entry here.
+a token-shift decoder, `tiny-mtp` an MTP head. Another family plugs in with its config type, a decoder
+implementing `DecoderModel` (hicache/model/base.py) and one entry here.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hicache.model.config import LoadedModel, ModelConfig
-from hicache.model.families import llama, mla, shift
+from hicache.model.families import llama, mla, mtp, shift
 
 
 @dataclass(frozen=True)
@@ -25,6 +25,7 @@ FAMILIES: dict[str, Family] = {
     llama.FAMILY: Family(ModelConfig, llama.LlamaModel),
     mla.FAMILY: Family(mla.MLAConfig, mla.MLAModel),
     shift.FAMILY: Family(ModelConfig, shift.TokenShiftModel),
+    mtp.FAMILY: Family(ModelConfig, mtp.MTPHeadModel),
 }
 
 

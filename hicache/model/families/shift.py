@@ -62,24 +62,11 @@ class TokenShiftModel(LlamaModel):
                 "shift_out": self.shift_out[0].plan.describe()}  # fmt: skip
 
     def forward(self, batch: ForwardBatch, pool: DeviceKVPool, hidden: torch.Tensor | None = None) -> torch.Tensor:
-        self._slots = (batch.out_slots, *self._previous(batch))
+        self._slots = (batch.out_slots, *batch.predecessors(self.dtype))
         try:
             return super().forward(batch, pool, hidden)
         finally:
             self._slots = None
-
-    def _previous(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Per row: the slot of the token before it, and 1 (or 0 at position 0, which has none)."""
-        prev = torch.zeros(batch.num_tokens, dtype=torch.int64, device=self.device)
-        keep = torch.ones(batch.num_tokens, 1, dtype=self.dtype, device=self.device)
-        for seq in batch.seqs:
-            first = seq.kv_len - seq.length  # position of the sequence's first new token
-            if first == 0:
-                keep[seq.start] = 0
-                prev[seq.start + 1 : seq.start + seq.length] = seq.kv_slots[: seq.length - 1]
-            else:
-                prev[seq.start : seq.start + seq.length] = seq.kv_slots[first - 1 : seq.kv_len - 1]
-        return prev, keep
 
     def _layer(
         self, local: int, layer: LlamaLayer, hidden: torch.Tensor, positions: torch.Tensor, meta, pool: DeviceKVPool

@@ -7,6 +7,8 @@ downloaded:
   indexing, so its layers can be appended to tiny's host pool (the packed layout).
 - `tiny-draft-sidecar`: tiny's first 3 layers plus a per-token token-shift state beside the KV
   (hicache/model/families/shift.py): another row shape, so it needs pools of its own (the sidecar layout).
+- `tiny-mtp`: an MTP head on tiny (hicache/model/families/mtp.py): one layer, tiny's first, reading the
+  target's last hidden state and the next token's embedding (`mtp_head`).
 - `smollm2-draft[-N]`: SmolLM2's first N layers (default 20 of its 30: an untrained early exit
   rarely agrees with the whole model with fewer, docs/BENCHMARKS.md section 5).
 - anything else: a model loaded as `--model` loads it; it must share the target's vocabulary.
@@ -22,6 +24,7 @@ import torch
 
 from hicache.errors import UserError
 from hicache.model.config import LoadedModel
+from hicache.model.families import mtp
 from hicache.model.families.shift import FAMILY, shift_weight_names
 from hicache.model.loading.loader import load_model
 
@@ -29,6 +32,7 @@ TINY_PACKED_LAYERS = 3
 TINY_SIDECAR_LAYERS = 3
 SHIFT_DIM = 8
 SHIFT_SEED = 4321
+MTP_HIDDEN_WEIGHT = 0.1  # of 0.1, 0.5 and 1.0 (with tiny's first or last layer) the most accepted
 SMOLLM2_DRAFT_LAYERS = 20
 _SMOLLM2_DRAFT = re.compile(r"smollm2-draft(?:-(\d+))?")
 
@@ -58,6 +62,21 @@ def with_token_shift(draft: LoadedModel, dim: int, seed: int) -> LoadedModel:
     return replace(draft, weights=weights, identity=identity, family=FAMILY)
 
 
+def mtp_head(base: LoadedModel, name: str, hidden_weight: float) -> LoadedModel:
+    """An MTP head on `base` made of its own weights, so it agrees with it sometimes with nothing trained:
+    its decoder layer is `base`'s first, its embedding, final norm and head are `base`'s (shared), and the
+    projection adds the normed embedding of the token and `hidden_weight` times the normed hidden state of
+    the one before it (a first layer reads a token's embedding; the hidden state steers it)."""
+    h = base.config.hidden_size
+    first = "model.layers.0."
+    weights = {k: v for k, v in base.weights.items() if not k.startswith("model.layers.") or k.startswith(first)}
+    weights[mtp.EH_PROJ] = torch.cat([torch.eye(h), hidden_weight * torch.eye(h)], dim=1)
+    weights[mtp.ENORM] = weights[mtp.HNORM] = torch.ones(h)
+    identity = hashlib.sha256(f"{base.identity}:mtp:{hidden_weight}".encode()).hexdigest()
+    config = replace(base.config, num_layers=1)
+    return replace(base, name=name, config=config, weights=weights, identity=identity, family=mtp.FAMILY)
+
+
 def _base(name: str, target: LoadedModel) -> LoadedModel:
     """The model a built-in draft is cut from: the target itself when it is that model (no second copy)."""
     return target if target.name == name else load_model(name)
@@ -69,6 +88,8 @@ def load_draft(name: str, target: LoadedModel) -> LoadedModel:
     elif name == "tiny-draft-sidecar":
         draft = first_layers(_base("tiny", target), TINY_SIDECAR_LAYERS, name, salt="sidecar")
         draft = with_token_shift(draft, SHIFT_DIM, SHIFT_SEED)
+    elif name == "tiny-mtp":
+        draft = mtp_head(_base("tiny", target), name, MTP_HIDDEN_WEIGHT)
     elif (m := _SMOLLM2_DRAFT.fullmatch(name)) is not None:
         draft = first_layers(_base("smollm2", target), int(m.group(1) or SMOLLM2_DRAFT_LAYERS), name)
     else:

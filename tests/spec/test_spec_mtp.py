@@ -1,0 +1,92 @@
+"""The MTP-shaped draft (docs/DESIGN.md, "Speculative decoding: an MTP head"): `tiny-mtp` reads tiny's
+last hidden states, kept beside its own KV. Greedy outputs with it equal the target's alone with the cache
+off, token for token; served from device, host and storage hits (a restart on the same store) its
+acceptance equals the cache-off run's with nothing recomputed (each cached position's hidden state comes
+back with the head's KV), and the pages it stores hold the same bytes whether their tokens came as
+accepted proposals or in a prompt; without the head's restore (the negative control) its acceptance
+changes and the outputs do not. It is refused under PP (at TP2: tests/spec/test_spec_topology.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache import Engine, SamplingParams
+from hicache.config import DebugConfig, EngineConfig, ParallelConfig
+from hicache.errors import UserError
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.mem.kv_layout import KVLayout
+from hicache.model.loading.loader import load_model
+from hicache.parallel.parallel import ParallelContext
+from hicache.spec.build import build_draft
+from tests.conversations import run_turns
+from tests.parallel.workload import tier_totals as hits
+from tests.parallel.workload import tokens
+from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
+
+DRAFT = "tiny-mtp"
+NEW_HERE = 48  # enough accepted proposals that rows made of the head's own hidden states would show
+
+
+def test_hits_on_every_tier_keep_outputs_and_the_heads_acceptance(reference, cache_off_acceptance, tmp_path):
+    cfg = tiers(tmp_path)
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(DRAFT)) as engine:
+        # Its row carries the target's hidden state beside its KV: not the target's row, so a sidecar.
+        assert engine._runtime.scheduler.cache.lower.host.host.draft_layout == "sidecar"
+        turns = run_turns(engine, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference
+        assert hits(turns)["device"] > 0 and hits(turns)["host"] > 0
+        assert acceptance(turns) == cache_off_acceptance[DRAFT]
+        assert engine.spec_stats().draft_recomputed_tokens == 0
+        assert_clean(engine)
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(DRAFT)) as engine:
+        turns = run_turns(engine, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference
+        assert hits(turns)["storage"] > 0
+        assert acceptance(turns) == cache_off_acceptance[DRAFT]
+        assert engine.spec_stats().draft_recomputed_tokens == 0
+        assert_clean(engine)
+
+
+def test_without_the_heads_restore_its_acceptance_changes_and_outputs_stay(reference, cache_off_acceptance, tmp_path):
+    debug = DebugConfig(debug_skip_draft_restore=True)
+    cfg = tiers(tmp_path)
+    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(DRAFT), debug=debug) as e:
+        turns = run_turns(e, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference  # the target verifies every token
+        restored = hits(turns)["host"] + hits(turns)["storage"]
+        assert restored > 0 and e.spec_stats().draft_recomputed_tokens == restored
+        # Recomputing its KV is not enough: the target's hidden states of that prefix were not restored.
+        assert acceptance(turns) != cache_off_acceptance[DRAFT]
+        assert_clean(e)
+
+
+def stored_draft_pages(store) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in store.rglob("*_draft")}
+
+
+def test_a_tokens_head_row_is_the_same_whether_it_came_as_a_proposal_or_in_a_prompt(tmp_path):
+    """The head's rows of accepted proposals are recomputed from the target's hidden states, so the pages
+    a generation stores hold what a prompt of the same tokens stores, byte for byte: what a later hit
+    restores is what the cache-off run computes. (Keeping the rows made from the head's own hidden
+    states passes the acceptance test above on its workload, but changes these bytes.)"""
+    prompts = [list(c["system"]) + [40 + i] * 30 for i, c in enumerate(CONVS[::2])]  # two system prompts
+    with Engine(model="tiny", hicache=tiers(tmp_path / "generated"), speculative=spec(DRAFT)) as engine:
+        results = engine.generate(prompts, SamplingParams(max_new_tokens=NEW_HERE, ignore_eos=True))
+        assert sum(r.spec_tokens[1] for r in results) > 0  # some rows came from accepted proposals
+    sequences = [p + r.token_ids for p, r in zip(prompts, results)]
+    with Engine(model="tiny", hicache=tiers(tmp_path / "prompted"), speculative=spec(DRAFT)) as engine:
+        # One token: the head computes a prompt whose first token is its last after the target's pass.
+        engine.generate(sequences, SamplingParams(max_new_tokens=1))
+    generated, prompted = stored_draft_pages(tmp_path / "generated"), stored_draft_pages(tmp_path / "prompted")
+    assert len(generated) > len(prompts) * NEW_HERE // 16 and generated.keys() == prompted.keys()  # output pages too
+    assert [name for name in generated if generated[name] != prompted[name]] == []
+
+
+def test_the_head_is_refused_under_pp():
+    """Only the last stage has the target's hidden states, and the draft runs on every stage. (At TP2 it
+    runs: tests/spec/test_spec_topology.py.)"""
+    pool = DeviceKVPool(KVLayout.mha(2, 32), 1, 8, 16, torch.float32, torch.device("cpu"))
+    cfg = EngineConfig(speculative=spec(DRAFT), parallel=ParallelConfig(pp_size=2))
+    with pytest.raises(UserError, match="tiny-mtp reads the target's last hidden states, which only the last"):
+        build_draft(cfg, load_model("tiny"), pool, ParallelContext(pp_size=2))
