@@ -23,7 +23,9 @@ def reference():
         return [t for t, _ in chat(engine)]
 
 
-@pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
+# The real model under the policies that reach host and storage in three turns; the selective one
+# (backed up from a node's second hit) is run on tiny (tests/cache/test_hicache.py).
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_smollm2_tiers_equal_cache_off(reference, tmp_path, policy):
     cfg = HiCacheConfig(
         enable_hierarchical_cache=True,
@@ -38,15 +40,10 @@ def test_smollm2_tiers_equal_cache_off(reference, tmp_path, policy):
     with Engine(**flags) as engine:
         turns = chat(engine)
         assert [t for t, _ in turns] == reference
-        if policy == "write_through_selective":
-            # Backed up only from a node's second hit on: three turns give no host hit yet.
-            assert engine.cache_stats().host.backup_pages > 0
-        else:
-            assert sum(tiers["host"] for _, tiers in turns) > 0
+        assert sum(tiers["host"] for _, tiers in turns) > 0
         assert engine.flush_cache() and engine.leak_report() == []
     with Engine(**flags) as engine:  # a restart: only storage remains
         turns = chat(engine)
         assert [t for t, _ in turns] == reference
-        if policy != "write_through_selective":  # selective stored little: nodes rarely reach 2 hits here
-            assert sum(tiers["storage"] for _, tiers in turns) > 0
+        assert sum(tiers["storage"] for _, tiers in turns) > 0
         assert engine.flush_cache() and engine.leak_report() == []
