@@ -21,8 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -97,15 +95,16 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(*args.one, args.threads)))
         return
+    # Imported here, in the parent only: a child imports `benchmarks` from the tree it measures, whose
+    # common.py may predate this helper.
+    from benchmarks.common import measure_in_tree
+
     trees = {"blocked": HERE, **({"before": args.baseline_tree} if args.baseline_tree else {})}
     print(f"{'tree':8} {'keys':>6} {'batch':>5} {'step ms':>8} {'peak MB':>8} {'KV MB':>8}")
     for context in args.contexts:
         for batch in args.batches:
             for name, tree in trees.items():
-                env = {**os.environ, "PYTHONPATH": tree}
-                command = [sys.executable, __file__, "--one", str(context), str(batch), "--threads", str(args.threads)]
-                out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
-                r = json.loads(out.strip().splitlines()[-1])
+                r = measure_in_tree(tree, __file__, [str(context), str(batch), "--threads", str(args.threads)])
                 print(f"{name:8} {context:>6} {batch:>5} {r['ms']:>8.2f} {r['peak_mb']:>8.2f} {r['kv_mb']:>8.1f}",
                       flush=True)  # fmt: skip
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import re
 import subprocess
+import sys
 import tempfile
 import time
 from typing import Self
@@ -39,6 +41,14 @@ def matmul_gflops(dtype: torch.dtype, max_n: int = 2048, enough_s: float = 0.2) 
         if seconds >= enough_s or n >= max_n:
             return 2 * n**3 / seconds / 1e9, n
         n *= 2
+
+
+def measure_in_tree(tree: str, script: str, args: list[str]):
+    """Run `script --one ARGS` in a fresh interpreter importing `hicache` from `tree` (a checkout beside this
+    one, for a before/after in the same run) and return the JSON its last line prints."""
+    command = [sys.executable, script, "--one", *args]
+    out = subprocess.run(command, env={**os.environ, "PYTHONPATH": tree}, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def memcpy_gbps(nbytes: int = 1 << 28) -> float:

@@ -30,8 +30,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,20 +142,23 @@ def main() -> None:
     if args.one:
         print(json.dumps(measure(*args.one, args.steps)))
         return
+    # Imported here, in the parent only: a child imports `benchmarks` from the tree it measures, whose
+    # common.py may predate this helper.
+    from benchmarks.common import measure_in_tree
+
     trees = {"before": args.baseline_tree} if args.baseline_tree else {}
     trees["this"] = HERE
     print(f"{'tree':7} {'step':7} {'reqs':>4} {'context':>7} " + " ".join(f"{p:>8}" for p in PHASES)
           + f" {'total ms':>8} {'ms/req':>7} {'/aim':>6}")  # fmt: skip
     for context in args.contexts:
         for name, tree in trees.items():
-            env = {**os.environ, "PYTHONPATH": tree}
-            command = [sys.executable, __file__, "--one", str(args.requests), str(context), "--steps", str(args.steps)]
-            out = subprocess.run(command, env=env, capture_output=True, text=True, check=True).stdout
-            for kind, r in json.loads(out.strip().splitlines()[-1]).items():
+            measured = measure_in_tree(tree, __file__, [str(args.requests), str(context), "--steps", str(args.steps)])
+            for kind, r in measured.items():
                 per_request = r["total"] / args.requests
                 phases = " ".join(f"{r[p]:>8.2f}" for p in PHASES)
                 figures = f"{r['total']:>8.2f} {per_request:>7.3f} {per_request / AIM_MS:>6.2f}"
                 print(f"{name:7} {kind:7} {args.requests:>4} {context:>7} {phases} {figures}", flush=True)
+
 
 if __name__ == "__main__":
     main()
