@@ -26,14 +26,6 @@ from hicache.storage.unified import KVGeometry, Shard, shard_of
 
 
 @dataclass(frozen=True)
-class Cells:
-    """The KV one prefill rank sends one decode rank: layers x KV heads, model-global."""
-
-    layers: range
-    heads: range
-
-
-@dataclass(frozen=True)
 class Cut:
     """Where cells lie in one rank's pool: the local layers they cover, and the element ranges
     [start, stop) of a row that hold their heads (the rows travel as those ranges, concatenated)."""
@@ -72,9 +64,9 @@ def everyone(hs: Handshake) -> list[Handshake]:
     return out
 
 
-def peers(mine: Handshake, theirs: Handshake) -> dict[int, Cells]:
+def peers(mine: Handshake, theirs: Handshake) -> dict[int, Shard]:
     """The ranks of `theirs`'s server (any rank's handshake names it) that share KV with `mine`'s rank,
-    by rank index, and the cells each pair exchanges."""
+    by rank index, and the cells each pair exchanges: the overlap of their two shards, model-global."""
     a = shard(mine)
     out = {}
     for other in everyone(theirs):
@@ -82,11 +74,11 @@ def peers(mine: Handshake, theirs: Handshake) -> dict[int, Cells]:
         layers = range(max(a.layers.start, b.layers.start), min(a.layers.stop, b.layers.stop))
         heads = range(max(a.heads.start, b.heads.start), min(a.heads.stop, b.heads.stop))
         if len(layers) and len(heads):
-            out[rank(other)] = Cells(layers, heads)
+            out[rank(other)] = Shard(layers, heads)
     return out
 
 
-def cut(hs: Handshake, cells: Cells) -> Cut:
+def cut(hs: Handshake, cells: Shard) -> Cut:
     """Where `cells` lie in the rows of `hs`'s rank (ValueError if they cut a component not split by heads)."""
     mine = shard(hs)
     columns, offset = [], 0

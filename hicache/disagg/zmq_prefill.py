@@ -32,6 +32,7 @@ from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVSource, PrefillRes
 from hicache.disagg.zmq_io import IOLoop
 from hicache.errors import UserError
 from hicache.scheduler.request import Bootstrap
+from hicache.storage.unified import Shard
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class _Room:
     deadline: float  # for decode's metadata; once sent, for decode's acks
     status: KVPoll = KVPoll.BOOTSTRAPPING
     meta: DecodeMetadata | None = None  # once every peer's metadata is in (they agree)
-    expected: dict[int, cells.Cells] | None = None  # decode rank -> its cells, from the first metadata
+    expected: dict[int, Shard] | None = None  # decode rank -> its cells, from the first metadata
     peers: dict[int, _Peer] = field(default_factory=dict)  # decode rank -> who asked
     acked: set[bytes] = field(default_factory=set)
     error: str | None = None
