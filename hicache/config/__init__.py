@@ -174,6 +174,7 @@ class DebugConfig(FromArgs):
     debug_disable_pp_sync: bool = False  # later PP stages poll their own ACK queues (a known bug; negative tests)
     debug_skip_draft_restore: bool = False  # a hit restores the target's KV only (negative control)
     debug_load_fail_rate: float = 0.0  # each host -> device load fails (at a random layer) with this probability
+    debug_step_delay_ms: float = 0.0  # every forward step takes this much longer (a slow model, e.g. a long prefill)
 
     def __post_init__(self) -> None:
         if self.debug_transfer_delay_ms < 0:
@@ -184,6 +185,8 @@ class DebugConfig(FromArgs):
             raise UserError(f"--debug-storage-fail-rank must be >= 0, got {self.debug_storage_fail_rank}")
         if not 0 <= self.debug_load_fail_rate <= 1:
             raise UserError(f"--debug-load-fail-rate must be in [0, 1], got {self.debug_load_fail_rate}")
+        if self.debug_step_delay_ms < 0:
+            raise UserError(f"--debug-step-delay-ms must be >= 0, got {self.debug_step_delay_ms}")
 
 
 DISAGG_MODES = ("null", "prefill", "decode")

@@ -186,6 +186,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "that needed them recompute",
     )
     b.add_argument(
+        "--debug-step-delay-ms",
+        type=float,
+        default=q.debug_step_delay_ms,
+        help="make every forward step N ms slower (stands in for a slow model or a long prefill)",
+    )
+    b.add_argument(
         "--debug-skip-draft-restore",
         action="store_true",
         help="restore only the target's KV on a host or storage hit; the draft recomputes its prefix",
@@ -236,7 +242,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--disaggregation-transfer-timeout",
         type=float,
         default=s.disaggregation_transfer_timeout,
-        help="seconds a request waits for its peer's metadata or KV before it fails",
+        help="seconds a request waits for a word from its peer (metadata, KV, or prefill saying it still "
+        "computes) before it fails",
     )
     x.add_argument(
         "--disaggregation-transfer-chunk-pages",

@@ -21,7 +21,7 @@ from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.base import DecoderModel
 from hicache.parallel.parallel import ParallelContext
 
-HANDSHAKE_VERSION = 2  # 2: the model geometry, so the two sides may differ in topology
+HANDSHAKE_VERSION = 3  # 2: the model geometry, so the two sides may differ in topology; 3: WORKING messages
 
 # Field -> how a mismatch is named, in the order they are compared (the most basic first).
 _FIELDS = {

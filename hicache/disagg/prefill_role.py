@@ -106,6 +106,8 @@ class PrefillRole:
         if not self.bootstrapping and not admitted and not self.sending:
             return []
         local = [self._local_status(req, sender) for req, sender in self.bootstrapping]
+        for _, sender in admitted:
+            sender.working()  # queued or computing: decode keeps waiting however long that takes
         wanted = [int(sender.poll() is not KVPoll.FAILED) for _, sender in admitted]
         read = [int(not sender.reading) for _, sender in self.sending]
         agreed = agree_min(self.pctx, [status for status, _ in local] + wanted + read)

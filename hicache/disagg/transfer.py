@@ -84,6 +84,11 @@ class KVSender(Protocol):
     def metadata(self) -> DecodeMetadata | None:
         """Decode's metadata, once it arrived (poll() >= WAITING_FOR_INPUT)."""
 
+    def working(self) -> None:
+        """Tell decode the request is still held here, queued or computing (the transport may say it less
+        often than it is called): decode waits for the KV from prefill's last word, not from its metadata,
+        so a prompt that computes for longer than the transfer timeout does not time out."""
+
     def send(self, kv: KVSource, result: PrefillResult) -> None:
         """Send the KV after decode_prefix_len and the first token (returns at once; the transport
         reads `kv` on its own thread while `reading`)."""

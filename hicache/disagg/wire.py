@@ -2,7 +2,8 @@
 *payload]` (a prefill ROUTER prefixes the peer's identity).
 
     decode -> prefill   HELLO {room: 0}                    which topology the prefill server has
-                        META  {room, decode_prefix_len, prompt_len, prompt_digest, handshake}
+                        META  {room, decode_prefix_len, prompt_len, prompt_digest, handshake,
+                               word_every_s}               how often decode needs WORKING (its timeout / 4)
                         ACK   {room}                       this prefill rank's cells landed
                         ABORT {room, reason}               decode gave up on the request
     prefill -> decode   LAYOUT {room: 0, handshake}        the answer to HELLO
@@ -10,6 +11,8 @@
                               (cells.py): those cells of rows [start, end)
                         DONE  {room, end, first_token, logprob, cached_tokens_by_tier}
                         ERROR {room, reason}               prefill refused or failed the request
+                        WORKING {room}                     prefill holds the request (queued or computing):
+                                                           decode's wait for its KV counts from the last one
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from hicache.scheduler.request import TokenLogprob
 from hicache.storage import pack_u32
 
 HELLO, META, ACK, ABORT = (b"hello", b"meta", b"ack", b"abort")
-LAYOUT, KV, DONE, ERROR = (b"layout", b"kv", b"done", b"error")
-KINDS = (HELLO, META, ACK, ABORT, LAYOUT, KV, DONE, ERROR)
+LAYOUT, KV, DONE, ERROR, WORKING = (b"layout", b"kv", b"done", b"error", b"working")
+KINDS = (HELLO, META, ACK, ABORT, LAYOUT, KV, DONE, ERROR, WORKING)
 
 
 class WireError(ValueError):
@@ -58,14 +61,26 @@ def decode(frames: Sequence[bytes | memoryview]) -> tuple[bytes, dict[str, Any],
     return kind, header, [memoryview(f) for f in frames[2:]]
 
 
-def metadata_header(meta: DecodeMetadata) -> dict[str, Any]:
+def metadata_header(meta: DecodeMetadata, word_every_s: float) -> dict[str, Any]:
     return {
         "room": meta.room,
         "decode_prefix_len": meta.decode_prefix_len,
         "prompt_len": meta.prompt_len,
         "prompt_digest": meta.prompt_digest,
         "handshake": meta.handshake.to_json(),
+        "word_every_s": word_every_s,
     }
+
+
+def word_every(header: dict[str, Any]) -> float:
+    """How often the decode rank that sent this metadata needs to hear that its request is worked on."""
+    try:
+        every = float(header["word_every_s"])
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WireError(f"bad metadata: {exc}") from None
+    if not every > 0:
+        raise WireError(f"bad metadata: word_every_s {every} is not positive")
+    return every
 
 
 def parse_metadata(header: dict[str, Any]) -> DecodeMetadata:

@@ -77,7 +77,7 @@ class ZmqKVReceiver:
         with b.lock:
             s = self._state
             if s.status in (KVPoll.WAITING_FOR_INPUT, KVPoll.TRANSFERRING) and time.monotonic() > s.deadline:
-                b.fail(s, f"no KV from the prefill server at {s.server} within {b.timeout_s:.0f} s")
+                b.fail(s, f"no word from the prefill server at {s.server} within {b.timeout_s:.0f} s")
             return s.status
 
     def result(self) -> PrefillResult | None:
@@ -130,7 +130,7 @@ class ZmqDecodeBackend:
                 waiting = [s for s in self._asked.get(state.server, []) if s.status is KVPoll.WAITING_FOR_INPUT]
                 self._asked[state.server] = [*waiting, state]
                 endpoints = [] if waiting else [state.server]
-        header = wire.metadata_header(meta) if layout is not None else {"room": 0}
+        header = wire.metadata_header(meta, self.timeout_s / 4) if layout is not None else {"room": 0}
         message = wire.encode(wire.META if layout is not None else wire.HELLO, header)
         for endpoint in endpoints:
             self.io.call(lambda endpoint=endpoint: self._dealer(endpoint).send_multipart(message))
@@ -242,6 +242,9 @@ class ZmqDecodeBackend:
                 if kind == wire.KV:
                     self._land(state, source, int(header["start"]), int(header["end"]), payload)
                     return None
+                if kind == wire.WORKING:  # prefill is alive and on it: wait the timeout from now
+                    state.deadline = time.monotonic() + self.timeout_s
+                    return None
                 if kind == wire.DONE:
                     if int(header.get("end", -1)) != state.meta.prompt_len or source.next != state.meta.prompt_len:
                         raise ValueError(f"done at token {source.next} of {state.meta.prompt_len}")
@@ -275,7 +278,7 @@ class ZmqDecodeBackend:
                     self.fail(state, problem)
                     continue
                 assert state.meta is not None
-                message = wire.encode(wire.META, wire.metadata_header(state.meta))
+                message = wire.encode(wire.META, wire.metadata_header(state.meta, self.timeout_s / 4))
                 sends += [(endpoint, message) for endpoint in self._open(state, layout)]
         for endpoint, message in sends:
             self._dealer(endpoint).send_multipart(message)

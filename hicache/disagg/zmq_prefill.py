@@ -44,6 +44,7 @@ class _Peer:
     identity: bytes  # its DEALER
     meta: DecodeMetadata
     cut: cells.Cut  # where its cells lie in this rank's rows
+    word_every_s: float  # how often it needs WORKING while the request is queued or computing
 
 
 @dataclass(eq=False)
@@ -57,6 +58,7 @@ class _Room:
     acked: set[bytes] = field(default_factory=set)
     error: str | None = None
     reading: bool = False  # the I/O thread may still read the request's pages (transfer.KVSender.reading)
+    next_word: float = 0.0  # when decode may next be told the request is still worked on (WORKING)
 
     @property
     def identities(self) -> list[bytes]:
@@ -89,6 +91,9 @@ class ZmqKVSender:
 
     def metadata(self) -> DecodeMetadata | None:
         return self._state.meta
+
+    def working(self) -> None:
+        self._backend.working(self._state)
 
     def send(self, kv: KVSource, result: PrefillResult) -> None:
         with self._backend.lock:
@@ -161,6 +166,19 @@ class ZmqPrefillBackend:
                 self._take(state, message)
         return ZmqKVSender(self, state)
 
+    def working(self, state: _Room) -> None:
+        """Send each decode peer WORKING, as often as the most pressed of them asked (a quarter of its
+        timeout: the word arrives well inside it however the step lengths fall)."""
+        now = time.monotonic()
+        with self.lock:
+            if state.status is not KVPoll.WAITING_FOR_INPUT or now < state.next_word:
+                return
+            state.next_word = now + min(peer.word_every_s for peer in state.peers.values())
+            identities = state.identities
+        message = wire.encode(wire.WORKING, {"room": state.room})
+        for identity in identities:
+            self.io.call(lambda identity=identity: self._send(identity, message))
+
     def abort(self, state: _Room, reason: str) -> None:
         with self.lock:
             if state.status in (KVPoll.FAILED, KVPoll.SUCCESS):
@@ -200,7 +218,7 @@ class ZmqPrefillBackend:
             return
         if state.status is not KVPoll.BOOTSTRAPPING:
             return
-        meta: DecodeMetadata = payload
+        meta, every = payload
         try:
             if state.expected is None:  # the first decode rank names its server's topology
                 state.expected = cells.peers(self.handshake, meta.handshake)
@@ -210,7 +228,8 @@ class ZmqPrefillBackend:
             first = next(iter(state.peers.values()), None)
             if first is not None and _request(first.meta) != _request(meta):
                 raise ValueError(f"decode ranks disagree on the request: {_request(first.meta)}, {_request(meta)}")
-            state.peers[decode_rank] = _Peer(identity, meta, cells.cut(self.handshake, state.expected[decode_rank]))
+            cut = cells.cut(self.handshake, state.expected[decode_rank])
+            state.peers[decode_rank] = _Peer(identity, meta, cut, every)
         except ValueError as exc:  # another model or topology than this rank can serve: refuse it by name
             self._fail(state, f"refused decode's metadata: {exc}", identity)
             return
@@ -240,7 +259,7 @@ class ZmqPrefillBackend:
             state = self._rooms.get(room)
             message: tuple[str, bytes, Any] | None = None
             if kind == wire.META:
-                message = ("meta", identity, wire.parse_metadata(header))
+                message = ("meta", identity, (wire.parse_metadata(header), wire.word_every(header)))
             elif kind == wire.ABORT:
                 message = ("abort", identity, str(header.get("reason", "")))
             elif kind == wire.ACK and state is not None and state.status is KVPoll.TRANSFERRING:

@@ -5,6 +5,8 @@ of a TP/PP deployment build it here, so both run the same code."""
 from __future__ import annotations
 
 import logging
+import time
+from typing import Callable
 
 from hicache.cache import build_cache, check_unified
 from hicache.config import EngineConfig
@@ -18,7 +20,7 @@ from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.kernels.invariance import InvarianceReport
 from hicache.model.loading.loader import load_model
 from hicache.parallel.parallel import ParallelContext
-from hicache.scheduler.model_runner import ModelRunner
+from hicache.scheduler.model_runner import ModelRunner, StepCompute, StepOutput, WorkItem
 from hicache.scheduler.scheduler import Scheduler
 from hicache.spec.build import build_decoder_for, build_draft
 
@@ -67,6 +69,21 @@ def load_engine_model(cfg: EngineConfig) -> LoadedModel:
     return with_weight_format(loaded, resolved)
 
 
+class _SlowSteps:
+    """--debug-step-delay-ms (fault injection): a `StepCompute` whose every step sleeps, then computes as
+    `inner` does; it stands in for a model or prompt large enough that a request computes for longer
+    than a peer's timeout (tests/disagg/test_engines.py)."""
+
+    def __init__(self, inner: StepCompute, delay_s: float) -> None:
+        self.inner = inner
+        self.delay_s = delay_s
+        self.speculative = inner.speculative
+
+    def step(self, work: list[WorkItem], before_layer: Callable[[int], None] | None) -> list[StepOutput]:
+        time.sleep(self.delay_s)
+        return self.inner.step(work, before_layer)
+
+
 def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContext) -> Scheduler:
     device, dtype = cfg.resolved_device(), cfg.resolved_dtype()
     model = build_decoder(loaded, pctx, dtype, device, invariant=cfg.batch_invariant_ops)
@@ -87,7 +104,10 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
     kv_events = None
     if cfg.kv_events_endpoint and pctx.rank == 0:
         kv_events = KVEventPublisher(cfg.kv_events_endpoint, cache.events)
-    scheduler = Scheduler(cfg, runner, cache, loaded.tokenizer, context, checker, compute, role, kv_events)
+    steps = compute
+    if cfg.debug.debug_step_delay_ms:
+        steps = _SlowSteps(compute or runner, cfg.debug.debug_step_delay_ms / 1000)
+    scheduler = Scheduler(cfg, runner, cache, loaded.tokenizer, context, checker, steps, role, kv_events)
     checker.instrument(scheduler)
     if compute is not None:
         checker.instrument(compute)  # speculative acceptance, the same on every rank

@@ -16,7 +16,7 @@ import pytest
 
 from hicache import Engine, SamplingParams
 from hicache.cache.api import RestoreState
-from hicache.config import DebugConfig, EngineConfig
+from hicache.config import DebugConfig, DisaggConfig, EngineConfig
 from tests.disagg.pd import PDPair, decode_engine, free_ports, prefill_engine, scheduler_of
 
 PAGE = 16
@@ -248,3 +248,36 @@ def test_a_decode_gone_mid_transfer_frees_the_pages_prefill_kept_for_it(engines)
     assert sent < whole, "the transfer stopped in the middle, not at its end"
     (turn,) = pd.run([prompt[:400]], PARAMS)  # and the next request is served
     assert turn.decode.token_ids == ref.generate([prompt[:400]], PARAMS)[0].token_ids
+
+
+def test_a_prefill_that_computes_longer_than_the_transfer_timeout_still_lands(engines):
+    """Decode's wait for KV counts from prefill's last word (WORKING, sent while the request is queued or
+    computing), not from the request's start: a cold prompt whose prefill takes several timeouts lands."""
+    timeout_s, step_delay_ms = 1.0, 250
+    port = free_ports(1)
+    slow = Engine(
+        EngineConfig(
+            model="tiny",
+            chunked_prefill_size=32,  # 10 chunks of a slowed step: at least 2.5 timeouts
+            debug=DebugConfig(debug_step_delay_ms=step_delay_ms),
+            disagg=DisaggConfig(disaggregation_mode="prefill", disaggregation_bootstrap_port=port),
+        )
+    )
+    waiting = Engine(
+        EngineConfig(
+            model="tiny",
+            disagg=DisaggConfig(disaggregation_mode="decode", disaggregation_transfer_timeout=timeout_s),
+        )
+    )
+    try:
+        prompt = random.Random(5).choices(range(32, 127), k=320)
+        started = time.monotonic()
+        (turn,) = PDPair(slow, waiting, port).run([prompt], PARAMS)
+        took = time.monotonic() - started
+        assert turn.decode.error is None, turn.decode.error
+        assert took > 2 * timeout_s, f"the prefill took {took:.1f} s: not longer than the timeout, proves nothing"
+        assert turn.decode.token_ids == engines["ref"].generate([prompt], PARAMS)[0].token_ids
+        assert turn.transferred_tokens == len(prompt)
+    finally:
+        slow.shutdown()
+        waiting.shutdown()

@@ -11,7 +11,7 @@ import pytest
 from hicache.disagg.handshake import Handshake
 from hicache.disagg.prefill_role import metadata_problem
 from hicache.disagg.transfer import DecodeMetadata
-from hicache.disagg.wire import WireError, decode, encode, metadata_header, parse_metadata, prompt_digest
+from hicache.disagg.wire import WireError, decode, encode, metadata_header, parse_metadata, prompt_digest, word_every
 from hicache.scheduler.request import Request, SamplingParams
 
 BASE = Handshake(
@@ -67,8 +67,12 @@ def test_handshakes_survive_the_wire():
 
 def test_metadata_survives_the_wire_and_bad_messages_are_refused():
     meta = DecodeMetadata(7, 32, 40, prompt_digest(range(40)), BASE)
-    kind, header, payload = decode(encode(b"meta", metadata_header(meta)))
+    kind, header, payload = decode(encode(b"meta", metadata_header(meta, 15.0)))
     assert kind == b"meta" and payload == [] and parse_metadata(header) == meta
+    assert word_every(header) == 15.0
+    for bad in ({}, {"word_every_s": 0}, {"word_every_s": "soon"}):
+        with pytest.raises(WireError, match="word_every_s|bad metadata"):
+            word_every(bad)
     for frames in ([b"meta"], [b"nope", b"{}"], [b"meta", b"not json"], [b"meta", b'{"no": "room"}']):
         with pytest.raises(WireError):
             decode(frames)
