@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import httpx
 import openai
 import pytest
 
@@ -122,3 +123,19 @@ def test_with_dead_events_endpoints_the_router_serves_by_load(fleet):
         assert text == chat(fleet["ref"], messages)
         landed.add(server)
     assert landed == {0, 1}, "nothing known of any cache: the least loaded, in turn"
+
+
+def test_a_servers_tokenize_is_what_it_admits(fleet):
+    """What the cache-aware router hashes is the prompt the server computes, chat template included (a
+    batch: its first prompt); a wrong model is refused as a generation would be."""
+    url = fleet["servers"][0]
+    messages = [{"role": "system", "content": "Tokenize me."}, {"role": "user", "content": "Twice."}]
+    cases = [({"messages": messages}, "/v1/chat/completions", {"messages": messages}),
+             ({"prompt": "A plain prompt."}, "/v1/completions", {"prompt": "A plain prompt."}),
+             ({"prompt": ["First of a batch.", "x"]}, "/v1/completions", {"prompt": "First of a batch."})]  # fmt: skip
+    for query, path, body in cases:
+        tokens = httpx.post(f"{url}/tokenize", json={"model": "tiny", **query}, timeout=30).json()
+        usage = httpx.post(f"{url}{path}", json={"model": "tiny", **body, "max_tokens": 1}, timeout=30).json()["usage"]
+        assert tokens["count"] == len(tokens["tokens"]) == usage["prompt_tokens"], query
+    wrong = httpx.post(f"{url}/tokenize", json={"model": "other", "prompt": "x"}, timeout=30)
+    assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
