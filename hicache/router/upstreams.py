@@ -60,7 +60,7 @@ async def discover(
             if response.status_code == 200:
                 return _upstream(url, role, response.json(), kv_events)
             if response.status_code == 404:
-                raise UserError(f"{url} is not a hicache server with a P/D role (no /disagg/info)")
+                raise UserError(f"{url} is not a hicache server (no /disagg/info)")
             last = f"HTTP {response.status_code}"
         except (httpx.TransportError, json.JSONDecodeError) as exc:
             last = f"{type(exc).__name__}: {exc}"
