@@ -1,6 +1,6 @@
 """Which pages an instance holds, per tier, as its KV events say (docs/DESIGN.md, "KV events").
 
-The publisher keeps one to answer snapshot requests; a subscriber (the router, later) keeps one per
+The publisher keeps one to answer snapshot requests; a subscriber (the router) keeps one per
 instance, and matches a prompt against it without asking the server: the prompt's chained page hashes
 (`prompt_hashes`, the same chain the server computes, seeded by the request's cache_salt), then the
 leading run of them on each tier. A set per tier is enough: a tree holds a prefix once per namespace,
@@ -56,3 +56,14 @@ class BlockIndex:
                 n += 1
             out[medium] = n
         return out
+
+    def prefix_tiers(self, hashes: Sequence[bytes]) -> list[str]:
+        """The fastest tier (MEDIA order) holding each leading page of `hashes` that some tier holds: how
+        the server's own match reads a prompt's prefix, device pages first, then host, then storage."""
+        tiers = []
+        for page in hashes:
+            tier = next((medium for medium in MEDIA if page in self.pages[medium]), None)
+            if tier is None:
+                break
+            tiers.append(tier)
+        return tiers

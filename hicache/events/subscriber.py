@@ -3,8 +3,8 @@
 It applies batches in seq order. A batch that skips a seq (a message the PUB socket dropped, or one sent
 before it connected) or comes from another epoch (the server restarted) means its index may be wrong:
 it asks the server's snapshot socket for the pages held at some seq S, takes that as its index, and
-applies only the batches after S. A router (later) keeps one per server; a stale index costs it a
-worse choice of server, never a wrong answer (the server matches its own tree).
+applies only the batches after S. A router keeps one per server (hicache/router/cache_view.py); a stale
+index costs it a worse choice of server, never a wrong answer (the server matches its own tree).
 """
 
 from __future__ import annotations

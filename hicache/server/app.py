@@ -87,9 +87,11 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
 
     @app.get("/disagg/info")
     async def disagg_info() -> Response:
-        """This server's P/D role and handshake: what `hicache router` checks before pairing it."""
+        """This server's P/D role and handshake: what `hicache router` checks before pairing it; where
+        its KV events are published and its page size, which a cache-aware router hashes prompts by."""
         info = await asyncio.to_thread(engine.disagg_info)
-        return JSONResponse({**info, "served_model_name": served_model_name})
+        events = {"kv_events_endpoint": engine.config.kv_events_endpoint, "page_size": engine.config.page_size}
+        return JSONResponse({**info, **events, "served_model_name": served_model_name})
 
     @app.get("/hicache/storage_layout")
     async def storage_layout() -> Response:

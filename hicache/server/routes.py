@@ -39,13 +39,19 @@ def _sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-async def _parse(request: Request, model: type[R]) -> R:
-    """The body as JSON whatever its Content-Type (curl's -d sends a form type), then validated."""
+async def _json(request: Request) -> object:
+    """The body as JSON whatever its Content-Type (curl's -d sends a form type)."""
     raw = await request.body()
     try:
-        data = json.loads(raw)
+        return json.loads(raw)
     except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, an int too long, nesting too deep
         raise APIError(400, f"the body is not valid JSON: {exc}", code="invalid_json") from None
+
+
+async def _parse(request: Request, model: type[R], data: object = None) -> R:
+    """The body (or `data`, the body already read) validated as `model`."""
+    if data is None:
+        data = await _json(request)
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -72,6 +78,7 @@ class GenerationRoutes:
         router = APIRouter()
         router.add_api_route("/v1/completions", self.completions, methods=["POST"], response_model=None)
         router.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"], response_model=None)
+        router.add_api_route("/tokenize", self.tokenize, methods=["POST"], response_model=None)
         return router
 
     def _check_model(self, body: GenerationRequest) -> None:
@@ -92,12 +99,26 @@ class GenerationRoutes:
     async def chat_completions(self, request: Request) -> Response:
         body = await _parse(request, ChatCompletionRequest)
         self._check_model(body)
+        fmt = ChatFormat(self.model, self.engine.tokenizer, body.include_usage)
+        return await self._generate(request, body, [self._chat_prompt(body)], body.to_sampling_params(), fmt)
+
+    async def tokenize(self, request: Request) -> Response:
+        """The token ids a completion or chat body's (first) prompt becomes on this server, chat template
+        included: what `hicache router --policy cache-aware` hashes into page hashes to find the server
+        holding its prefix (docs/DESIGN.md, "router")."""
+        data = await _json(request)
+        chat = isinstance(data, dict) and "messages" in data
+        body = await _parse(request, ChatCompletionRequest if chat else CompletionRequest, data)
+        self._check_model(body)
+        prompt = self._chat_prompt(body) if isinstance(body, ChatCompletionRequest) else body.prompts()[0]
+        ids = self.engine.tokenize(prompt)
+        return JSONResponse({"tokens": ids, "count": len(ids)})
+
+    def _chat_prompt(self, body: ChatCompletionRequest) -> str:
         try:
-            prompt = self.engine.tokenizer.chat_template.render(body.template_messages())
+            return self.engine.tokenizer.chat_template.render(body.template_messages())
         except jinja2.TemplateError as exc:
             raise UserError(f"the chat template refused these messages: {exc}") from None
-        fmt = ChatFormat(self.model, self.engine.tokenizer, body.include_usage)
-        return await self._generate(request, body, [prompt], body.to_sampling_params(), fmt)
 
     async def _generate(
         self, request: Request, body: GenerationRequest, prompts: list, params: SamplingParams, fmt: ResponseFormat

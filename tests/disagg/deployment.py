@@ -37,9 +37,11 @@ DECODE_REUSE = ("--disaggregation-mode", "decode", "--disaggregation-decode-enab
 DECODE_PLAIN = ("--disaggregation-mode", "decode")
 
 
-def router(log_dir: pathlib.Path, port: int, prefills: Sequence[str], decodes: Sequence[str]) -> ServerProcess:
+def router(
+    log_dir: pathlib.Path, port: int, prefills: Sequence[str], decodes: Sequence[str], *extra: str
+) -> ServerProcess:
     flags = [f for url in prefills for f in ("--prefill", url)] + [f for url in decodes for f in ("--decode", url)]
-    return spawn(log_dir, port, "router", *flags, "--startup-timeout", "60")
+    return spawn(log_dir, port, "router", *flags, "--startup-timeout", "60", *extra)
 
 
 @contextlib.contextmanager

@@ -1,16 +1,21 @@
 """`hicache router` in front of real prefill and decode servers: what a client sees through it equals a
 single non-disaggregated cache-off server, streamed or not, completions and chat, turn after turn;
 the transferred tokens read from decode's metrics are prompt - decode_prefix_len (the whole prompt
-without decode reuse); bad input gets an OpenAI-style 4xx and the router keeps serving; a server of
+without decode reuse); under --policy cache-aware a conversation keeps meeting the prefill and the
+decode server that hold its history; bad input gets an OpenAI-style 4xx and the router keeps serving; a server of
 the wrong role is refused at start-up."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 
 import httpx
 import pytest
 
+from hicache.router.policies import FirstMessage
+from hicache.router.upstreams import Upstream
 from tests.disagg.deployment import (
     DECODE_PLAIN,
     DECODE_REUSE,
@@ -23,6 +28,7 @@ from tests.disagg.deployment import (
     serve,
     started,
 )
+from tests.disagg.pd import free_ports
 from tests.server.server_harness import assert_no_leaks, metric, scrape
 
 PAGE = 16
@@ -32,20 +38,24 @@ PAGE = 16
 def deployment(tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("pd")
     p_port, p2_port, d_port, plain_port, ref_port, r_port, r_plain_port, r_many_port, boot, boot2 = ports(10)
-    prefill = serve(logs, p_port, *prefill_args(boot))
-    prefill2 = serve(logs, p2_port, *prefill_args(boot2))
-    decode = serve(logs, d_port, *DECODE_REUSE)
+    r_aware_port = ports(1)[0]
+    events = [("--kv-events-endpoint", f"tcp://127.0.0.1:{free_ports(2)}") for _ in range(3)]
+    prefill = serve(logs, p_port, *prefill_args(boot, *events[0]))
+    prefill2 = serve(logs, p2_port, *prefill_args(boot2, *events[1]))
+    decode = serve(logs, d_port, *DECODE_REUSE, *events[2])
     plain = serve(logs, plain_port, *DECODE_PLAIN)
     ref = serve(logs, ref_port, "--disable-radix-cache")
     with started(prefill, prefill2, decode, plain, ref):
         front = router(logs, r_port, [prefill.url], [decode.url])
         front_plain = router(logs, r_plain_port, [prefill.url], [plain.url])
         many = router(logs, r_many_port, [prefill.url, prefill2.url], [decode.url, plain.url])
-        with started(front, front_plain, many):
+        aware = router(logs, r_aware_port, [prefill.url, prefill2.url], [decode.url, plain.url],
+                       "--policy", "cache-aware")  # fmt: skip
+        with started(front, front_plain, many, aware):
             yield {"router": front.url, "router_plain": front_plain.url, "router_many": many.url,
-                   "prefill": prefill.url, "prefill2": prefill2.url, "decode": decode.url, "plain": plain.url,
-                   "ref": ref.url}  # fmt: skip
-            for server in (prefill, prefill2, decode, plain, front, front_plain, many):
+                   "router_aware": aware.url, "prefill": prefill.url, "prefill2": prefill2.url,
+                   "decode": decode.url, "plain": plain.url, "ref": ref.url}  # fmt: skip
+            for server in (prefill, prefill2, decode, plain, front, front_plain, many, aware):
                 assert "Traceback" not in server.log.read_text(), server.log_tail()
 
 
@@ -132,6 +142,42 @@ def test_several_servers_of_each_role_share_the_requests(deployment):
         assert metric(scrape(deployment[name]), "hicache_disagg_sent_tokens_total") > before, f"{name} served none"
     for name in ("decode", "plain"):
         assert metric(scrape(deployment[name]), "hicache_disagg_transfers_total", outcome="ok") > 0
+
+
+def test_cache_aware_picks_the_prefill_and_the_decode_server_each_by_its_own_cache(deployment):
+    """Turn after turn, a conversation meets the prefill server that computed its history (a hit there)
+    and the decode server that kept it (its decode prefix grows); answers equal a cache-off server's."""
+    front, ref, names = deployment["router_aware"], deployment["ref"], ("prefill", "prefill2")
+    groups = [[Upstream(deployment[name], "", "tiny", None) for name in group]
+              for group in (names, ("decode", "plain"))]  # fmt: skip
+
+    def first_message_decode(prompt: list[int]) -> str:
+        return asyncio.run(FirstMessage().choose({"prompt": prompt}, groups, {})).servers[1].url
+
+    # Token ids (exact lengths) shared with no other test's prompts, whose head first-message would send
+    # to the decode server without a cache: under that policy no turn would find its history there.
+    offset = next(k for k in range(140, 200) if first_message_decode([k] * 240) == deployment["plain"])
+    history = [offset] * 240
+    served = []
+    for turn in range(3):
+        before = [scrape(deployment[name]) for name in names]
+        got = complete(front, history).json()
+        after = [scrape(deployment[name]) for name in names]
+        assert got["choices"][0]["text"] == complete(ref, history).json()["choices"][0]["text"], f"turn {turn}"
+        sent = [metric(a, "hicache_disagg_sent_tokens_total") - metric(b, "hicache_disagg_sent_tokens_total")
+                for a, b in zip(after, before)]  # fmt: skip
+        (server,) = [i for i in range(2) if sent[i] > 0]
+        hit = metric(after[server], "hicache_cached_tokens_total", tier="device") - metric(
+            before[server], "hicache_cached_tokens_total", tier="device"
+        )
+        decode_prefix = got["usage"]["prompt_tokens_details"]["decode_prefix_tokens"]
+        if turn:
+            assert server == served[0], f"turn {turn} goes to the prefill server holding the history"
+            assert hit >= len(history) - 60 - PAGE, f"turn {turn}: prefill reuses the history"
+            assert decode_prefix >= len(history) - 60 - PAGE, f"turn {turn}: the decode server that kept it"
+        served.append(server)
+        time.sleep(0.3)  # a user's next turn comes later than the events of this one
+        history += list(range(60 + turn, 112 + turn))  # the next turn's answer and question
 
 
 def test_bad_input_gets_an_openai_error_and_the_router_keeps_serving(deployment):

@@ -1,14 +1,17 @@
 """The router's view of its servers (hicache/router/upstreams.py): a pair that may not exchange KV is
-refused at start-up with one line naming it, and a request's pair follows its prefix."""
+refused at start-up with one line naming it, and under the first-message policy a request's pair
+follows its prefix (hicache/router/policies.py)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
 
 from hicache.errors import UserError
-from hicache.router.upstreams import Pairing, Upstream, affinity_key, check_pairs
+from hicache.router.policies import FirstMessage, affinity_key
+from hicache.router.upstreams import Fleet, Upstream, check_pairs
 from tests.disagg.test_handshake import BASE
 
 
@@ -34,16 +37,23 @@ def test_a_pair_that_may_not_exchange_kv_is_refused_by_name():
 
 
 def test_a_requests_pair_follows_its_first_message_or_prompt_head():
-    pairing = Pairing(
+    fleet = Fleet(
         [upstream(f"http://p{i}", "prefill") for i in range(2)], [upstream(f"http://d{i}", "decode") for i in range(3)]
     )
+    policy = FirstMessage()
+
+    def pick(body: dict) -> tuple[Upstream, ...]:
+        return tuple(asyncio.run(policy.choose(body, fleet.groups, {})).servers)
+
     system = {"role": "system", "content": "shared"}
     turn1 = {"messages": [system, {"role": "user", "content": "a"}]}
     turn2 = {"messages": [system, {"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
-    assert pairing.pick(turn1) == pairing.pick(turn2), "a conversation keeps its pair"
+    assert pick(turn1) == pick(turn2), "a conversation keeps its pair"
     assert affinity_key({"prompt": "x" * 5000}) == affinity_key({"prompt": "x" * 6000})
     assert affinity_key({"prompt": [["a"], ["b"]]}) != b""
-    picks = {pairing.pick({"prompt": f"conversation {i}"}) for i in range(60)}
+    picks = {pick({"prompt": f"conversation {i}"}) for i in range(60)}
     assert {p.url for p, _ in picks} == {"http://p0", "http://p1"} and len({d.url for _, d in picks}) == 3
     with pytest.raises(UserError):
-        Pairing([], pairing.decodes)
+        Fleet([], fleet.decodes)
+    with pytest.raises(UserError, match="either plain servers"):
+        Fleet(fleet.prefills, fleet.decodes, [upstream("http://s0", "null")])
