@@ -1,8 +1,9 @@
 """P/D composed with what the seed's deployments run beside it, where no start-up check refuses the
 combination: pipeline parallelism on both sides, host memory and a file store on the prefill side, and
-a decode server whose reuse reaches into host memory and its own file store (read again after the
-decode server restarts). Greedy tokens and logprobs equal one single-rank cache-off engine's, turn after
-turn, and the decode side's reuse is counted where it happened."""
+a decode server whose reuse reaches into host memory and its own file store in the unified layout
+(`--hicache-storage-key-scheme unified`; read again after the decode server restarts). Greedy tokens
+and logprobs equal one single-rank cache-off engine's, turn after turn, and the decode side's reuse is
+counted where it happened."""
 
 from __future__ import annotations
 
@@ -16,17 +17,22 @@ from tests.disagg.test_engines import assert_no_leaks, conversations, extend
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=2)
 
 
-def tiers(store: str) -> HiCacheConfig:
+def tiers(store: str, key_scheme: str) -> HiCacheConfig:
     return HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_load_back_threshold=16,
                          hicache_storage_backend="file", hicache_storage_dir=store,
-                         hicache_storage_prefetch_policy="wait_complete")  # fmt: skip
+                         hicache_storage_prefetch_policy="wait_complete",
+                         hicache_storage_key_scheme=key_scheme,
+                         hicache_storage_layer_partition=2 if key_scheme == "unified" else 0)  # fmt: skip
 
 
 def engine(mode: str, store: str, port: int, pp: int, max_total_tokens: int) -> Engine:
     disagg = DisaggConfig(disaggregation_mode=mode, disaggregation_bootstrap_port=port,
                           disaggregation_decode_enable_radix_cache=mode == "decode")  # fmt: skip
-    return Engine(EngineConfig(model="tiny", max_total_tokens=max_total_tokens, hicache=tiers(store), disagg=disagg,
-                               parallel=ParallelConfig(pp_size=pp)))  # fmt: skip
+    # Prefill's store is named per rank, decode's in the unified layout (cells of 2 layers: one PP2 stage's
+    # layers each): both schemes serve a P/D side.
+    scheme = "unified" if mode == "decode" else "rank-suffix"
+    return Engine(EngineConfig(model="tiny", max_total_tokens=max_total_tokens, hicache=tiers(store, scheme),
+                               disagg=disagg, parallel=ParallelConfig(pp_size=pp)))  # fmt: skip
 
 
 def test_pp2_pair_with_host_and_storage_on_both_sides_equals_one_cache_off_engine(tmp_path):

@@ -16,13 +16,14 @@ from tests.server.server_harness import assert_no_leaks, running_servers
 
 SYSTEM = "You are a terse assistant for a travel agency; answer in one sentence. " * 12
 CONVERSATIONS = {
-    "ana": ["Where is Lisbon?", "What river runs through it?", "Name a dish from there.", "And a drink?"],
-    "ben": ["Where is Vienna?", "What is it famous for?", "Name a composer from there.", "And a cake?"],
+    "ana": ["Where is Lisbon?", "What river runs through it?", "Name a dish from there."],
+    "ben": ["Where is Vienna?", "What is it famous for?", "Name a composer from there."],
 }
 MAX_TOKENS = 24
 SMOLLM2 = ("--model", "smollm2")
-# The two conversations' histories (~220 tokens each at the first turn, ~350 at the last) do not both
-# fit in 512 device tokens: a turn of one evicts the other, whose next turn comes back from host memory.
+# The two conversations' histories (~220 tokens each at the first turn, ~300 at the last) do not both
+# fit in 512 device tokens after the first turn: a turn of one evicts the other, whose next turn comes
+# back from host memory.
 HIERARCHICAL = ("--enable-hierarchical-cache", "--max-total-tokens", "512", "--hicache-ratio", "8")
 
 
