@@ -1,7 +1,7 @@
 """`tiny-hybrid` through the prefix cache (docs/DESIGN.md, "hybrid models"): multi-turn conversations served
-from the device tier and from host memory equal the cache-off run token for token; a cache that keeps a
-prefix's KV but not its recurrent-state snapshots changes the answers (so these tests can fail); where its
-state is not kept yet the model is refused at start-up, naming the flag."""
+from the device tier, from host memory and from file storage after a restart equal the cache-off run token
+for token; a cache that keeps a prefix's KV but not its recurrent-state snapshots changes the answers (so
+these tests can fail); where its state is not kept yet the model is refused at start-up, naming the flag."""
 
 from __future__ import annotations
 
@@ -53,6 +53,24 @@ def test_host_tier_equals_cache_off(reference):
         assert engine.flush_cache() and engine.leak_report() == []
 
 
+def test_file_storage_after_a_restart_equals_cache_off(reference, tmp_path):
+    store = HiCacheConfig(
+        enable_hierarchical_cache=True,
+        hicache_storage_backend="file",
+        hicache_storage_dir=str(tmp_path / "store"),
+        hicache_storage_prefetch_threshold=64,
+    )
+    with Engine(model="tiny-hybrid", max_total_tokens=512, hicache=store) as engine:
+        assert tokens(run_turns(engine, CONVS, TURNS, NEW)) == reference
+        assert engine.cache_stats().storage.store.puts > 0
+    # A new server on the same store: nothing in memory, storage serves the prefixes with their snapshots.
+    with Engine(model="tiny-hybrid", max_total_tokens=512, hicache=store) as engine:
+        turns = run_turns(engine, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference
+        assert hits_by_tier(turns).get("storage", 0) > 0, hits_by_tier(turns)
+        assert engine.cache_stats().storage.store.corrupt == 0
+
+
 def test_a_cache_without_the_state_snapshots_changes_the_answers(reference):
     """The negative control: after the first turn every cached page loses its recurrent-state snapshots
     (its KV stays); the same first turn asked again hits those pages, and its answers change."""
@@ -74,9 +92,7 @@ def drop_state_snapshots(pool) -> None:
     "overrides, named",
     [
         ({"parallel": ParallelConfig(tp_size=2)}, "--tp-size > 1"),
-        ({"disable_radix_cache": False, "hicache": HiCacheConfig(enable_hierarchical_cache=True,
-                                                                 hicache_storage_backend="file")},
-         "--hicache-storage-backend"),
+        ({"parallel": ParallelConfig(cp_size=2)}, "--cp-size > 1"),
         ({"page_size": 8}, "--page-size must be at least 16"),
     ],
 )  # fmt: skip
