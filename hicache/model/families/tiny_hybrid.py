@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict
+from dataclasses import asdict, fields
 
 import torch
 
@@ -17,7 +17,7 @@ from hicache.model.families.tiny import TINY_CONFIG, tiny_weights
 from hicache.model.tokenizer import ByteTokenizer
 
 TINY_HYBRID_CONFIG = HybridConfig(
-    **{**asdict(TINY_CONFIG), "rope_scaling": None},
+    **{f.name: getattr(TINY_CONFIG, f.name) for f in fields(TINY_CONFIG)},
     layer_types=(SLIDING, LINEAR, SLIDING, FULL),
     sliding_window=64,
     linear_num_heads=2,
