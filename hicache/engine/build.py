@@ -51,19 +51,18 @@ def check_topology(cfg: EngineConfig, model: ModelConfig) -> None:
 
 def check_hybrid(cfg: EngineConfig, loaded: LoadedModel) -> None:
     """A hybrid model (hicache/model/families/hybrid.py) is served where its recurrent state and sliding-window
-    KV are tested to keep the cache invariant: one rank, the device, host and storage tiers (docs/DESIGN.md,
-    "hybrid models"). Elsewhere it is refused before any rank starts, naming what is not built."""
+    KV are tested to keep the cache invariant: one rank, the device, host and storage tiers, a P/D pair
+    (docs/DESIGN.md, "hybrid models"). Elsewhere it is refused before any rank starts, naming what is not built."""
     if loaded.family != hybrid.FAMILY:
         return
     missing = [what for what, asked in (
         ("--tp-size > 1", cfg.parallel.tp_size > 1), ("--pp-size > 1", cfg.parallel.pp_size > 1),
-        ("--cp-size > 1", cfg.parallel.cp_size > 1), ("--disaggregation-mode", cfg.disagg.enabled),
-        ("--speculative-algorithm", cfg.speculative.enabled),
+        ("--cp-size > 1", cfg.parallel.cp_size > 1), ("--speculative-algorithm", cfg.speculative.enabled),
     ) if asked]  # fmt: skip
     if missing:
         raise UserError(
             f"model {loaded.name} is a hybrid (sliding-window and recurrent layers); its state is not kept with "
-            f"{', '.join(missing)} yet: serve it on one rank, with the device, host and storage tiers"
+            f"{', '.join(missing)} yet: serve it on one rank (the device, host and storage tiers and P/D run)"
         )
     rows = hybrid.SNAPSHOT_ROWS
     if cfg.page_size < rows:
