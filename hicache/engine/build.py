@@ -58,6 +58,7 @@ def check_hybrid(cfg: EngineConfig, loaded: LoadedModel) -> None:
     missing = [what for what, asked in (
         ("--tp-size > 1", cfg.parallel.tp_size > 1), ("--pp-size > 1", cfg.parallel.pp_size > 1),
         ("--cp-size > 1", cfg.parallel.cp_size > 1), ("--speculative-algorithm", cfg.speculative.enabled),
+        ("--hicache-storage-key-scheme unified", cfg.hicache.hicache_storage_key_scheme == "unified"),
     ) if asked]  # fmt: skip
     if missing:
         raise UserError(

@@ -37,11 +37,24 @@ def reference():
         return tokens(run_turns(engine, CONVS, TURNS, NEW))
 
 
-def test_device_tier_equals_cache_off(reference):
+def test_device_tier_equals_cache_off_and_not_without_the_state_snapshots(reference):
+    """Then the negative control: every cached page loses its recurrent-state snapshots (its KV stays), as
+    in a cache that kept only attention's KV; the first turn asked again hits those pages, and its answers
+    change."""
     with Engine(model="tiny-hybrid") as engine:
         turns = run_turns(engine, CONVS, TURNS, NEW)
         assert tokens(turns) == reference
         assert hits_by_tier(turns).get("device", 0) > 0, hits_by_tier(turns)
+        engine._runtime.call(lambda: drop_state_snapshots(engine._runtime.scheduler.runner.pool))
+        again = run_turns(engine, CONVS, 1, NEW)
+        assert hits_by_tier(again).get("device", 0) > 0
+        assert tokens(again)[0] != reference[0]
+
+
+def drop_state_snapshots(pool) -> None:
+    offset, numel = pool.layout.span(LINEAR_STATE)
+    for buffer in pool.buffers:
+        buffer[:, offset : offset + numel] = 0
 
 
 def test_host_tier_equals_cache_off(reference):
@@ -71,28 +84,13 @@ def test_file_storage_after_a_restart_equals_cache_off(reference, tmp_path):
         assert engine.cache_stats().storage.store.corrupt == 0
 
 
-def test_a_cache_without_the_state_snapshots_changes_the_answers(reference):
-    """The negative control: after the first turn every cached page loses its recurrent-state snapshots
-    (its KV stays); the same first turn asked again hits those pages, and its answers change."""
-    with Engine(model="tiny-hybrid") as engine:
-        run_turns(engine, CONVS, 1, NEW)
-        engine._runtime.call(lambda: drop_state_snapshots(engine._runtime.scheduler.runner.pool))
-        again = run_turns(engine, CONVS, 1, NEW)
-        assert hits_by_tier(again).get("device", 0) > 0
-        assert tokens(again)[0] != reference[0]
-
-
-def drop_state_snapshots(pool) -> None:
-    offset, numel = pool.layout.span(LINEAR_STATE)
-    for buffer in pool.buffers:
-        buffer[:, offset : offset + numel] = 0
-
-
 @pytest.mark.parametrize(
     "overrides, named",
     [
         ({"parallel": ParallelConfig(tp_size=2)}, "--tp-size > 1"),
         ({"parallel": ParallelConfig(cp_size=2)}, "--cp-size > 1"),
+        ({"hicache": HiCacheConfig(enable_hierarchical_cache=True, hicache_storage_backend="file",
+                                   hicache_storage_key_scheme="unified")}, "--hicache-storage-key-scheme unified"),
         ({"page_size": 8}, "--page-size must be at least 16"),
     ],
 )  # fmt: skip

@@ -91,6 +91,14 @@ def rest_after_prefix(model: HybridModel, pool: DeviceKVPool, inputs: torch.Tens
     return model.forward(batch, pool)
 
 
+def test_in_bfloat16_the_state_is_rounded_at_each_snapshot_so_chunking_keeps_the_bits():
+    """In bf16 a restored snapshot is the state rounded to bf16: a run computing through the boundary must
+    round there too (`ordered.gated_scan`), or chunks and decode steps differ (0.125 in the logits without
+    it). The start-up self-check probes exactly that: chunks of 1-10 rows and batched decode steps."""
+    built = build_decoder(load_model("tiny-hybrid"), ParallelContext(), torch.bfloat16, torch.device("cpu"))
+    assert built.invariance is not None and built.invariance.verified, built.invariance.detail
+
+
 def test_layer_kinds_that_do_not_fit_the_model_are_refused():
     with pytest.raises(ValueError, match="layer_types lists 3 layers, the model has 4"):
         replace(TINY_HYBRID_CONFIG, layer_types=(SLIDING, LINEAR, FULL))
