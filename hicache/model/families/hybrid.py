@@ -97,7 +97,7 @@ class LinearAttentionLayer(DecoderLayer):
 
 
 @dataclass
-class _Scan:
+class ScanPlan:
     """Where one forward pass's linear-attention scan reads and writes, for every layer of that kind.
     Sequence n's steps are its positions B_n .. end-1 (B_n the page boundary at or before its first new
     token): `slots` [N, S] their pool slots (slot 0 past its end, `valid` False there); `stored` [N, S]
@@ -115,7 +115,7 @@ class _Scan:
     store_steps: torch.Tensor
 
 
-def plan_scan(batch: ForwardBatch, page_size: int, device: torch.device) -> _Scan:
+def plan_scan(batch: ForwardBatch, page_size: int, device: torch.device) -> ScanPlan:
     """The scan of `batch`'s sequences with snapshots at every page boundary."""
     R, spans = SNAPSHOT_ROWS, []
     for seq in batch.seqs:
@@ -126,7 +126,8 @@ def plan_scan(batch: ForwardBatch, page_size: int, device: torch.device) -> _Sca
     steps = torch.arange(S, device=device)
     valid = torch.zeros(len(spans), S, dtype=torch.bool, device=device)
     stored = torch.zeros_like(valid)
-    restore_rows, restore_seqs, readout, store_rows, store_steps = [], [], [], [], []
+    readout = torch.empty(batch.num_tokens, dtype=torch.int64, device=device)
+    restore_rows, restore_seqs, store_rows, store_steps = [], [], [], []
     for n, (seq, (base, first, end)) in enumerate(zip(batch.seqs, spans)):
         slots[n, : end - base] = seq.kv_slots[base:end]
         valid[n, : end - base] = True
@@ -134,7 +135,7 @@ def plan_scan(batch: ForwardBatch, page_size: int, device: torch.device) -> _Sca
         if base > 0:
             restore_rows.append(seq.kv_slots[base - R : base])
             restore_seqs.append(n)
-        readout.append(n * S + first - base + torch.arange(seq.length, device=device))
+        readout[seq.start : seq.start + seq.length] = n * S + first - base + torch.arange(seq.length, device=device)
         for boundary in range(base + page_size, end + 1, page_size):
             store_rows.append(seq.kv_slots[boundary - R : boundary])
             store_steps.append(n * S + boundary - base - 1)
@@ -145,20 +146,22 @@ def plan_scan(batch: ForwardBatch, page_size: int, device: torch.device) -> _Sca
     def joined(parts: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(parts) if parts else index([])
 
-    return _Scan(slots, valid, stored, joined(restore_rows), index(restore_seqs), joined(readout),
-                 joined(store_rows), index(store_steps))  # fmt: skip
+    return ScanPlan(slots, valid, stored, joined(restore_rows), index(restore_seqs), readout,
+                    joined(store_rows), index(store_steps))  # fmt: skip
 
 
 def plan_windows(batch: ForwardBatch, window: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Per batch row, the slots of its window's keys [T, W] (oldest first, slot 0 before the sequence's
     start) and which of them exist [T, W]."""
     offsets = torch.arange(window, device=device) - (window - 1)
-    slots, visible = [], []
+    slots = torch.zeros(batch.num_tokens, window, dtype=torch.int64, device=device)
+    visible = torch.zeros(batch.num_tokens, window, dtype=torch.bool, device=device)
     for seq in batch.seqs:
         positions = torch.arange(seq.kv_len - seq.length, seq.kv_len, device=device).unsqueeze(1) + offsets
-        visible.append(positions >= 0)
-        slots.append(seq.kv_slots.to(device)[positions.clamp(min=0)])
-    return torch.cat(slots), torch.cat(visible)
+        rows = slice(seq.start, seq.start + seq.length)
+        visible[rows] = positions >= 0
+        slots[rows] = seq.kv_slots.to(device)[positions.clamp(min=0)]
+    return slots, visible
 
 
 class HybridModel(LlamaModel):
@@ -187,7 +190,7 @@ class HybridModel(LlamaModel):
                  KVComponent(LINEAR_GATE, (heads,)), KVComponent(LINEAR_STATE, (snapshot_share,)))  # fmt: skip
         if LINEAR in self.layer_types:
             self.kv_layout = KVLayout(self.kv_layout.components + state)
-        self._step: tuple[torch.Tensor, _Scan | None, tuple[torch.Tensor, torch.Tensor] | None] | None = None
+        self._step: tuple[torch.Tensor, ScanPlan | None, tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def _build_layer(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, cast, linear) -> DecoderLayer:
         assert isinstance(cfg, HybridConfig)
@@ -246,7 +249,7 @@ class HybridModel(LlamaModel):
         return torch.cat(pieces).reshape(T, -1)
 
     def _linear_attention(self, local: int, layer: LinearAttentionLayer, x: torch.Tensor, out_slots: torch.Tensor,
-                          scan: _Scan, pool: DeviceKVPool) -> torch.Tensor:  # fmt: skip
+                          scan: ScanPlan, pool: DeviceKVPool) -> torch.Tensor:  # fmt: skip
         """Gated linear attention: the step's k, v and gate go into the pool; each sequence's state is its
         snapshot at the page boundary before its new tokens, scanned over the pool's rows from there."""
         T, heads, dim = x.shape[0], self.cfg.linear_num_heads, self.cfg.linear_head_dim
