@@ -24,7 +24,7 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
 from benchmarks.common import cpu_name  # noqa: E402
 from hicache import Engine, SamplingParams  # noqa: E402
-from hicache.model.families.hybrid import LINEAR_GATE, LINEAR_K, LINEAR_STATE, LINEAR_V, SLIDING  # noqa: E402
+from hicache.model.families.hybrid import SLIDING  # noqa: E402
 
 PREFIX = 32768
 
@@ -65,12 +65,12 @@ def memory() -> None:
         line = f"{name}: row {pool.layout.describe()}, {per_token} B/token, 32K prefix {whole:.1f} MiB"
         if name == "tiny-hybrid":
             element = pool.buffers[0].element_size()
-            state = sum(pool.layout.span(c)[1] for c in (LINEAR_K, LINEAR_V, LINEAR_GATE, LINEAR_STATE))
+            state = model.linear_layout.row_numel  # over the K and V columns of the linear layer's rows
             kv = pool.layout.span("v")[0] + pool.layout.span("v")[1]
             sliding = model.layer_types.count(SLIDING)
             window = model.cfg.sliding_window + pool.page_size  # the window's pages, a partial one at each end
             kept_if_freed = (PREFIX * per_token - sliding * (PREFIX - window) * kv * element) / 2**20
-            line += (f"; recurrent-state columns {state} of {pool.layout.row_numel} per layer row; "
+            line += (f"; the recurrent layer's columns {state} of {pool.layout.row_numel} per row; "
                      f"if sliding layers kept only the window tail (not built): {kept_if_freed:.1f} MiB")  # fmt: skip
         print(line)
 

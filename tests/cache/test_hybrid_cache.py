@@ -10,7 +10,7 @@ import pytest
 from hicache import Engine
 from hicache.config import HiCacheConfig, ParallelConfig
 from hicache.errors import UserError
-from hicache.model.families.hybrid import LINEAR_STATE
+from hicache.model.families.hybrid import LINEAR, LINEAR_STATE
 from tests.conversations import make_conversations, run_turns
 
 CONVS = make_conversations(num_groups=2, per_group=2, system_len=160, question_len=24)
@@ -45,16 +45,20 @@ def test_device_tier_equals_cache_off_and_not_without_the_state_snapshots(refere
         turns = run_turns(engine, CONVS, TURNS, NEW)
         assert tokens(turns) == reference
         assert hits_by_tier(turns).get("device", 0) > 0, hits_by_tier(turns)
-        engine._runtime.call(lambda: drop_state_snapshots(engine._runtime.scheduler.runner.pool))
+        runner = engine._runtime.scheduler.runner
+        engine._runtime.call(lambda: drop_state_snapshots(runner.model, runner.pool))
         again = run_turns(engine, CONVS, 1, NEW)
         assert hits_by_tier(again).get("device", 0) > 0
         assert tokens(again)[0] != reference[0]
 
 
-def drop_state_snapshots(pool) -> None:
-    offset, numel = pool.layout.span(LINEAR_STATE)
-    for buffer in pool.buffers:
-        buffer[:, offset : offset + numel] = 0
+def drop_state_snapshots(model, pool) -> None:
+    """Zero the snapshot columns of the linear-attention layers' rows (attention layers use those columns
+    for K and V)."""
+    offset, numel = model.linear_layout.span(LINEAR_STATE)
+    for layer, kind in enumerate(model.layer_types):
+        if kind == LINEAR:
+            pool.buffers[layer][:, offset : offset + numel] = 0
 
 
 def test_host_tier_equals_cache_off(reference):

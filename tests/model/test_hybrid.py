@@ -44,8 +44,10 @@ def fresh_pool(model: HybridModel) -> DeviceKVPool:
 
 def test_the_self_check_passes_and_the_layout_holds_the_recurrent_state(model):
     assert model.invariance is not None and model.invariance.verified, model.invariance
-    names = [c.name for c in model.kv_layout.components]
-    assert names == ["k", "v", "linear_k", "linear_v", "linear_gate", "linear_state"]
+    # The recurrent layer's columns (k, v, gate: 66; a snapshot share: 32) lie over attention's K and V
+    # (128), so a row is as wide as tiny's.
+    assert [c.name for c in model.kv_layout.components] == ["k", "v"] and model.kv_layout.row_numel == 128
+    assert [c.name for c in model.linear_layout.components] == ["linear_k", "linear_v", "linear_gate", "linear_state"]
     assert model.layer_types == (SLIDING, LINEAR, SLIDING, FULL)
 
 
@@ -75,7 +77,7 @@ def test_the_tokens_after_a_prefix_read_its_state_snapshot(model, whole):
     inputs = probe_inputs(model, LENGTH, seed=0)
     feed(model, pool, inputs, [96], 0)
     assert torch.equal(rest_after_prefix(model, pool, inputs, 96), whole[96:])
-    offset, numel = pool.layout.span(LINEAR_STATE)
+    offset, numel = model.linear_layout.span(LINEAR_STATE)
     pool.buffers[model.layer_types.index(LINEAR)][:, offset : offset + numel] = 0
     got = rest_after_prefix(model, pool, inputs, 96)
     assert not torch.equal(got, whole[96:]), "the tokens after the prefix did not read its state"

@@ -10,7 +10,9 @@ three kinds, as a checkpoint's `layer_types` lists them (Hugging Face's names):
 
 What the prefix cache keeps of a linear-attention layer, in the pool row of each token (so host copies move it
 with the KV, as they move `shift.py`'s state): the token's projected k, v and gate (`linear_k`, `linear_v`,
-`linear_gate`), and a share of a state snapshot (`linear_state`). At every page boundary a request crosses,
+`linear_gate`), and a share of a state snapshot (`linear_state`), in the row's first columns: those that
+attention layers fill with K and V (`linear_layout`), so a row is no wider than attention's where they
+fit (tiny-hybrid: 98 of 128). At every page boundary a request crosses,
 the state after the page's last token is stored across that page's last SNAPSHOT_ROWS rows. The state
 before any position p is then the snapshot at the page boundary B <= p, replayed over the stored k, v and
 gates of tokens B..p-1 (fewer than a page): a forward pass reads it from the pool for every sequence, a
@@ -186,10 +188,19 @@ class HybridModel(LlamaModel):
         self.layer_types = cfg.layer_types[self.layer_range[0] : self.layer_range[1]]
         heads, dim = cfg.linear_num_heads, cfg.linear_head_dim
         snapshot_share = cfg.state_numel // SNAPSHOT_ROWS
-        state = (KVComponent(LINEAR_K, (heads, dim)), KVComponent(LINEAR_V, (heads, dim)),
-                 KVComponent(LINEAR_GATE, (heads,)), KVComponent(LINEAR_STATE, (snapshot_share,)))  # fmt: skip
-        if LINEAR in self.layer_types:
-            self.kv_layout = KVLayout(self.kv_layout.components + state)
+        # A linear-attention layer's row: its own columns from the row's start, over the K and V columns
+        # that only attention layers use. The pool has one row width for every layer; it grows only by
+        # what these need beyond attention's.
+        own = (
+            (LINEAR_K, (heads, dim)),
+            (LINEAR_V, (heads, dim)),
+            (LINEAR_GATE, (heads,)),
+            (LINEAR_STATE, (snapshot_share,)),
+        )
+        self.linear_layout = KVLayout(tuple(KVComponent(name, shape) for name, shape in own))
+        beyond = self.linear_layout.row_numel - self.kv_layout.row_numel
+        if LINEAR in self.layer_types and beyond > 0:
+            self.kv_layout = KVLayout(self.kv_layout.components + (KVComponent("linear_rest", (beyond,)),))
         self._step: tuple[torch.Tensor, ScanPlan | None, tuple[torch.Tensor, torch.Tensor] | None] | None = None
 
     def _build_layer(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, cast, linear) -> DecoderLayer:
@@ -255,20 +266,20 @@ class HybridModel(LlamaModel):
         T, heads, dim = x.shape[0], self.cfg.linear_num_heads, self.cfg.linear_head_dim
         q = layer.q_proj(x).view(T, heads, dim) * dim**-0.5
         gate = ordered.whole_vectors(torch.sigmoid, layer.g_proj(x).float() + layer.gate_bias)
-        pool.write(local, out_slots, {LINEAR_K: layer.k_proj(x).view(T, heads, dim) * dim**-0.5,
-                                      LINEAR_V: layer.v_proj(x).view(T, heads, dim), LINEAR_GATE: gate})  # fmt: skip
+        keys = layer.k_proj(x).view(T, heads * dim) * dim**-0.5
+        pool.write_columns(local, out_slots, 0, torch.cat([keys, layer.v_proj(x), gate.to(keys.dtype)], dim=1))
         N, S = scan.slots.shape
-        rows = pool.read(local, scan.slots.view(-1))
+        rows = self.linear_layout.unpack(pool.read_rows(local, scan.slots.view(-1))[:, : self.linear_layout.row_numel])
         valid = scan.valid.view(N, S, 1)  # past a sequence's end: key 0 and gate 1 keep its state
         keys = torch.where(valid.unsqueeze(-1), rows[LINEAR_K].view(N, S, heads, dim).float(), 0.0)
         values = torch.where(valid.unsqueeze(-1), rows[LINEAR_V].view(N, S, heads, dim).float(), 0.0)
         gates = torch.where(valid, rows[LINEAR_GATE].view(N, S, heads).float(), 1.0)
         state = torch.zeros(N, heads, dim, dim, dtype=torch.float32, device=self.device)
         if scan.restore_seqs.numel():
-            restored = pool.read(local, scan.restore_rows)[LINEAR_STATE]
+            restored = self.linear_layout.unpack(pool.read_rows(local, scan.restore_rows))[LINEAR_STATE]
             state[scan.restore_seqs] = restored.reshape(-1, heads, dim, dim).float()
         states = ordered.gated_scan(state, keys, values, gates, scan.stored, self.dtype).view(N * S, heads, dim, dim)
         if scan.store_steps.numel():
             snapshots = states[scan.store_steps].to(self.dtype).reshape(-1, self.cfg.state_numel // SNAPSHOT_ROWS)
-            pool.write(local, scan.store_rows, {LINEAR_STATE: snapshots})
+            pool.write_columns(local, scan.store_rows, self.linear_layout.span(LINEAR_STATE)[0], snapshots)
         return ordered.state_readout(q, states[scan.readout]).reshape(T, heads * dim)  # `_layer` projects it
