@@ -31,7 +31,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--context-length",
         type=int,
         default=None,
-        help="defaults to the model's; at most what it supports (tiny, tiny-mla: 1048576)",
+        help="defaults to the model's; at most what it supports (tiny, tiny-mla, tiny-hybrid: 1048576)",
     )
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
     g.add_argument("--dtype", default=d.dtype, help="auto, float32 or bfloat16")

@@ -17,6 +17,7 @@ from hicache.events import KVEventPublisher
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.build import build_decoder, resolve_quantization, with_weight_format
 from hicache.model.config import LoadedModel, ModelConfig
+from hicache.model.families import hybrid
 from hicache.model.kernels.invariance import InvarianceReport
 from hicache.model.loading.loader import load_model
 from hicache.parallel.parallel import ParallelContext
@@ -48,6 +49,30 @@ def check_topology(cfg: EngineConfig, model: ModelConfig) -> None:
         raise UserError(f"--pp-size {pp} is more than the model's {model.num_layers} layers")
     if cfg.hicache.hicache_storage_key_scheme == "unified" and cfg.hicache.hicache_storage_backend:
         check_unified(cfg, model)
+
+
+def check_hybrid(cfg: EngineConfig, loaded: LoadedModel) -> None:
+    """A hybrid model (hicache/model/families/hybrid.py) is served where its recurrent state and sliding-window
+    KV are tested to keep the cache invariant: one rank, the device, host and storage tiers, a P/D pair
+    (docs/DESIGN.md, "hybrid models"). Elsewhere it is refused before any rank starts, naming what is not built."""
+    if loaded.family != hybrid.FAMILY:
+        return
+    missing = [what for what, asked in (
+        ("--tp-size > 1", cfg.parallel.tp_size > 1), ("--pp-size > 1", cfg.parallel.pp_size > 1),
+        ("--cp-size > 1", cfg.parallel.cp_size > 1), ("--speculative-algorithm", cfg.speculative.enabled),
+        ("--hicache-storage-key-scheme unified", cfg.hicache.hicache_storage_key_scheme == "unified"),
+    ) if asked]  # fmt: skip
+    if missing:
+        raise UserError(
+            f"model {loaded.name} is a hybrid (sliding-window and recurrent layers); its state is not kept with "
+            f"{', '.join(missing)} yet: serve it on one rank (the device, host and storage tiers and P/D run)"
+        )
+    rows = hybrid.SNAPSHOT_ROWS
+    if cfg.page_size < rows:
+        raise UserError(
+            f"model {loaded.name} stores a recurrent-state snapshot over {rows} rows of a page: "
+            f"--page-size must be at least {rows}, got {cfg.page_size}"
+        )
 
 
 def check_invariance(cfg: EngineConfig, report: InvarianceReport) -> None:

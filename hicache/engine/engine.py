@@ -26,7 +26,7 @@ from hicache.cache import TIERS, CacheStats, storage_layout
 from hicache.config import EngineConfig
 from hicache.disagg.stats import DisaggStats
 from hicache.engine.base import Runtime, check_usable
-from hicache.engine.build import build_scheduler, check_topology, context_length, load_engine_model
+from hicache.engine.build import build_scheduler, check_hybrid, check_topology, context_length, load_engine_model
 from hicache.engine.commands import DISAGG_INFO, FLUSH, INVARIANCE, LEAK_REPORT, SNAPSHOT, Command
 from hicache.engine.deadlines import DeadlineWatch
 from hicache.engine.local import LocalRuntime
@@ -163,6 +163,7 @@ class Engine:
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.context_length = context_length(cfg, loaded.config)
+        check_hybrid(cfg, loaded)
         self._handles: dict[int, RequestHandle] = {}
         self._lock = threading.Lock()
         self._stopped = False

@@ -97,15 +97,20 @@ class DeviceKVPool:
     def write(self, layer: int, slots: torch.Tensor, parts: dict[str, torch.Tensor]) -> None:
         """Write the given components of rows `slots` (this rank's only); a layout with state beside the
         KV is written by several callers (attention writes K and V, the layer owning the state writes it)."""
-        where = self.owned(slots)
         if len(parts) == len(self.layout.components):
-            self.write_rows(layer, where, self.layout.pack(parts))
+            self.write_rows(layer, self.owned(slots), self.layout.pack(parts))
             return
         for name, value in parts.items():
             offset, numel = self.layout.span(name)
-            rows = value.reshape(value.shape[0], numel)
-            mine = rows if where.index is None else rows.index_select(0, where.index)
-            self.buffers[layer][:, offset : offset + numel].index_copy_(0, where.rows, mine.to(self.dtype))
+            self.write_columns(layer, slots, offset, value.reshape(value.shape[0], numel))
+
+    def write_columns(self, layer: int, slots: torch.Tensor, offset: int, rows: torch.Tensor) -> None:
+        """Store rows [len(slots), n] in columns [offset, offset + n) of rows `slots` (this rank's only): a
+        component, or state a layer keeps in columns the layout names for other layers (a hybrid model's
+        recurrent layer in attention's K and V columns, hicache/model/families/hybrid.py)."""
+        where = self.owned(slots)
+        mine = rows if where.index is None else rows.index_select(0, where.index)
+        self.buffers[layer][:, offset : offset + rows.shape[1]].index_copy_(0, where.rows, mine.to(self.dtype))
 
     def read(self, layer: int, slots: torch.Tensor) -> dict[str, torch.Tensor]:
         return self.layout.unpack(self.read_rows(layer, slots))

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from hicache.model.families.hybrid import HybridModel
 from hicache.model.families.llama import LlamaModel
 from hicache.model.families.mla import MLAModel
 from hicache.model.families.mtp import MTPHeadModel
@@ -21,6 +22,7 @@ def test_each_builtin_model_and_draft_is_built_as_its_family():
     tiny = load_model("tiny")
     assert family_of(tiny).decoder is LlamaModel
     assert family_of(load_model("tiny-mla")).decoder is MLAModel
+    assert family_of(load_model("tiny-hybrid")).decoder is HybridModel
     assert family_of(load_draft("tiny-draft-packed", tiny)).decoder is LlamaModel
     assert family_of(load_draft("tiny-draft-sidecar", tiny)).decoder is TokenShiftModel
     assert family_of(load_draft("tiny-mtp", tiny)).decoder is MTPHeadModel

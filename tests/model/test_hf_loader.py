@@ -3,6 +3,7 @@ and chat template round-trip; unsupported or incomplete directories are user err
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pathlib
 import re
@@ -15,8 +16,14 @@ from tokenizers.models import BPE
 from tokenizers.trainers import BpeTrainer
 
 from hicache.errors import UserError
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.model.build import build_decoder
 from hicache.model.chat import ChatTemplate
+from hicache.model.config import ModelConfig
+from hicache.model.families.hybrid import HybridConfig
+from hicache.model.kernels.invariance import feed
 from hicache.model.loading.hf_loader import load_hf_dir
+from hicache.parallel.parallel import ParallelContext
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|eot|>"]
 TEMPLATE = (
@@ -215,3 +222,31 @@ def test_wrong_shapes_and_corrupt_weights(tmp_path: pathlib.Path) -> None:
     (tmp_path / "n" / "model.safetensors").write_bytes(b"garbage")
     with pytest.raises(UserError, match="not a readable safetensors file"):
         load_hf_dir(tmp_path / "n", "n")
+
+
+def test_sliding_layers_load_as_a_hybrid_that_attends_over_the_window(tmp_path: pathlib.Path) -> None:
+    """`layer_types` with sliding layers: the context is not capped at the window, and the sliding layer
+    attends over its last 8 keys: the first 8 tokens' logits are the full-attention model's, later ones not."""
+    write_hf_dir(tmp_path / "m", layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    loaded = load_hf_dir(tmp_path / "m", "hf-hybrid")
+    assert isinstance(loaded.config, HybridConfig) and loaded.family == "hybrid"
+    assert loaded.config.layer_types == ("sliding_attention", "full_attention") and loaded.config.sliding_window == 8
+    assert loaded.config.max_position == 128
+    shape = {f.name: getattr(loaded.config, f.name) for f in dataclasses.fields(ModelConfig)}
+    full = dataclasses.replace(loaded, config=ModelConfig(**shape), family="llama")
+    inputs = torch.arange(20) % 200 + 5
+    sliding, attending = (logits_of(model, inputs) for model in (loaded, full))
+    assert torch.allclose(sliding[:8], attending[:8], atol=1e-4)
+    assert not torch.allclose(sliding[8:], attending[8:], atol=1e-2)
+
+
+def test_linear_attention_layers_from_a_checkpoint_are_refused(tmp_path: pathlib.Path) -> None:
+    write_hf_dir(tmp_path / "m", layer_types=["linear_attention", "full_attention"], sliding_window=8)
+    with pytest.raises(UserError, match="linear_attention layers are not supported from a checkpoint"):
+        load_hf_dir(tmp_path / "m", "hf-hybrid")
+
+
+def logits_of(loaded, inputs: torch.Tensor) -> torch.Tensor:
+    model = build_decoder(loaded, ParallelContext(), torch.float32, torch.device("cpu"), invariant=False)
+    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, 4, 16, torch.float32, torch.device("cpu"))
+    return feed(model, pool, inputs, [len(inputs)], 0)

@@ -148,6 +148,12 @@ class LlamaModel:
 
     def _attention(self, local: int, layer, x: torch.Tensor, positions: torch.Tensor, meta, pool) -> torch.Tensor:
         """This rank's heads' attention output [T, heads * dv] for normed inputs x [T, hidden]."""
+        q, k, v = self._qkv(layer, x, positions)
+        kv = self.attention_layout.pack({"k": k, "v": v})
+        return self.attention.forward(local, q, kv, meta, pool, self._expand).reshape(x.shape[0], -1)
+
+    def _qkv(self, layer, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries [T, heads, d] and keys [T, kv heads, d], and values, of normed inputs x."""
         T, d, h = x.shape[0], layer.head_dim, layer.num_heads
         nq, nkv = layer.q_per_group, layer.kv_per_group
         qkv = layer.qkv_proj(x).view(T, -1, nq + 2 * nkv, d)  # [T, groups, q | k | v heads, d]
@@ -156,8 +162,7 @@ class LlamaModel:
         q = qk[:, :, :nq].reshape(T, h, d)
         k = qk[:, :, nq:].reshape(T, layer.num_kv_heads, d)
         v = qkv[:, :, nq + nkv :].reshape(T, layer.num_kv_heads, d)
-        kv = self.attention_layout.pack({"k": k, "v": v})
-        return self.attention.forward(local, q, kv, meta, pool, self._expand).reshape(T, -1)
+        return q, k, v
 
     def _expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         parts = self.kv_layout.unpack(rows)

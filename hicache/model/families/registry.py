@@ -3,8 +3,9 @@ class a LoadedModel is built as (hicache/model/build.py) and which config type t
 
 A loader names its model's family in `LoadedModel.family`: the GGUF and Hugging Face loaders and `tiny`
 load Llamas (the default), `tiny-mla` an MLA decoder, the sidecar draft (hicache/model/loading/draft.py)
-a token-shift decoder, `tiny-mtp` an MTP head. Another family plugs in with its config type, a decoder
-implementing `DecoderModel` (hicache/model/base.py) and one entry here.
+a token-shift decoder, `tiny-mtp` an MTP head, `tiny-hybrid` a hybrid decoder (hybrid.py). Another family
+plugs in with its config type, a decoder implementing `DecoderModel` (hicache/model/base.py) and one entry
+here.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hicache.model.config import LoadedModel, ModelConfig
-from hicache.model.families import llama, mla, mtp, shift
+from hicache.model.families import hybrid, llama, mla, mtp, shift
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ FAMILIES: dict[str, Family] = {
     mla.FAMILY: Family(mla.MLAConfig, mla.MLAModel),
     shift.FAMILY: Family(ModelConfig, shift.TokenShiftModel),
     mtp.FAMILY: Family(ModelConfig, mtp.MTPHeadModel),
+    hybrid.FAMILY: Family(hybrid.HybridConfig, hybrid.HybridModel),
 }
 
 

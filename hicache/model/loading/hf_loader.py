@@ -2,7 +2,9 @@
 tokenizer.json, tokenizer_config.json), strictly offline.
 
 Only `model_type` llama and mistral are accepted: their checkpoints already use the Hugging Face Llama
-weight names and rotate-half q/k order the decoder expects, so weights are only cast to float32.
+weight names and rotate-half q/k order the decoder expects, so weights are only cast to float32. A config
+whose `layer_types` lists `sliding_attention` layers (transformers' per-layer field, with `sliding_window`)
+loads as a hybrid decoder (hicache/model/families/hybrid.py) that attends over the window in those layers.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 import os
 import pathlib
 import time
+from dataclasses import fields, replace
 from typing import Any
 
 import tokenizers
@@ -22,6 +25,7 @@ from hicache.errors import UserError
 from hicache.model import rope
 from hicache.model.chat import ChatTemplate
 from hicache.model.config import LoadedModel, ModelConfig
+from hicache.model.families import hybrid
 from hicache.model.loading.checkpoint import check_weights, checked_model
 from hicache.model.loading.hf_tokenizer import HFTokenizer
 
@@ -50,7 +54,7 @@ def load_hf_dir(path: str | os.PathLike[str], name: str) -> LoadedModel:
         weights.pop("lm_head.weight", None)
     check_weights(weights, config, str(root))
 
-    return checked_model(
+    loaded = checked_model(
         name,
         config,
         weights,
@@ -60,6 +64,7 @@ def load_hf_dir(path: str | os.PathLike[str], name: str) -> LoadedModel:
         started,
         model_type=hf_config["model_type"],
     )
+    return replace(loaded, family=hybrid.FAMILY) if isinstance(config, hybrid.HybridConfig) else loaded
 
 
 def _read_json(path: pathlib.Path, required: bool = False) -> dict[str, Any]:
@@ -98,11 +103,13 @@ def _config(hf_config: dict[str, Any], root: pathlib.Path) -> ModelConfig:
         theta, scaling = _rope(hf_config, max_position, root)
         max_position = rope.scaled_context(max_position, scaling)
         sliding_window = hf_config.get("sliding_window")
-        if sliding_window and int(sliding_window) < max_position:
+        layer_types = tuple(hf_config.get("layer_types") or ())
+        # Where layer_types names the sliding layers the hybrid decoder attends over the window in them.
+        if sliding_window and int(sliding_window) < max_position and hybrid.SLIDING not in layer_types:
             # Full attention equals sliding-window attention up to the window, so cap the context there.
             logger.info("%s: context capped at the sliding window, %d tokens", root, sliding_window)
             max_position = int(sliding_window)
-        return ModelConfig(
+        config = ModelConfig(
             vocab_size=int(hf_config["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(hf_config["intermediate_size"]),
@@ -116,10 +123,23 @@ def _config(hf_config: dict[str, Any], root: pathlib.Path) -> ModelConfig:
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
         )
+        return _hybrid(config, layer_types, sliding_window, root) if layer_types else config
     except KeyError as exc:
         raise UserError(f"{root}/config.json lacks {exc.args[0]}") from exc
     except (TypeError, ValueError) as exc:
         raise UserError(f"{root}/config.json is invalid: {exc}") from exc
+
+
+def _hybrid(config: ModelConfig, layer_types: tuple[str, ...], window: Any, root: pathlib.Path) -> ModelConfig:
+    """`config` with its `layer_types`: a hybrid where some layers slide (a plain Llama where all are full)."""
+    if set(layer_types) <= {hybrid.FULL}:
+        return config
+    if hybrid.LINEAR in layer_types:
+        raise UserError(f"{root}: linear_attention layers are not supported from a checkpoint (only tiny-hybrid's)")
+    if not window:
+        raise UserError(f"{root}/config.json lists sliding_attention layers but no sliding_window")
+    shape = {f.name: getattr(config, f.name) for f in fields(config)}
+    return hybrid.HybridConfig(**shape, layer_types=layer_types, sliding_window=int(window))
 
 
 def _safetensors_files(root: pathlib.Path) -> list[pathlib.Path]:

@@ -1,5 +1,5 @@
-"""Resolves a `--model` argument (tiny, tiny-mla, smollm2, a .gguf file or a local Hugging Face directory) to a
-LoadedModel."""
+"""Resolves a `--model` argument (tiny, tiny-mla, tiny-hybrid, smollm2, a .gguf file or a local Hugging Face
+directory) to a LoadedModel."""
 
 from __future__ import annotations
 
@@ -20,6 +20,10 @@ def load_model(name: str, keep_codes: bool = True) -> LoadedModel:
         from hicache.model.families.tiny_mla import load_tiny_mla
 
         return load_tiny_mla()
+    if name == "tiny-hybrid":
+        from hicache.model.families.tiny_hybrid import load_tiny_hybrid
+
+        return load_tiny_hybrid()
     if name == "smollm2":
         from hicache.model.loading.gguf_loader import load_gguf, smollm2_path
 
@@ -33,5 +37,6 @@ def load_model(name: str, keep_codes: bool = True) -> LoadedModel:
 
         return load_gguf(name, name, keep_codes)
     raise UserError(
-        f"unknown model {name!r}: use tiny, tiny-mla, smollm2, a .gguf file or a Hugging Face model directory"
+        f"unknown model {name!r}: use tiny, tiny-mla, tiny-hybrid, smollm2, a .gguf file or a Hugging Face "
+        "model directory"
     )
