@@ -61,25 +61,21 @@ def drop_state_snapshots(model, pool) -> None:
             pool.buffers[layer][:, offset : offset + numel] = 0
 
 
-def test_host_tier_equals_cache_off(reference):
-    host = HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0)
-    with Engine(model="tiny-hybrid", max_total_tokens=512, hicache=host) as engine:
-        turns = run_turns(engine, CONVS, TURNS, NEW)
-        assert tokens(turns) == reference
-        assert hits_by_tier(turns).get("host", 0) > 0, hits_by_tier(turns)
-        assert engine.flush_cache() and engine.leak_report() == []
-
-
-def test_file_storage_after_a_restart_equals_cache_off(reference, tmp_path):
+def test_host_memory_then_file_storage_after_a_restart_equal_cache_off(reference, tmp_path):
     store = HiCacheConfig(
         enable_hierarchical_cache=True,
+        hicache_ratio=4.0,
         hicache_storage_backend="file",
         hicache_storage_dir=str(tmp_path / "store"),
         hicache_storage_prefetch_threshold=64,
     )
+    # A 512-token device pool under four conversations: their histories come back from host memory.
     with Engine(model="tiny-hybrid", max_total_tokens=512, hicache=store) as engine:
-        assert tokens(run_turns(engine, CONVS, TURNS, NEW)) == reference
+        turns = run_turns(engine, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference
+        assert hits_by_tier(turns).get("host", 0) > 0, hits_by_tier(turns)
         assert engine.cache_stats().storage.store.puts > 0
+        assert engine.flush_cache() and engine.leak_report() == []
     # A new server on the same store: nothing in memory, storage serves the prefixes with their snapshots.
     with Engine(model="tiny-hybrid", max_total_tokens=512, hicache=store) as engine:
         turns = run_turns(engine, CONVS, TURNS, NEW)
