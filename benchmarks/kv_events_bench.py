@@ -87,7 +87,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, default=100000)
     args = p.parse_args()
     off, on = (steady_state_us(args.nodes, args.steps, e) for e in (False, True))
-    print(f"| case | events off | events on | on / off |\n| --- | ---: | ---: | ---: |")
+    print("| case | events off | events on | on / off |\n| --- | ---: | ---: | ---: |")
     print(f"| steady state, {args.nodes:,} nodes: µs a step | {off:,.1f} | {on:,.1f} | {on / off:.2f}x |")
     off, on = (long_prompt_ms(args.tokens, e) for e in (False, True))
     print(f"| one {args.tokens:,}-token prompt cached: ms | {off:,.1f} | {on:,.1f} | {on / off:.2f}x |")

@@ -149,8 +149,8 @@ def storage_backend(cfg: HiCacheConfig, debug: DebugConfig, rank: int) -> Storag
 def storage_geometry(model: ModelConfig, row_numel: int | None = None) -> KVGeometry:
     """The model's KV for the unified layout: K/V heads, or MLA's one latent row (row_numel)."""
     if isinstance(model, MLAConfig):
-        return KVGeometry(model.num_layers, model.num_kv_heads, row_numel or model.kv_lora_rank + model.qk_rope_head_dim,
-                          latent=True)  # fmt: skip
+        row = row_numel or model.kv_lora_rank + model.qk_rope_head_dim
+        return KVGeometry(model.num_layers, model.num_kv_heads, row, latent=True)
     return KVGeometry(model.num_layers, model.num_kv_heads, model.head_dim)
 
 
@@ -164,7 +164,8 @@ def check_unified(cfg: EngineConfig, model: ModelConfig) -> None:
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size
     for p in range(pp):
         for t in range(tp):
-            check_aligned(grid, shard_of(grid.geometry, tp, t, pp, p), f"rank tp{t}/pp{p} of --tp-size {tp} --pp-size {pp}")
+            where = f"rank tp{t}/pp{p} of --tp-size {tp} --pp-size {pp}"
+            check_aligned(grid, shard_of(grid.geometry, tp, t, pp, p), where)
 
 
 def storage_layout(cfg: EngineConfig, model: ModelConfig, identity: str) -> dict:

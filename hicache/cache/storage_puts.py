@@ -25,8 +25,8 @@ from hicache.cache.controller import Clock, TransferOp, Worker
 from hicache.cache.host_tier import HostTier
 from hicache.cache.kv_events import STORAGE
 from hicache.cache.radix import TreeNode
-from hicache.cache.tree_node import chain_hashes
 from hicache.cache.stats import StorageTierStats
+from hicache.cache.tree_node import chain_hashes
 from hicache.mem.host_pool import PagePart
 from hicache.storage import VerifiedStore
 

@@ -364,7 +364,8 @@ class EngineConfig(FromArgs):
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
     def log(self) -> None:
-        logger.info("engine config: %s (device=%s, dtype=%s)", asdict(self), self.resolved_device(), self.resolved_dtype())
+        device, dtype = self.resolved_device(), self.resolved_dtype()
+        logger.info("engine config: %s (device=%s, dtype=%s)", asdict(self), device, dtype)
 
 
 def cpu_has_native_bf16() -> bool:

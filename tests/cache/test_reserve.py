@@ -1,8 +1,8 @@
 """Admission for KV written from outside on small real pools (`KVCache.reserve` / `complete` / `fail`,
-a P/D decode server's door into its own tree): the KV handle's states on the way to RESERVED, the worked example of docs/DESIGN.md, "P/D decode reuse" (Figure 5: A on
-the device, B in host memory, C new: decode restores B and asks only for C), a budget that does not fit
-holding nothing, and failure from RESERVED giving every page, lock and promise back, the tree's prefix
-kept."""
+a P/D decode server's door into its own tree): the KV handle's states on the way to RESERVED, the worked
+example of docs/DESIGN.md, "P/D decode reuse" (Figure 5: A on the device, B in host memory, C new:
+decode restores B and asks only for C), a budget that does not fit holding nothing, and failure from
+RESERVED giving every page, lock and promise back, the tree's prefix kept."""
 
 from __future__ import annotations
 
@@ -132,7 +132,8 @@ def test_a_failed_restore_fails_and_leaves_no_unwritten_device_page(tmp_path, mo
     monkeypatch.setattr(host_pool, "load_layer", broken)
     handle = cache.open(2, A + B + C, "")
     cache.reserve(handle, pages(len(A + B + C) + 4))
-    assert restore_done(cache, handle) is RestoreState.FAILED, "the restore failed: decode cannot deliver the prefix it promised"
+    failed = "the restore failed: decode cannot deliver the prefix it promised"
+    assert restore_done(cache, handle) is RestoreState.FAILED, failed
     cache.fail(handle)
     settle(cache)
     assert cache.tree.locked_nodes() == [] and cache.reserved_pages == 0

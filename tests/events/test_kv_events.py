@@ -9,8 +9,8 @@ import re
 import pytest
 
 from hicache import Engine, SamplingParams
-from hicache.config import HiCacheConfig
 from hicache.cache import KVEventRecorder
+from hicache.config import HiCacheConfig
 from hicache.errors import UserError
 from hicache.events import KVEventPublisher, KVEventSubscriber, prompt_hashes
 from tests.conversations import make_conversations, run_turns

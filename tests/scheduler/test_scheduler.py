@@ -68,7 +68,8 @@ def test_seeded_sampling_is_reproducible(engine):
 def test_stop_token_and_stop_string(engine):
     greedy = engine.generate([[80, 81, 82]], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
     stop_id = greedy.token_ids[5]
-    r = engine.generate([[80, 81, 82]], SamplingParams(max_new_tokens=30, stop_token_ids=(stop_id,), ignore_eos=True))[0]
+    params = SamplingParams(max_new_tokens=30, stop_token_ids=(stop_id,), ignore_eos=True)
+    r = engine.generate([[80, 81, 82]], params)[0]
     assert r.finish_reason == "stop" and r.token_ids == greedy.token_ids[: greedy.token_ids.index(stop_id) + 1]
     text = greedy.text
     at = next(i for i in range(1, len(text) - 1) if text[i : i + 2].isascii())

@@ -19,7 +19,8 @@ MAX_TOKENS = 12
 
 
 def spec_flags(draft: str) -> tuple[str, ...]:
-    return ("--speculative-algorithm", "draft", "--speculative-draft-model", draft, "--speculative-num-draft-tokens", "3")
+    return ("--speculative-algorithm", "draft", "--speculative-draft-model", draft,
+            "--speculative-num-draft-tokens", "3")  # fmt: skip
 
 
 def stream(url: str, prompt: list[int]) -> tuple[list, dict, dict]:

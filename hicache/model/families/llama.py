@@ -118,7 +118,8 @@ class LlamaModel:
         self.embed = cast(weights["model.embed_tokens.weight"]) if pctx.is_first_stage else None
         if pctx.is_last_stage:
             self.norm = cast(weights["model.norm.weight"])
-            self.lm_head = make_linear(weights["model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"])
+            head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
+            self.lm_head = make_linear(weights[head])
         self.rope = RotaryEmbedding(self._rope_dim(), cfg.rope_theta, cfg.rope_scaling, device)
         backend = "gathered" if self.kv_sharding.size > 1 else "local"
         make = ATTENTION_BACKENDS[backend]
