@@ -52,8 +52,9 @@ class HintedTiers(CheckedTiers):
 @settings(max_examples=200, deadline=None)
 @given(operations=ops)
 def test_eviction_order_with_hints_equals_a_full_rebuild(min_compact, operations):
-    with mock.patch.object(radix_lru, "_MIN_COMPACT", min_compact), mock.patch.object(
-        retention, "_MIN_COMPACT", min_compact
+    with (
+        mock.patch.object(radix_lru, "_MIN_COMPACT", min_compact),
+        mock.patch.object(retention, "_MIN_COMPACT", min_compact),
     ):
         t = HintedTiers()
         for op, arg in operations:
