@@ -341,7 +341,7 @@ class PrefixCache:
         stats = self.lower.stats() if self.lower is not None else CacheStats()
         if not self.radix:
             return stats
-        return dataclasses.replace(stats, retention=self.tree.retention.snapshot(self.tree.nodes()))
+        return dataclasses.replace(stats, retention=self.tree.retention_stats())
 
     def checked_parts(self) -> list[object]:
         lower = self.lower.checked_parts() if self.lower is not None else []

@@ -39,7 +39,7 @@ from hicache.cache.kv_events import DEVICE, HOST, KVEventRecorder
 from hicache.cache.page_keys import TOKEN_BYTES, Tokens, pack
 from hicache.cache.radix_lru import LRUCandidates
 from hicache.cache.radix_walk import Peek, matched_runs
-from hicache.cache.retention import NO_RETENTION, Retention, RetentionTimeline
+from hicache.cache.retention import NO_RETENTION, Retention, RetentionStats, RetentionTimeline
 from hicache.cache.tree_node import InsertResult, MatchResult, TreeNode, split
 from hicache.debug.consensus_checker import consensus_checked
 from hicache.storage import salt_seed
@@ -385,6 +385,10 @@ class RadixTree:
     @property
     def total_pages(self) -> int:
         return self.evictable_pages + self.protected_pages
+
+    def retention_stats(self) -> RetentionStats:
+        """What retention hints hold now and did so far (a walk of the tree: for a metrics scrape)."""
+        return self.retention.snapshot(self.nodes(), (self._device_lru.deferred, self._host_lru.deferred))
 
     @property
     def host_pages_held(self) -> int:

@@ -17,6 +17,10 @@ new node, a node going host-only) or change a candidate's key (a match or insert
 retention lapsing) offers the node; changes that end candidacy need nothing (the entry goes stale).
 Recency is a logical clock that only grows, and a priority only rises with a touch (which moves the
 clock), so a stale entry can never look current again.
+
+Retained candidates (priority above 0) also sit in a second heap by recency alone, so a pop can tell
+when plain LRU would have taken a retained node instead (`deferred`, a metric); without hints it stays
+empty and costs one test per pop.
 """
 
 from __future__ import annotations
@@ -30,18 +34,22 @@ _MIN_COMPACT = 64  # entries below which the heap is never compacted
 
 
 class LRUCandidates:
-    __slots__ = ("_eligible", "_heap", "_compact_at")
+    __slots__ = ("_eligible", "_heap", "_retained", "_compact_at", "deferred")
 
     def __init__(self, eligible: Callable[[TreeNode], bool]) -> None:
         self._eligible = eligible
         self._heap: list[tuple[int, int, int, TreeNode]] = []
+        self._retained: list[tuple[int, int, TreeNode]] = []  # retained candidates, by recency alone
         self._compact_at = _MIN_COMPACT
+        self.deferred = 0  # pops that took a node where plain LRU would have taken a retained one
 
     def offer(self, node: TreeNode) -> None:
         """`node` may be a candidate now, or was touched while one."""
         if self._eligible(node):
             heapq.heappush(self._heap, (node.priority, node.last_access, node.id, node))
-            if len(self._heap) > self._compact_at:
+            if node.priority:
+                heapq.heappush(self._retained, (node.last_access, node.id, node))
+            if len(self._heap) + len(self._retained) > self._compact_at:
                 self._compact()
 
     def pop(self) -> TreeNode | None:
@@ -51,11 +59,26 @@ class LRUCandidates:
         while heap:
             priority, last_access, _, node = heapq.heappop(heap)
             if last_access == node.last_access and priority == node.priority and self._eligible(node):
+                if self._retained:
+                    self._count_deferral(node)
                 return node
         return None
 
+    def _count_deferral(self, taken: TreeNode) -> None:
+        """Plain LRU would have taken the least recent retained candidate, if older than `taken` (which
+        pop order makes one of lower priority)."""
+        retained = self._retained
+        while retained:
+            last_access, _, node = retained[0]
+            if node is not taken and last_access == node.last_access and node.priority and self._eligible(node):
+                break
+            heapq.heappop(retained)  # stale, or `taken` itself, which leaves this tier now
+        if retained and retained[0][0] < taken.last_access:
+            self.deferred += 1
+
     def clear(self) -> None:
         self._heap = []
+        self._retained = []
         self._compact_at = _MIN_COMPACT
 
     def _compact(self) -> None:
@@ -68,4 +91,7 @@ class LRUCandidates:
         }
         self._heap = list(current.values())
         heapq.heapify(self._heap)
-        self._compact_at = max(2 * len(self._heap), _MIN_COMPACT)
+        retained = {n.id: (t, n.id, n) for t, _, n in self._retained if t == n.last_access and n.priority}
+        self._retained = [entry for entry in retained.values() if self._eligible(entry[2])]
+        heapq.heapify(self._retained)
+        self._compact_at = max(2 * (len(self._heap) + len(self._retained)), _MIN_COMPACT)

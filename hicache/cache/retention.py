@@ -66,6 +66,8 @@ class RetentionStats:
 
     held_device_pages: int = 0  # device pages of nodes whose priority is above 0 now
     held_host_pages: int = 0  # host pages of host-only nodes whose priority is above 0 now
+    deferred_device_evictions: int = 0  # device evictions that took another node where LRU took a retained one
+    deferred_host_evictions: int = 0  # the same for host-only nodes
     evicted_retained_device_pages: int = 0  # taken from the device while still retained (pressure won)
     evicted_retained_host_pages: int = 0  # freed from the host while still retained
     lapsed_nodes: int = 0  # nodes whose retention ran out and fell back to plain LRU
@@ -132,8 +134,9 @@ class RetentionTimeline:
             else:
                 self.stats.evicted_retained_host_pages += pages
 
-    def snapshot(self, nodes: Iterable[TreeNode]) -> RetentionStats:
-        """The counters, with the pages retained now by tier (a walk of `nodes`: for a metrics scrape)."""
+    def snapshot(self, nodes: Iterable[TreeNode], deferred: tuple[int, int]) -> RetentionStats:
+        """The counters, with the pages retained now by tier (a walk of `nodes`: for a metrics scrape)
+        and the (device, host) evictions `deferred` by priority (radix_lru.py counts them)."""
         held_device = held_host = 0
         for node in nodes:
             if self.effective(node):
@@ -141,7 +144,10 @@ class RetentionTimeline:
                     held_device += len(node.device_pages)
                 elif node.host_pages is not None:
                     held_host += len(node.host_pages)
-        return dataclasses.replace(self.stats, held_device_pages=held_device, held_host_pages=held_host)
+        return dataclasses.replace(
+            self.stats, held_device_pages=held_device, held_host_pages=held_host,
+            deferred_device_evictions=deferred[0], deferred_host_evictions=deferred[1],
+        )  # fmt: skip
 
     def _compact(self) -> None:
         """Drop entries whose node was renewed or has left the tree; O(1) per push, amortised (as in

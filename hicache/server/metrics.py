@@ -110,17 +110,23 @@ def _retention_metrics(stats: RetentionStats | None) -> Iterator[Metric]:
         "pages evicted while still retained (nothing of lower priority was left to evict)",
         labels=["tier"],
     )
-    for tier, n_held, n_evicted in (
-        ("device", stats.held_device_pages, stats.evicted_retained_device_pages),
-        ("host", stats.held_host_pages, stats.evicted_retained_host_pages),
+    deferred = CounterMetricFamily(
+        "hicache_retention_deferred_evictions",
+        "evictions that took another node where plain LRU would have taken a retained one",
+        labels=["tier"],
+    )
+    for tier, n_held, n_evicted, n_deferred in (
+        ("device", stats.held_device_pages, stats.evicted_retained_device_pages, stats.deferred_device_evictions),
+        ("host", stats.held_host_pages, stats.evicted_retained_host_pages, stats.deferred_host_evictions),
     ):
         held.add_metric([tier], n_held)
         evicted.add_metric([tier], n_evicted)
+        deferred.add_metric([tier], n_deferred)
     lapsed = CounterMetricFamily(
         "hicache_retention_lapsed_nodes", "cached prefixes whose retention ran out (back to plain LRU)",
         stats.lapsed_nodes,
     )
-    yield from (held, evicted, lapsed)
+    yield from (held, deferred, evicted, lapsed)
 
 
 SPEC_COUNTERS = (  # (metric, SpecStats field, help), exported only with speculative decoding

@@ -37,8 +37,10 @@ def _node(node: TreeNode) -> tuple:
 
 
 def _heap(lru: LRUCandidates) -> tuple:
-    """The eviction candidates' entries in heap order (their nodes by id), and the compaction mark."""
-    return tuple((priority, last_access, node_id) for priority, last_access, node_id, _ in lru._heap), lru._compact_at
+    """The eviction candidates' entries in heap order (their nodes by id), the retained ones', and the
+    compaction mark."""
+    entries = tuple((priority, last_access, node_id) for priority, last_access, node_id, _ in lru._heap)
+    return entries, tuple((last_access, node_id) for last_access, node_id, _ in lru._retained), lru._compact_at
 
 
 def dump(tree: RadixTree) -> tuple:

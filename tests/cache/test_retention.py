@@ -86,12 +86,17 @@ def evicted_first(tree: RadixTree, prompts: list[list[int]], now: float) -> int:
 
 
 def test_a_retained_prompt_outlives_lru_until_its_retention_lapses():
-    assert evicted_first(*three_prompts(NO_RETENTION), now=1.0) == 0, "plain LRU takes the oldest"
+    tree, prompts = three_prompts(NO_RETENTION)
+    assert evicted_first(tree, prompts, now=1.0) == 0, "plain LRU takes the oldest"
+    assert tree.retention_stats().deferred_device_evictions == 0
     tree, prompts = three_prompts(Retention(priority=1, seconds=10.0, since=0.0))
     assert evicted_first(tree, prompts, now=9.0) == 1, "retained: the next least recent goes instead"
+    assert tree.retention_stats().deferred_device_evictions == 1
+    assert tree.retention_stats().held_device_pages == 1
     tree, prompts = three_prompts(Retention(priority=1, seconds=10.0, since=0.0))
     assert evicted_first(tree, prompts, now=10.0) == 0, "lapsed: LRU again"
-    assert tree.retention.stats.lapsed_nodes == 1
+    stats = tree.retention_stats()
+    assert stats.lapsed_nodes == 1 and stats.deferred_device_evictions == 0 and stats.held_device_pages == 0
     tree, prompts = three_prompts(Retention(priority=1, since=0.0))
     assert evicted_first(tree, prompts, now=1e9) == 1, "no retention_seconds: the priority never lapses"
 

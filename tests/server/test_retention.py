@@ -69,6 +69,7 @@ def test_a_retained_history_stays_on_the_device_where_lru_moves_it(client: TestC
     assert tiers == {"device": FULL_PAGES, "host": 0, "storage": 0}, "the retained history was evicted"
     metrics = retention_metrics(client)
     assert metrics[("hicache_retention_held_pages", "device")] > 0
+    assert metrics[("hicache_retention_deferred_evictions_total", "device")] >= 1
     assert metrics[("hicache_retention_evicted_pages_total", "device")] == 0
 
 
