@@ -40,7 +40,7 @@ from hicache.cache.page_keys import TOKEN_BYTES, Tokens, pack
 from hicache.cache.radix_lru import LRUCandidates
 from hicache.cache.radix_walk import Peek, matched_runs
 from hicache.cache.retention import NO_RETENTION, Retention, RetentionStats, RetentionTimeline
-from hicache.cache.tree_node import InsertResult, MatchResult, TreeNode, split
+from hicache.cache.tree_node import InsertResult, MatchResult, TreeNode, child_key, split
 from hicache.debug.consensus_checker import consensus_checked
 from hicache.storage import salt_seed
 
@@ -89,7 +89,7 @@ class RadixTree:
 
     def _child_key(self, key: bytes) -> bytes:
         """The children-dict key of a node's run `key`: its first page."""
-        return bytes(key[: self._page_bytes])
+        return child_key(key, self._page_bytes)
 
     def _query(self, tokens: Tokens) -> memoryview:
         """`tokens` packed (page_keys.py), cut to whole pages."""
@@ -315,9 +315,10 @@ class RadixTree:
 
     @consensus_checked(params=("num_pages",), results=("result",))
     def evict(self, num_pages: int, keep_if: Callable[[TreeNode], bool] | None = None) -> int:
-        """Free at least `num_pages` device pages, least recently used first. A node whose KV is on the
-        host (or that `keep_if` backs up there, for write-back) stays as host-only; others are removed.
-        Returns the number of device pages freed (less when not enough is evictable)."""
+        """Free at least `num_pages` device pages, lowest retention priority first, least recently used
+        within one (retention.py; without hints, plain LRU). A node whose KV is on the host (or that
+        `keep_if` backs up there, for write-back) stays as host-only; others are removed. Returns the
+        number of device pages freed (less when not enough is evictable)."""
         freed = 0
         self.retention.lapse(self._device_lru, self._host_lru)
         while freed < num_pages and (node := self._device_lru.pop()) is not None:
@@ -353,7 +354,7 @@ class RadixTree:
 
     @consensus_checked(params=("num_pages",), results=("result",))
     def evict_host(self, num_pages: int) -> int:
-        """Free at least `num_pages` host pages from host-only, unlocked leaves, LRU first."""
+        """Free at least `num_pages` host pages from host-only, unlocked leaves, in `evict`'s order."""
         freed = 0
         self.retention.lapse(self._device_lru, self._host_lru)
         while freed < num_pages and (node := self._host_lru.pop()) is not None:

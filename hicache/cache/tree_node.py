@@ -88,6 +88,11 @@ class TreeNode:
         )
 
 
+def child_key(key: bytes, page_bytes: int) -> bytes:
+    """The key a node of run `key` has among its parent's children: its first page."""
+    return bytes(key[:page_bytes])
+
+
 def split(node: TreeNode, k: int, page_bytes: int) -> TreeNode:
     """Cut `node` after k pages (of `page_bytes` key bytes each); the new upper part, holding the first
     k pages on each tier and every other field of the node, takes its place under the parent."""
@@ -107,14 +112,14 @@ def split(node: TreeNode, k: int, page_bytes: int) -> TreeNode:
     upper.hit_count = node.hit_count
     upper.backup_pending = node.backup_pending
     upper.priority, upper.retain_until = node.priority, node.retain_until
-    node.parent.children[bytes(node.key[:page_bytes])] = upper  # children are keyed by their first page
+    node.parent.children[child_key(node.key, page_bytes)] = upper
     node.key = node.key[n_bytes:]
     if node.device_pages is not None:
         node.device_pages = node.device_pages[k:]
     if node.host_pages is not None:
         node.host_pages = node.host_pages[k:]
     node.parent = upper
-    upper.children[bytes(node.key[:page_bytes])] = node
+    upper.children[child_key(node.key, page_bytes)] = node
     return upper
 
 
