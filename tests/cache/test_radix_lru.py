@@ -25,10 +25,13 @@ def lru_key(node: TreeNode) -> tuple:
     return node.last_access, node.id
 
 
-def full_rebuild_order(tree: RadixTree, num_pages: int, host: bool, key=lru_key) -> list[int]:
+def full_rebuild_order(
+    tree: RadixTree, num_pages: int, host: bool, key=lru_key, deferrals: list | None = None
+) -> list[int]:
     """The ids of the nodes an eviction of `num_pages` takes, by a heap of the whole tree's candidates
     (device: unlocked device nodes without a device child; host: unlocked host-only leaves) in `key`
-    order, a node's parent joining when it becomes one."""
+    order, a node's parent joining when it becomes one. `deferrals`: gets, for each node taken, whether
+    a candidate left behind of a higher first key (a retention priority) was used less recently."""
     nodes = list(tree.nodes())
     gone: set[int] = set()  # left the tier being evicted
 
@@ -44,7 +47,9 @@ def full_rebuild_order(tree: RadixTree, num_pages: int, host: bool, key=lru_key)
     order: list[int] = []
     freed = 0
     while freed < num_pages and heap:
-        _, node = heapq.heappop(heap)
+        (first, *_), node = heapq.heappop(heap)
+        if deferrals is not None:
+            deferrals.append(any(k[0] > first and n.last_access < node.last_access for k, n in heap))
         order.append(node.id)
         gone.add(node.id)
         freed += node.num_pages
@@ -72,11 +77,15 @@ class CheckedTiers(Tiers):
                 for n in self.tree.nodes()
                 if (n.host_pages if host else n.device_pages)
             }
-            expected = full_rebuild_order(self.tree, num_pages, host, self.order_key)
+            deferrals: list[bool] = []
+            expected = full_rebuild_order(self.tree, num_pages, host, self.order_key, deferrals)
+            lru = self.tree._host_lru if host else self.tree._device_lru
+            deferred = lru.deferred
             self.taken, self._host_check = [], host
             freed = evict(num_pages)
             taken, self.taken = [owner[p] for p in self.taken], None
             assert taken == expected, "eviction order differs from a full rebuild's"
+            assert lru.deferred - deferred == sum(deferrals), "deferred evictions differ from a full rebuild's"
             return freed
 
         return run
