@@ -25,11 +25,14 @@ from hicache.cache.failed_loads import FailedLoads
 from hicache.cache.host_tier import WritePolicy
 from hicache.cache.kv_events import MEDIA, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent, KVEventRecorder
 from hicache.cache.prefix_cache import PrefixCache
+from hicache.cache.retention import MAX_PRIORITY, NO_RETENTION, Retention, RetentionStats
 from hicache.cache.stats import CacheStats, HostStats, PrefetchLoss, StorageTierStats, WorkerStats
 from hicache.cache.storage_tier import PrefetchPolicy
 
 __all__ = [
+    "MAX_PRIORITY",
     "MEDIA",
+    "NO_RETENTION",
     "TIERS",
     "Admission",
     "AllBlocksCleared",
@@ -49,6 +52,8 @@ __all__ = [
     "PrefixMatch",
     "RestoreState",
     "RestoreStatus",
+    "Retention",
+    "RetentionStats",
     "StorageTierStats",
     "TransferOp",
     "Worker",

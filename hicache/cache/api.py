@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Callable, Protocol, Sequence, runtime_checkabl
 import torch
 
 from hicache.cache.page_keys import PackedTokens
+from hicache.cache.retention import NO_RETENTION, Retention
 from hicache.mem.page_table import PageTable
 
 if TYPE_CHECKING:
@@ -131,6 +132,8 @@ class KVHandle:
     # Prompt pages its storage prefetch put on the host, taken in at its first admission attempt and
     # kept, so an attempt refused for room does not make a retry count them as host hits.
     from_storage: range = range(0)
+    # Its retention hint (retention.py): the nodes it matches and caches keep its priority for a while.
+    retention: Retention = NO_RETENTION
 
     def __post_init__(self) -> None:
         self.table = PageTable(self.page_size, self.slot_device)
@@ -211,8 +214,9 @@ class KVCache(Protocol):
     # and drains it once per step (hicache/events/).
     events: KVEventRecorder
 
-    def open(self, rid: int, prompt: Sequence[int], namespace: str) -> KVHandle:
-        """A request arrived: its handle, WAITING. Changes the tree: no, not even the recency of its
+    def open(self, rid: int, prompt: Sequence[int], namespace: str, retention: Retention = NO_RETENTION) -> KVHandle:
+        """A request arrived: its handle, WAITING. `retention`: its hint, which every node it matches or
+        caches takes (docs/DESIGN.md, "retention hints"). Changes the tree: no, not even the recency of its
         match (with a storage tier a prefetch of what storage holds beyond the tree's match, found as
         `lookup` finds it, may start in the background; what it reads joins the tree at admission).
         Locks: nothing."""

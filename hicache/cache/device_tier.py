@@ -16,6 +16,7 @@ from typing import Callable, Sequence
 
 from hicache.cache.page_budget import PageBudget
 from hicache.cache.radix import PagesFn, RadixTree, TreeNode
+from hicache.cache.retention import NO_RETENTION, Retention
 from hicache.debug.consensus_checker import consensus_checked
 from hicache.mem.device_pool import DeviceKVPool
 
@@ -69,11 +70,15 @@ class DeviceTier:
         return pages
 
     @consensus_checked(params=("rotation",), results={"refused": "result.refused"})
-    def insert(self, tokens: Sequence[int], pages: list[int], namespace: str, rotation: int = 0) -> Inserted:
-        """Cache `tokens` (a page multiple) computed into `pages` from rotation base `rotation`. Where
-        the tree already had them on the device, its page wins and ours goes back to the pool. Refused
-        (the caller keeps its pages) where the cached path has another rotation base."""
-        res = self.tree.insert(tokens, pages, namespace, rotation)
+    def insert(
+        self, tokens: Sequence[int], pages: list[int], namespace: str, rotation: int = 0,
+        retention: Retention = NO_RETENTION,
+    ) -> Inserted:  # fmt: skip
+        """Cache `tokens` (a page multiple) computed into `pages` from rotation base `rotation`, with the
+        caching request's `retention` hint. Where the tree already had them on the device, its page wins
+        and ours goes back to the pool. Refused (the caller keeps its pages) where the cached path has
+        another rotation base."""
+        res = self.tree.insert(tokens, pages, namespace, rotation, retention)
         if res.refused:
             return Inserted(list(pages), res.last_node, [], refused=True)
         duplicates = [mine for mine, theirs in zip(pages, res.pages) if mine != theirs]

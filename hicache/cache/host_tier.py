@@ -165,10 +165,12 @@ class HostTier:
             if n.host_pages is not None and n.on_device and n.lock_ref == 0 and not n.backup_pending
         ]  # fmt: skip
         freed = 0
-        for node in sorted(candidates, key=lambda n: (n.last_access, n.id)):
+        priority = self.tree.retention.effective  # retained copies go last (docs/DESIGN.md, "retention hints")
+        for node in sorted(candidates, key=lambda n: (priority(n), n.last_access, n.id)):
             if freed >= num_pages:
                 break
             self.tree.events.removed(node, HOST)
+            self.tree.retention.evicted(node, len(node.host_pages or []), HOST)
             pages, node.host_pages = node.host_pages or [], None
             self.free(pages)
             freed += len(pages)

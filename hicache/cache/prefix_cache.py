@@ -17,6 +17,7 @@ classes from its `rotation`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -28,6 +29,7 @@ from hicache.cache.lower_tiers import LowerTiers
 from hicache.cache.page_keys import Tokens
 from hicache.cache.radix import TreeNode
 from hicache.cache.restores import Restores
+from hicache.cache.retention import NO_RETENTION, Retention
 from hicache.cache.stats import CacheStats
 from hicache.debug.consensus_checker import consensus_checked
 
@@ -86,9 +88,12 @@ class PrefixCache:
 
     # ---- a handle's life -----------------------------------------------------------------------
 
-    def open(self, rid: int, prompt: Sequence[int], namespace: str) -> KVHandle:
+    def open(self, rid: int, prompt: Sequence[int], namespace: str, retention: Retention = NO_RETENTION) -> KVHandle:
         draft_len = 0 if self.draft else None
-        handle = KVHandle(rid, prompt, namespace, self.page_size, slot_device=self.pool.device, draft_len=draft_len)
+        handle = KVHandle(
+            rid, prompt, namespace, self.page_size, slot_device=self.pool.device, draft_len=draft_len,
+            retention=retention,
+        )  # fmt: skip
         if self.lower is not None:
             self.lower.open(handle)
         return handle
@@ -169,7 +174,7 @@ class PrefixCache:
         if self.lower is not None and (fetched := self.lower.fetched(handle)):
             handle.from_storage = fetched
         fetched = handle.from_storage
-        match = self.tree.match_prefix(tokens, handle.namespace, count_hit=True)
+        match = self.tree.match_prefix(tokens, handle.namespace, count_hit=True, retention=handle.retention)
         handle.enter(KVState.MATCHED)
         self.tree.lock(match.last_node)  # also keeps a host-resident continuation from host eviction
         handle.enter(KVState.LOCKED)
@@ -254,7 +259,8 @@ class PrefixCache:
         # `tokens` is the request's sequence, its prompt first: the prompt is packed once per request
         # and only what follows it (the output, at release) is converted here.
         key = handle.packed_prompt.prefix_of(tokens, n)
-        res = self.device.insert(key, handle.pages[: n // self.page_size], handle.namespace, handle.rotation)
+        pages = handle.pages[: n // self.page_size]
+        res = self.device.insert(key, pages, handle.namespace, handle.rotation, handle.retention)
         if res.refused:  # another placement of these tokens is cached: this request keeps its own pages
             return
         handle.table.replace(res.pages)
@@ -332,7 +338,10 @@ class PrefixCache:
         return {"device": self.pool.resident_bytes(), **lower}
 
     def stats(self) -> CacheStats:
-        return self.lower.stats() if self.lower is not None else CacheStats()
+        stats = self.lower.stats() if self.lower is not None else CacheStats()
+        if not self.radix:
+            return stats
+        return dataclasses.replace(stats, retention=self.tree.retention_stats())
 
     def checked_parts(self) -> list[object]:
         lower = self.lower.checked_parts() if self.lower is not None else []

@@ -18,6 +18,7 @@ Contracts:
   one memcmp, and a divergence is found by bisecting pages with memcmps, so no step loops over pages
   or tokens in Python. Children are keyed by their first page's bytes.
 - Recency is a logical clock, so ranks applying the same operations in the same order evict alike.
+  Retention hints (retention.py) order eviction by priority before recency, on the arrival clock.
   Eviction candidates are kept across calls (radix_lru.py): O(log tree) per node taken, not O(tree)
   per call; every change that can make a node a candidate, or touches one, offers it there. `peek`
   changes nothing of this (radix_walk.py): arrival and routing only look.
@@ -38,7 +39,8 @@ from hicache.cache.kv_events import DEVICE, HOST, KVEventRecorder
 from hicache.cache.page_keys import TOKEN_BYTES, Tokens, pack
 from hicache.cache.radix_lru import LRUCandidates
 from hicache.cache.radix_walk import Peek, matched_runs
-from hicache.cache.tree_node import InsertResult, MatchResult, TreeNode
+from hicache.cache.retention import NO_RETENTION, Retention, RetentionStats, RetentionTimeline
+from hicache.cache.tree_node import InsertResult, MatchResult, TreeNode, child_key, split
 from hicache.debug.consensus_checker import consensus_checked
 from hicache.storage import salt_seed
 
@@ -59,6 +61,7 @@ class RadixTree:
         self._clock = itertools.count(1)
         self._device_lru = LRUCandidates(self._device_leaf)
         self._host_lru = LRUCandidates(self._host_leaf)
+        self.retention = RetentionTimeline()
         self.events = KVEventRecorder(page_size)  # the cache's one recorder (kv_events.py)
         self.reset()
 
@@ -71,6 +74,7 @@ class RadixTree:
         self.protected_by_class = [0] * self.num_classes
         self._device_lru.clear()
         self._host_lru.clear()
+        self.retention.clear()
         self.events.cleared((DEVICE, HOST))
 
     # ---- queries -------------------------------------------------------------------------------
@@ -85,21 +89,25 @@ class RadixTree:
 
     def _child_key(self, key: bytes) -> bytes:
         """The children-dict key of a node's run `key`: its first page."""
-        return bytes(key[: self._page_bytes])
+        return child_key(key, self._page_bytes)
 
     def _query(self, tokens: Tokens) -> memoryview:
         """`tokens` packed (page_keys.py), cut to whole pages."""
         query = pack(tokens)
         return query[: len(query) - len(query) % self._page_bytes]
 
-    def match_prefix(self, tokens: Tokens, namespace: str = "", count_hit: bool = False) -> MatchResult:
+    def match_prefix(
+        self, tokens: Tokens, namespace: str = "", count_hit: bool = False, retention: Retention = NO_RETENTION
+    ) -> MatchResult:
         """Longest cached page-aligned prefix of `tokens` on either tier. Splits a node when the match
-        ends inside it, so every matched node is covered exactly and can be locked."""
+        ends inside it, so every matched node is covered exactly and can be locked. `retention`: the
+        matching request's hint, which every matched node takes if higher (retention.py)."""
         path = self._walk(self._query(tokens), namespace)
         now = next(self._clock)
         device_pages: list[int] = []
         last_device = self._root(namespace)
         host_nodes: list[TreeNode] = []
+        self.retention.touch_path(path, retention)
         for node in path:
             node.last_access = now
             if count_hit:
@@ -131,31 +139,9 @@ class RadixTree:
         return [node if k * pb == len(node.key) else self._split(node, k) for node, k in matched_runs(root, query, pb)]
 
     def _split(self, node: TreeNode, k: int) -> TreeNode:
-        """Cut `node` after k pages; the new upper part takes its place under the parent."""
-        n_bytes = k * self._page_bytes
-        assert 0 < n_bytes < len(node.key)
-        upper = TreeNode(
-            node.key[:n_bytes],
-            None if node.device_pages is None else node.device_pages[:k],
-            node.parent,
-            None if node.host_pages is None else node.host_pages[:k],
-            rotation=node.rotation,
-        )
-        if node.hashes is not None:
-            upper.hashes, node.hashes = node.hashes[:k], node.hashes[k:]
-        upper.lock_ref = node.lock_ref
-        upper.last_access = node.last_access
-        upper.hit_count = node.hit_count
-        upper.backup_pending = node.backup_pending
-        assert node.parent is not None
-        node.parent.children[self._child_key(node.key)] = upper
-        node.key = node.key[n_bytes:]
-        if node.device_pages is not None:
-            node.device_pages = node.device_pages[k:]
-        if node.host_pages is not None:
-            node.host_pages = node.host_pages[k:]
-        node.parent = upper
-        upper.children[self._child_key(node.key)] = node
+        """Cut `node` after k pages (tree_node.py); the upper part's retention lapses as the lower's."""
+        upper = split(node, k, self._page_bytes)
+        self.retention.track(upper)
         return upper
 
     # ---- updates -------------------------------------------------------------------------------
@@ -184,11 +170,15 @@ class RadixTree:
         for owner, n in Counter(map(self.num_classes.__rmod__, pages)).items():
             counts[owner] += sign * n
 
-    def insert(self, tokens: Tokens, pages: list[int], namespace: str = "", rotation: int = 0) -> InsertResult:
+    def insert(
+        self, tokens: Tokens, pages: list[int], namespace: str = "", rotation: int = 0,
+        retention: Retention = NO_RETENTION,
+    ) -> InsertResult:  # fmt: skip
         """Cache `tokens` (a page multiple) whose KV lives in device `pages`, placed from rotation base
         `rotation`. Where the tree already has the KV on the device, its pages win and the caller frees
         its own; where it has it only on the host, the caller's pages are attached to the node. Refused
-        whole (`refused`, nothing changed but recency) if the cached path has another rotation base."""
+        whole (`refused`, nothing changed but recency) if the cached path has another rotation base.
+        `retention`: the inserting request's hint, as for `match_prefix`."""
         query = pack(tokens)
         if len(query) % self._page_bytes or len(pages) * self._page_bytes != len(query):
             raise ValueError("insert needs a page-aligned key and one page per page_size tokens")
@@ -216,6 +206,7 @@ class RadixTree:
             tree_pages.extend(child.device_pages)  # type: ignore[arg-type]
             new_nodes.append(child)
             parent = child
+        self.retention.touch_path(path + new_nodes, retention)
         self._device_lru.offer(parent)  # the path is on the device now: only its end can be a leaf there
         return InsertResult(tree_pages, parent, new_nodes)
 
@@ -324,12 +315,15 @@ class RadixTree:
 
     @consensus_checked(params=("num_pages",), results=("result",))
     def evict(self, num_pages: int, keep_if: Callable[[TreeNode], bool] | None = None) -> int:
-        """Free at least `num_pages` device pages, least recently used first. A node whose KV is on the
-        host (or that `keep_if` backs up there, for write-back) stays as host-only; others are removed.
-        Returns the number of device pages freed (less when not enough is evictable)."""
+        """Free at least `num_pages` device pages, lowest retention priority first, least recently used
+        within one (retention.py; without hints, plain LRU). A node whose KV is on the host (or that
+        `keep_if` backs up there, for write-back) stays as host-only; others are removed. Returns the
+        number of device pages freed (less when not enough is evictable)."""
         freed = 0
+        self.retention.lapse(self._device_lru, self._host_lru)
         while freed < num_pages and (node := self._device_lru.pop()) is not None:
             pages = node.device_pages or []
+            self.retention.evicted(node, len(pages), DEVICE)
             self._account_device(node, -1)
             freed += len(pages)
             keep = node.backed_up or (keep_if is not None and keep_if(node))
@@ -360,10 +354,12 @@ class RadixTree:
 
     @consensus_checked(params=("num_pages",), results=("result",))
     def evict_host(self, num_pages: int) -> int:
-        """Free at least `num_pages` host pages from host-only, unlocked leaves, LRU first."""
+        """Free at least `num_pages` host pages from host-only, unlocked leaves, in `evict`'s order."""
         freed = 0
+        self.retention.lapse(self._device_lru, self._host_lru)
         while freed < num_pages and (node := self._host_lru.pop()) is not None:
             freed += len(node.host_pages or [])
+            self.retention.evicted(node, len(node.host_pages or []), HOST)
             parent = node.parent
             self._remove_subtree(node)
             self._host_lru.offer(parent)  # type: ignore[arg-type]
@@ -390,6 +386,10 @@ class RadixTree:
     @property
     def total_pages(self) -> int:
         return self.evictable_pages + self.protected_pages
+
+    def retention_stats(self) -> RetentionStats:
+        """What retention hints hold now and did so far (a walk of the tree: for a metrics scrape)."""
+        return self.retention.snapshot(self.nodes(), (self._device_lru.deferred, self._host_lru.deferred))
 
     @property
     def host_pages_held(self) -> int:

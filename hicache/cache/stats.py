@@ -14,6 +14,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import Sequence, TypeVar
 
+from hicache.cache.retention import RetentionStats
 from hicache.storage import StorageStats
 
 T = TypeVar("T")
@@ -85,6 +86,7 @@ class CacheStats:
     host: HostStats | None = None
     storage: StorageTierStats | None = None
     workers: WorkerStats | None = None
+    retention: RetentionStats | None = None  # None: nothing is cached (radix cache off)
 
     @staticmethod
     def worst(answers: Sequence[CacheStats]) -> CacheStats:

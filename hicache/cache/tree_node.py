@@ -14,6 +14,7 @@ the KV events first need them; a root's is the chain's seed, its namespace's `sa
 from __future__ import annotations
 
 import itertools
+import math
 from array import array
 from dataclasses import dataclass, field
 from itertools import chain
@@ -25,7 +26,7 @@ from hicache.storage import page_hashes
 class TreeNode:
     __slots__ = (
         "key", "device_pages", "host_pages", "hashes", "children", "parent",
-        "lock_ref", "last_access", "hit_count", "backup_pending", "id", "rotation",
+        "lock_ref", "last_access", "hit_count", "backup_pending", "id", "rotation", "priority", "retain_until",
     )  # fmt: skip
 
     _ids = itertools.count()
@@ -50,6 +51,10 @@ class TreeNode:
         self.backup_pending = False  # host_pages assigned, device -> host copy not yet acknowledged
         self.id = next(TreeNode._ids)
         self.rotation = rotation
+        # Its retention (retention.py): evicted after every node of lower priority, until retain_until
+        # on the arrival clock; 0 (plain LRU) without hints.
+        self.priority = 0
+        self.retain_until = math.inf
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +86,41 @@ class TreeNode:
             f"TreeNode(id={self.id}, tokens={self.num_tokens}, lock_ref={self.lock_ref}, "
             f"device={self.device_pages is not None}, host={self.host_pages is not None})"
         )
+
+
+def child_key(key: bytes, page_bytes: int) -> bytes:
+    """The key a node of run `key` has among its parent's children: its first page."""
+    return bytes(key[:page_bytes])
+
+
+def split(node: TreeNode, k: int, page_bytes: int) -> TreeNode:
+    """Cut `node` after k pages (of `page_bytes` key bytes each); the new upper part, holding the first
+    k pages on each tier and every other field of the node, takes its place under the parent."""
+    n_bytes = k * page_bytes
+    assert 0 < n_bytes < len(node.key) and node.parent is not None
+    upper = TreeNode(
+        node.key[:n_bytes],
+        None if node.device_pages is None else node.device_pages[:k],
+        node.parent,
+        None if node.host_pages is None else node.host_pages[:k],
+        rotation=node.rotation,
+    )
+    if node.hashes is not None:
+        upper.hashes, node.hashes = node.hashes[:k], node.hashes[k:]
+    upper.lock_ref = node.lock_ref
+    upper.last_access = node.last_access
+    upper.hit_count = node.hit_count
+    upper.backup_pending = node.backup_pending
+    upper.priority, upper.retain_until = node.priority, node.retain_until
+    node.parent.children[child_key(node.key, page_bytes)] = upper
+    node.key = node.key[n_bytes:]
+    if node.device_pages is not None:
+        node.device_pages = node.device_pages[k:]
+    if node.host_pages is not None:
+        node.host_pages = node.host_pages[k:]
+    node.parent = upper
+    upper.children[child_key(node.key, page_bytes)] = node
+    return upper
 
 
 def chain_hashes(node: TreeNode, page_size: int) -> list[bytes]:

@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence, TypeVar
 
-from hicache.cache import TIERS, CacheStats, storage_layout
+from hicache.cache import TIERS, CacheStats, Retention, storage_layout
 from hicache.config import EngineConfig
 from hicache.disagg.stats import DisaggStats
 from hicache.engine.base import Runtime, check_usable
@@ -210,9 +210,19 @@ class Engine:
         cache_salt: str = "",
         on_event: Callable[[RequestEvent], None] | None = None,
         bootstrap: Bootstrap | None = None,
+        priority: int = 0,
+        retention_seconds: float | None = None,
     ) -> RequestHandle:
         """`bootstrap`: where this request's prefill-decode pair meets (required on a P/D server, set by
-        `hicache router`; ignored by a server that does everything itself)."""
+        `hicache router`; ignored by a server that does everything itself). `priority` and
+        `retention_seconds`: the request's cache retention hint (docs/DESIGN.md, "retention hints"):
+        what it matches and caches is evicted after lower priorities, until that long past its last
+        use by this request (None: no limit). Raises UserError for a priority below 0 or a negative
+        or non-finite number of seconds."""
+        try:  # stamped with its arrival: the clock retention lapses on, the same on every rank
+            retention = Retention(priority, retention_seconds, since=time.monotonic())
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
         params = params or SamplingParams()
         ids = self.tokenize(prompt)
         max_new = params.max_new_tokens or min(
@@ -224,7 +234,10 @@ class Engine:
             raise UserError(
                 f"this is a {mode} server of a prefill-decode deployment: send requests through `hicache router`"
             )
-        req = Request(ids, params, max_new, namespace=cache_salt, bootstrap=bootstrap if mode != "null" else None)
+        req = Request(
+            ids, params, max_new, namespace=cache_salt, bootstrap=bootstrap if mode != "null" else None,
+            retention=retention,
+        )  # fmt: skip
         handle = RequestHandle(self, req, on_event)
         with self._lock:
             self._check_alive()

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hicache.cache import KVHandle
+from hicache.cache import NO_RETENTION, KVHandle, Retention
 from hicache.errors import UserError
 
 
@@ -120,6 +120,7 @@ class Request:
     spec_proposed: int = 0  # draft tokens proposed for it (speculative decoding) ...
     spec_accepted: int = 0  # ... and accepted by the target's verification
     bootstrap: Bootstrap | None = None  # a prefill-decode request's meeting point
+    retention: Retention = NO_RETENTION  # its cache retention hint, stamped with its arrival by the engine
 
     @property
     def prompt_len(self) -> int:

@@ -139,7 +139,7 @@ class Scheduler:
 
     def open(self, req: Request) -> None:
         """Give `req` its KV handle (arrival: the cache only looks its prompt up)."""
-        req.kv_handle = self.cache.open(req.rid, req.prompt_ids, req.namespace)
+        req.kv_handle = self.cache.open(req.rid, req.prompt_ids, req.namespace, req.retention)
 
     def abort(self, rid: int) -> None:
         for req in list(self.waiting) + self.running:

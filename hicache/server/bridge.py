@@ -66,13 +66,18 @@ class Generation:
         params: SamplingParams,
         cache_salt: str,
         bootstrap: Bootstrap | None,
+        priority: int = 0,
+        retention_seconds: float | None = None,
     ) -> None:
         engine = self._client.engine
         try:
             for index, prompt in enumerate(prompts):
                 callback = functools.partial(self._from_engine_thread, index)
                 room = None if bootstrap is None else dataclasses.replace(bootstrap, room=bootstrap.room + index)
-                handle = engine.submit(prompt, params, cache_salt, on_event=callback, bootstrap=room)
+                handle = engine.submit(
+                    prompt, params, cache_salt, on_event=callback, bootstrap=room, priority=priority,
+                    retention_seconds=retention_seconds,
+                )  # fmt: skip
                 self.choices.append(Choice(index, handle))
                 self._client.metrics.prompt_tokens.inc(handle.prompt_tokens)
         except BaseException:
@@ -153,12 +158,15 @@ class EngineClient:
         params: SamplingParams,
         cache_salt: str,
         bootstrap: Bootstrap | None = None,
+        priority: int = 0,
+        retention_seconds: float | None = None,
     ) -> Generation:
-        """Submit now (a bad prompt raises its UserError here, before any response is sent)."""
+        """Submit now (a bad prompt raises its UserError here, before any response is sent). `priority`,
+        `retention_seconds`: the prompts' cache retention hint (Engine.submit)."""
         if self.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         gen = Generation(self, asyncio.get_running_loop())
-        gen._submit(prompts, params, cache_salt, bootstrap)
+        gen._submit(prompts, params, cache_salt, bootstrap, priority, retention_seconds)
         self._live.add(gen)
         return gen
 

@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from hicache.cache import TIERS, CacheStats
+from hicache.cache import TIERS, CacheStats, RetentionStats
 from hicache.disagg.stats import DisaggStats
 from hicache.engine.engine import Engine
 from hicache.scheduler.request import FinishReason
@@ -50,6 +50,7 @@ class _EngineCollector(Collector):
                 resident.add_metric([rank, tier], n)
         yield resident
         yield from _tier_counters(snap.cache)
+        yield from _retention_metrics(snap.cache.retention)
         yield from _spec_counters(snap.spec)
         yield from disagg_counters(snap.disagg)
         yield GaugeMetricFamily("hicache_requests_running", "requests in the running batch", snap.running)
@@ -95,6 +96,37 @@ def _tier_counters(stats: CacheStats) -> Iterator[Metric]:
     for event, n in sorted(counts.items()):
         events.add_metric([event], n)
     yield from (lost, stages, events)
+
+
+def _retention_metrics(stats: RetentionStats | None) -> Iterator[Metric]:
+    """What retention hints hold and what pressure took anyway (docs/DESIGN.md, "retention hints")."""
+    if stats is None:
+        return
+    held = GaugeMetricFamily(
+        "hicache_retention_held_pages", "cached pages whose retention priority is above 0 now", labels=["tier"]
+    )
+    evicted = CounterMetricFamily(
+        "hicache_retention_evicted_pages",
+        "pages evicted while still retained (nothing of lower priority was left to evict)",
+        labels=["tier"],
+    )
+    deferred = CounterMetricFamily(
+        "hicache_retention_deferred_evictions",
+        "evictions that took another node where plain LRU would have taken a retained one",
+        labels=["tier"],
+    )
+    for tier, n_held, n_evicted, n_deferred in (
+        ("device", stats.held_device_pages, stats.evicted_retained_device_pages, stats.deferred_device_evictions),
+        ("host", stats.held_host_pages, stats.evicted_retained_host_pages, stats.deferred_host_evictions),
+    ):
+        held.add_metric([tier], n_held)
+        evicted.add_metric([tier], n_evicted)
+        deferred.add_metric([tier], n_deferred)
+    lapsed = CounterMetricFamily(
+        "hicache_retention_lapsed_nodes", "cached prefixes whose retention ran out (back to plain LRU)",
+        stats.lapsed_nodes,
+    )
+    yield from (held, deferred, evicted, lapsed)
 
 
 SPEC_COUNTERS = (  # (metric, SpecStats field, help), exported only with speculative decoding

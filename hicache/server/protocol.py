@@ -13,6 +13,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, ValidationInfo, field_validator
 
+from hicache.cache import MAX_PRIORITY
 from hicache.errors import UserError
 from hicache.scheduler.request import Bootstrap, SamplingParams
 
@@ -62,6 +63,10 @@ class GenerationRequest(_Strict):
     n: int = 1
     user: StrictStr | None = None
     cache_salt: StrictStr = ""
+    # Retention hint (SGLang's names; docs/DESIGN.md, "retention hints"): what this request matches and
+    # caches is evicted after lower priorities, until retention_seconds past its last use (None: no limit).
+    priority: StrictInt = Field(default=0, ge=0, le=MAX_PRIORITY)
+    retention_seconds: float | None = Field(default=None, ge=0.0)
     ignore_eos: bool = False
     presence_penalty: Any = None
     frequency_penalty: Any = None

@@ -123,7 +123,10 @@ class GenerationRoutes:
     async def _generate(
         self, request: Request, body: GenerationRequest, prompts: list, params: SamplingParams, fmt: ResponseFormat
     ) -> Response:
-        gen = self.client.start(prompts, params, body.cache_salt, body.bootstrap())
+        gen = self.client.start(
+            prompts, params, body.cache_salt, body.bootstrap(), priority=body.priority,
+            retention_seconds=body.retention_seconds,
+        )  # fmt: skip
         if body.stream:
             stream = self._stream(gen, fmt, params.stop, body.include_usage)
             return StreamingResponse(stream, media_type="text/event-stream", headers=SSE_HEADERS)

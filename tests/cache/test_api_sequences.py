@@ -1,5 +1,6 @@
-"""The cache API under any sequence of calls: prompts looked up (changing nothing), requests opened, admitted (computing what the tree lacks)
-or reserved (their KV landing from outside while the host part restores), completed, failed and
+"""The cache API under any sequence of calls: prompts looked up (changing nothing), requests opened (slots 1
+and 2 with retention hints that lapse a few calls on, docs/DESIGN.md, "retention hints"), admitted
+(computing what the tree lacks) or reserved (their KV landing from outside while the host part restores), completed, failed and
 released in any order, with prefixes pushed to host memory between them and some restores failing.
 Whatever the order, every page served holds its tokens' KV, the promises add up at every step, and at
 the end every page and lock is back."""
@@ -16,6 +17,7 @@ from hypothesis import strategies as st
 from hicache.cache.api import KVState, RestoreState
 from hicache.cache.build import hierarchical_cache
 from hicache.cache.prefix_cache import PrefixCache
+from hicache.cache.retention import Retention
 from hicache.config import HiCacheConfig
 from tests.cache.kv import PAGE, assert_kv, device_pool, one_rank, write_kv
 from tests.cache.test_hierarchical import settle
@@ -56,7 +58,8 @@ def test_any_sequence_of_calls_returns_every_page_and_lock(calls, failing):
                 cache.lookup(prompt_of(spans, slot), "")
                 assert dump(cache.tree) == before, "a lookup changed the tree"
             if slot not in handles and action in ("open", "admit", "reserve"):
-                handles[slot] = (cache.open(rid, prompt_of(spans, slot), ""), prompt_of(spans, slot))
+                hint = Retention(priority=slot, seconds=1.0, since=rid / 2)  # a call is half a second
+                handles[slot] = (cache.open(rid, prompt_of(spans, slot), "", hint), prompt_of(spans, slot))
             handle, prompt = handles.get(slot, (None, []))
             state = handle.state if handle is not None else None
             if action == "admit" and state is KVState.WAITING:

@@ -31,24 +31,29 @@ def _node(node: TreeNode) -> tuple:
         node.lock_ref,
         node.backup_pending,
         node.rotation,
+        (node.priority, node.retain_until),
         tuple((key, _node(child)) for key, child in node.children.items()),
     )
 
 
 def _heap(lru: LRUCandidates) -> tuple:
-    """The eviction candidates' entries in heap order (their nodes by id), and the compaction mark."""
-    return tuple((last_access, node_id) for last_access, node_id, _ in lru._heap), lru._compact_at
+    """The eviction candidates' entries in heap order (their nodes by id), the retained ones', and the
+    compaction mark."""
+    entries = tuple((priority, last_access, node_id) for priority, last_access, node_id, _ in lru._heap)
+    return entries, tuple((last_access, node_id) for last_access, node_id, _ in lru._retained), lru._compact_at
 
 
 def dump(tree: RadixTree) -> tuple:
     """Everything of the tree that a read must leave as it was: every root and node, the clock's next
-    tick, the page counts, and both eviction heaps."""
+    tick, the page counts, both eviction heaps, and the retention timeline (its clock and heap)."""
     return (
         tuple((namespace, _node(root)) for namespace, root in tree._roots.items()),
         repr(tree._clock),  # count(n): the next tick, read without taking it
         (tree.evictable_pages, tree.protected_pages, tuple(tree.evictable_by_class), tuple(tree.protected_by_class)),
         _heap(tree._device_lru),
         _heap(tree._host_lru),
+        tree.retention.now,
+        tuple((until, node_id) for until, node_id, _ in tree.retention._heap),
     )
 
 

@@ -20,10 +20,18 @@ ops = st.lists(
 )
 
 
-def full_rebuild_order(tree: RadixTree, num_pages: int, host: bool) -> list[int]:
+def lru_key(node: TreeNode) -> tuple:
+    """The order eviction had before retention hints: least recently used first."""
+    return node.last_access, node.id
+
+
+def full_rebuild_order(
+    tree: RadixTree, num_pages: int, host: bool, key=lru_key, deferrals: list | None = None
+) -> list[int]:
     """The ids of the nodes an eviction of `num_pages` takes, by a heap of the whole tree's candidates
-    (device: unlocked device nodes without a device child; host: unlocked host-only leaves), a node's
-    parent joining when it becomes one."""
+    (device: unlocked device nodes without a device child; host: unlocked host-only leaves) in `key`
+    order, a node's parent joining when it becomes one. `deferrals`: gets, for each node taken, whether
+    a candidate left behind of a higher first key (a retention priority) was used less recently."""
     nodes = list(tree.nodes())
     gone: set[int] = set()  # left the tier being evicted
 
@@ -34,22 +42,26 @@ def full_rebuild_order(tree: RadixTree, num_pages: int, host: bool) -> list[int]
             return n.host_pages is not None and not n.on_device and all(c.id in gone for c in n.children.values())
         return n.on_device and not any(c.on_device and c.id not in gone for c in n.children.values())
 
-    heap = [(n.last_access, n.id, n) for n in nodes if candidate(n)]
+    heap = [(key(n), n) for n in nodes if candidate(n)]
     heapq.heapify(heap)
     order: list[int] = []
     freed = 0
     while freed < num_pages and heap:
-        _, _, node = heapq.heappop(heap)
+        (first, *_), node = heapq.heappop(heap)
+        if deferrals is not None:
+            deferrals.append(any(k[0] > first and n.last_access < node.last_access for k, n in heap))
         order.append(node.id)
         gone.add(node.id)
         freed += node.num_pages
         if candidate(node.parent):
-            heapq.heappush(heap, (node.parent.last_access, node.parent.id, node.parent))
+            heapq.heappush(heap, (key(node.parent), node.parent))
     return order
 
 
 class CheckedTiers(Tiers):
     """Every eviction, including those an allocation triggers, is checked against the full rebuild."""
+
+    order_key = staticmethod(lru_key)
 
     def __init__(self) -> None:
         super().__init__()
@@ -65,11 +77,15 @@ class CheckedTiers(Tiers):
                 for n in self.tree.nodes()
                 if (n.host_pages if host else n.device_pages)
             }
-            expected = full_rebuild_order(self.tree, num_pages, host)
+            deferrals: list[bool] = []
+            expected = full_rebuild_order(self.tree, num_pages, host, self.order_key, deferrals)
+            lru = self.tree._host_lru if host else self.tree._device_lru
+            deferred = lru.deferred
             self.taken, self._host_check = [], host
             freed = evict(num_pages)
             taken, self.taken = [owner[p] for p in self.taken], None
             assert taken == expected, "eviction order differs from a full rebuild's"
+            assert lru.deferred - deferred == sum(deferrals), "deferred evictions differ from a full rebuild's"
             return freed
 
         return run

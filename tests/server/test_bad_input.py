@@ -79,6 +79,16 @@ BAD_REQUESTS = [
     ),
     (COMPLETIONS, json.dumps({"model": "tiny", "prompt": ["x"] * 65}).encode(), 400, "prompt"),
     (COMPLETIONS, json.dumps({"model": "tiny", "prompt": "x", "cache_salt": 1}).encode(), 400, "cache_salt"),
+    # Retention hints (docs/DESIGN.md, "retention hints"): a priority is a whole number 0..2**31-1, a
+    # retention a finite number of seconds >= 0.
+    (COMPLETIONS, json.dumps({"model": "tiny", "prompt": "x", "priority": -1}).encode(), 400, "priority"),
+    (COMPLETIONS, json.dumps({"model": "tiny", "prompt": "x", "priority": 2**31}).encode(), 400, "priority"),
+    (COMPLETIONS, json.dumps({"model": "tiny", "prompt": "x", "priority": "1"}).encode(), 400, "priority"),
+    (COMPLETIONS, json.dumps({"model": "tiny", "prompt": "x", "priority": 1.5}).encode(), 400, "priority"),
+    (COMPLETIONS, b'{"model": "tiny", "prompt": "x", "retention_seconds": -1}', 400, "retention_seconds"),
+    (COMPLETIONS, b'{"model": "tiny", "prompt": "x", "retention_seconds": "9"}', 400, "retention_seconds"),
+    (COMPLETIONS, b'{"model": "tiny", "prompt": "x", "retention_seconds": Infinity}', 400, "retention_seconds"),
+    (CHAT, b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "priority": -1}', 400, "priority"),
     (COMPLETIONS, json.dumps({"model": "tiny", "prompt": ""}).encode(), 400, None),
     (COMPLETIONS, json.dumps({"model": "tiny", "prompt": []}).encode(), 400, None),
     (COMPLETIONS, json.dumps({"model": "tiny", "prompt": [300]}).encode(), 400, None),
