@@ -13,10 +13,10 @@ A handle's life:
 `admit` runs the middle steps in one call. `reserve` stops at RESERVED, for KV that another process
 writes into the handle's pages (a prefill-decode decode server, hicache/disagg/: the suffix arrives from
 prefill while the cache restores the host part); the caller then `complete`s it to READY once both
-have landed, or `fail`s it (RELEASED) if either did not. In READY the scheduler asks for pages (`extend`), records computed tokens
-(`KVHandle.advance`), rolls back rejected speculative tokens (`KVHandle.truncate`), shares finished
-pages (`cache_prefix`), and at the end, finished or aborted, `release`s the handle. `release` is valid
-in every state, so a request aborted while waiting is released the same way.
+have landed, or `fail`s it (RELEASED) if either did not. In READY the scheduler asks for pages
+(`extend`), records computed tokens (`KVHandle.advance`), rolls back rejected speculative tokens
+(`KVHandle.truncate`), shares finished pages (`cache_prefix`), and at the end, finished or aborted,
+`release`s the handle. `release` is valid in every state, so a request aborted while waiting is released the same way.
 
 Locking: every call runs on the scheduler thread, between two steps. "Changes the tree" below means
 nodes may be created, split, attached or evicted; a handle in READY holds exactly one tree lock, so the

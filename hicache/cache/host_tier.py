@@ -266,7 +266,8 @@ class HostTier:
         backup_ops, load_ops = self.backups.pop(backups), self.loads.pop(loads)
         # Backups' failures are compared; loads' are agreed when settled (failed_loads.py), which may
         # come after their ACKs.
-        self.consensus.confirm("transfer_acks", [op.ident * 2 + op.failed for op in backup_ops] + [op.ident for op in load_ops])
+        acks = [op.ident * 2 + op.failed for op in backup_ops] + [op.ident for op in load_ops]
+        self.consensus.confirm("transfer_acks", acks)
         finished: list[TreeNode] = []
         for op in backup_ops:
             finished.extend(self._finish_backup(op))

@@ -1,16 +1,15 @@
 """The cache API under any sequence of calls: prompts looked up (changing nothing), requests opened (slots 1
 and 2 with retention hints that lapse a few calls on, docs/DESIGN.md, "retention hints"), admitted
-(computing what the tree lacks) or reserved (their KV landing from outside while the host part restores), completed, failed and
-released in any order, with prefixes pushed to host memory between them and some restores failing.
-Whatever the order, every page served holds its tokens' KV, the promises add up at every step, and at
-the end every page and lock is back."""
+(computing what the tree lacks) or reserved (their KV landing from outside while the host part
+restores), completed, failed and released in any order, with prefixes pushed to host memory between
+them and some restores failing. Whatever the order, every page served holds its tokens' KV, the
+promises add up at every step, and at the end every page and lock is back."""
 
 from __future__ import annotations
 
 import itertools
 
 import torch
-
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
@@ -86,7 +85,8 @@ def test_any_sequence_of_calls_returns_every_page_and_lock(calls, failing):
                 cache.tree.evict(8)
             if handle is not None and handle.state is KVState.RELEASED:
                 del handles[slot]
-            promised = sum(h.reserved_pages for h, _ in handles.values() if h.state in (KVState.READY, KVState.RESERVED))
+            promising = (KVState.READY, KVState.RESERVED)
+            promised = sum(h.reserved_pages for h, _ in handles.values() if h.state in promising)
             assert cache.reserved_pages == promised
             for h, _ in handles.values():  # the slots a step reads from a handle are its pages' slots
                 assert torch.equal(h.slots(len(h.pages) * PAGE), cache.pool.allocator.slots(h.pages))
