@@ -12,6 +12,11 @@ two handshakes, so no plan travels. Within a row, a cell is one element range pe
 A pair is misaligned when a cell's head boundary would cut a KV component that is not split by heads
 (a latent row, a per-token state): `misaligned` refuses it at start-up naming the boundary, as the
 unified store refuses a topology whose boundaries cut one of its cells.
+
+With speculative decoding a transfer also moves the draft's rows (docs/DESIGN.md, "Speculation x P/D"):
+every rank holds the whole draft (or its TP share), so a pair of one TP and PP size sends each decode rank
+its own rank's draft rows whole, after the target's cells (`cuts`); a pair of two topologies with a draft
+is refused at start-up.
 """
 
 from __future__ import annotations
@@ -97,9 +102,29 @@ def cut(hs: Handshake, cells: Shard) -> Cut:
     return Cut(local, tuple(_merged(columns)), offset)
 
 
+def cuts(hs: Handshake, cells: Shard) -> tuple[Cut, ...]:
+    """Where a transfer's parts lie in `hs`'s rank's rows, in the order its frames travel: the target's
+    `cells`, then, with a draft whose state moves, every layer of the draft's pool whole (its layers
+    numbered after the target's local ones, as `kv_rows.PoolRows` reads them)."""
+    target = cut(hs, cells)
+    if not hs.draft_layers:
+        return (target,)
+    row = sum(math.prod(shape) for _, shape in hs.draft_kv_layout)
+    local = hs.layers[1] - hs.layers[0]
+    return target, Cut(range(local, local + hs.draft_layers), ((0, row),), row)
+
+
 def misaligned(prefill: Handshake, decode: Handshake, p_name: str = "prefill", d_name: str = "decode") -> str | None:
     """Why some cell of the pair cannot be cut out of one side's rows and laid into the other's (the
-    boundary that cuts a KV row, or rows of other components); None when every rank pair aligns."""
+    boundary that cuts a KV row, or rows of other components, or a draft between two topologies); None
+    when every rank pair aligns."""
+    p_topology, d_topology = (prefill.tp_size, prefill.pp_size), (decode.tp_size, decode.pp_size)
+    if prefill.draft_layers and p_topology != d_topology:
+        return (
+            f"speculative decoding between two topologies is not supported yet ({p_name} TP{prefill.tp_size} "
+            f"PP{prefill.pp_size}, {d_name} TP{decode.tp_size} PP{decode.pp_size}): the draft's rows go rank to "
+            "rank; pair servers of one TP and PP size"
+        )
     p_row = [(name, _per_rank(prefill, shape)) for name, shape in prefill.kv_layout]
     d_row = [(name, _per_rank(decode, shape)) for name, shape in decode.kv_layout]
     if p_row != d_row:

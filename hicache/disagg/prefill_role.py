@@ -29,6 +29,7 @@ from hicache.disagg.kv_rows import PoolRows
 from hicache.disagg.stats import DisaggStats
 from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVSender, KVTransferBackend, PrefillResult
 from hicache.disagg.wire import prompt_digest
+from hicache.mem.device_pool import DeviceKVPool
 from hicache.parallel.parallel import ParallelContext
 from hicache.scheduler.request import FinishReason, Request, RequestEvent, TokenLogprob
 from hicache.scheduler.role import checked_intake
@@ -54,9 +55,11 @@ class PrefillRole:
     """This rank's prefill role over its transfer backend; transfer outcomes are agreed over `pctx`."""
 
     def __init__(
-        self, transfer: KVTransferBackend, pctx: ParallelContext, handshake: Handshake, bootstrap: tuple[str, int]
-    ) -> None:
+        self, transfer: KVTransferBackend, pctx: ParallelContext, handshake: Handshake, bootstrap: tuple[str, int],
+        draft: DeviceKVPool | None = None,
+    ) -> None:  # fmt: skip
         self.transfer = transfer
+        self.draft = draft  # a speculative draft's pool, whose rows each transfer moves after the target's
         self.pctx = pctx
         self.handshake = handshake
         self.bootstrap = bootstrap  # (host, base port): where decode servers reach this server's ranks
@@ -153,7 +156,9 @@ class PrefillRole:
             return False
         meta = sender.metadata()
         if req.output_ids and not req.aborted and meta is not None:
-            kv = PoolRows(scheduler.runner.pool, req.kv.pages, meta.decode_prefix_len, req.prompt_len)
+            if self.draft is not None and req.kv.valid_len < req.prompt_len:  # the decoder computes it in-step
+                raise RuntimeError(f"request {req.rid}: the draft holds {req.kv.valid_len} of {req.prompt_len} rows")
+            kv = PoolRows(scheduler.runner.pool, req.kv.pages, meta.decode_prefix_len, req.prompt_len, self.draft)
             sender.send(kv, PrefillResult(req.output_ids[0], logprob, dict(req.kv.cached_tokens_by_tier)))
             self.counters.sent_tokens += kv.end - kv.start
             self.counters.transfers_ok += 1

@@ -43,7 +43,7 @@ class _Peer:
 
     identity: bytes  # its DEALER
     meta: DecodeMetadata
-    cut: cells.Cut  # where its cells lie in this rank's rows
+    cuts: tuple[cells.Cut, ...]  # where its cells lie in this rank's rows (the target's, a draft's)
 
 
 @dataclass(eq=False)
@@ -210,7 +210,7 @@ class ZmqPrefillBackend:
             first = next(iter(state.peers.values()), None)
             if first is not None and _request(first.meta) != _request(meta):
                 raise ValueError(f"decode ranks disagree on the request: {_request(first.meta)}, {_request(meta)}")
-            state.peers[decode_rank] = _Peer(identity, meta, cells.cut(self.handshake, state.expected[decode_rank]))
+            state.peers[decode_rank] = _Peer(identity, meta, cells.cuts(self.handshake, state.expected[decode_rank]))
         except ValueError as exc:  # another model or topology than this rank can serve: refuse it by name
             self._fail(state, f"refused decode's metadata: {exc}", identity)
             return
@@ -289,9 +289,10 @@ class ZmqPrefillBackend:
         if state.status is not KVPoll.TRANSFERRING or not self._wait_for_window(state):
             return False
         chunk = kv.read(start, end)
-        messages = [(peer, frames_of(chunk, peer.cut)) for peer in state.peers.values()]
+        messages = [(peer, frames_of(chunk, peer.cuts)) for peer in state.peers.values()]
         # A cut of part of each row is a copy, held as long as the chunk.
-        copies = sum(f.nbytes for peer, frames in messages if not peer.cut.whole_rows for f in frames)
+        partial = [peer for peer in state.peers.values() if not all(c.whole_rows for c in peer.cuts)]
+        copies = sum(f.nbytes for peer, frames in messages if peer in partial for f in frames)
         queued = _Queued(state, sum(rows.nbytes for rows in chunk) + copies)
         self._stage(queued)
         header = {"room": state.room, "start": start, "end": end}

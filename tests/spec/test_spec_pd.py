@@ -1,0 +1,109 @@
+"""Speculative decoding with P/D disaggregation (docs/DESIGN.md, "Speculation x P/D"): a prefill server and a
+decode server run the same draft, and each transfer moves the draft's rows (an MTP head's carry the target's
+hidden states) with the target's. Over three turns of four conversations, with decode reuse and a host tier
+on decode, greedy outputs equal the single-rank cache-off target's token for token, acceptance equals the
+single-rank speculative run's, decode recomputes none of the draft's prefix, and only the suffix after
+decode_prefix_len crosses: exactly its tokens' bytes of both models' rows. The negative control moves the
+target's rows alone (`--debug-skip-draft-restore` on both servers): outputs stay, the MTP head's acceptance
+changes, since the hidden states it reads never arrived."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import pytest
+
+from hicache import Engine, SamplingParams
+from hicache.config import DebugConfig, DisaggConfig, EngineConfig, HiCacheConfig
+from hicache.disagg.handshake import Handshake
+from hicache.engine.engine import GenerationResult
+from tests.conversations import run_turns
+from tests.disagg.pd import PDPair, Turn, free_ports
+from tests.parallel.workload import tokens
+from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec
+
+PAGE = 16
+
+
+class PDFront:
+    """A prefill-decode pair behind `Engine.generate`'s shape, so `run_turns` drives it as it drives one
+    engine: both halves of every prompt submitted at once, the answer decode's. Keeps every turn."""
+
+    def __init__(self, pair: PDPair) -> None:
+        self.pair = pair
+        self.turns: list[list[Turn]] = []
+
+    def generate(self, prompts: Sequence[Sequence[int]], params: SamplingParams, cache_salt: str = "") -> list:
+        assert not cache_salt
+        turns = self.pair.run(prompts, params)
+        self.turns.append(turns)
+        results: list[GenerationResult] = [t.decode for t in turns]
+        assert all(r.error is None for r in results), [r.error for r in results]
+        return results
+
+
+def pd_engines(draft: str, debug: DebugConfig) -> tuple[Engine, Engine, int]:
+    port = free_ports(1)
+    d = DisaggConfig(disaggregation_mode="prefill", disaggregation_bootstrap_port=port)
+    prefill = Engine(EngineConfig(model="tiny", disagg=d, speculative=spec(draft), debug=debug))
+    # Decode's device pool holds about a third of the working set: later turns come back from its host tier.
+    decode = Engine(
+        EngineConfig(
+            model="tiny",
+            max_total_tokens=DEVICE_TOKENS,
+            hicache=HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_load_back_threshold=16),
+            disagg=DisaggConfig(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True),
+            speculative=spec(draft),
+            debug=debug,
+        )
+    )
+    return prefill, decode, port
+
+
+def row_bytes(engine: Engine) -> int:
+    """One token's bytes a transfer moves (the target's rows and the draft's)."""
+    return Handshake.from_json(engine.disagg_info()["handshake"]).row_bytes
+
+
+@pytest.mark.parametrize("draft", ["tiny-draft-packed", "tiny-mtp"])
+def test_pd_with_a_draft_equals_the_single_rank_run_and_moves_only_the_suffix(
+    reference, cache_off_acceptance, draft
+):
+    prefill, decode, port = pd_engines(draft, DebugConfig())
+    with prefill, decode:
+        front = PDFront(PDPair(prefill, decode, port))
+        turns = run_turns(front, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference
+        assert acceptance(turns) == cache_off_acceptance[draft]
+        assert decode.spec_stats().draft_recomputed_tokens == 0, "decode took the draft's rows, not recomputed"
+        transferred, from_host = 0, 0
+        for turn, pairs in enumerate(front.turns):
+            for pair in pairs:
+                prompt_len = pair.prefill.prompt_tokens
+                assert pair.transferred_tokens == prompt_len - pair.decode_prefix_tokens
+                if turn:  # the last turn's prompt is in decode's tree (device or host): only the rest crosses
+                    assert pair.decode_prefix_tokens >= (prompt_len - NEW - CONVS[0]["qlen"]) // PAGE * PAGE
+                transferred += pair.transferred_tokens
+                from_host += pair.decode.disagg.decode_prefix_by_tier["host"]
+        assert from_host > 0, "some prefix came back from decode's host tier, both models' state with it"
+        draft_share = row_bytes(decode) - row_bytes_without_draft(decode)
+        assert draft_share > 0, "the handshake counts the draft's rows"
+        assert decode.disagg_stats().received_bytes == transferred * row_bytes(decode)
+        assert prefill.disagg_stats().sent_bytes == transferred * row_bytes(prefill)
+        assert_clean(decode)
+        assert_clean(prefill)
+
+
+def row_bytes_without_draft(engine: Engine) -> int:
+    hs = Handshake.from_json(engine.disagg_info()["handshake"])
+    return Handshake.from_json({**hs.to_json(), "draft_layers": 0, "draft_kv_layout": ()}).row_bytes
+
+
+def test_without_the_draft_rows_the_heads_acceptance_changes_and_outputs_stay(reference, cache_off_acceptance):
+    draft = "tiny-mtp"
+    prefill, decode, port = pd_engines(draft, DebugConfig(debug_skip_draft_restore=True))
+    with prefill, decode:
+        turns = run_turns(PDFront(PDPair(prefill, decode, port)), CONVS, TURNS, NEW)
+        assert tokens(turns) == reference  # the target verifies every token
+        assert acceptance(turns) != cache_off_acceptance[draft]
+        assert row_bytes(decode) == row_bytes_without_draft(decode), "only the target's rows cross"
