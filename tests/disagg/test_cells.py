@@ -75,8 +75,8 @@ def test_rows_cut_from_prefill_ranks_land_as_the_decode_ranks_own(prefill_tp, pr
         for p_rank, shared in cells.peers(d, prefill).items():
             p = cells.everyone(prefill)[p_rank]
             for start, end in ((2, 5), (5, tokens)):  # two messages
-                frames = frames_of([layer[start:end] for layer in rows(p)], cells.cut(p, shared))
-                land(pool, slots[start - 2 : end - 2], frames, cells.cut(d, shared))
+                frames = frames_of([layer[start:end] for layer in rows(p)], cells.cuts(p, shared))
+                land(pool.buffers, slots[start - 2 : end - 2], frames, cells.cuts(d, shared))
         for got, want in zip(pool.buffers, rows(d)):
             assert torch.equal(got[slots], want[2:]), "decode's rows equal its own shard of the model's KV"
             assert not got[:3].any() and not got[3 + tokens - 2 :].any(), "nothing outside the slots is written"
