@@ -72,7 +72,8 @@ def pd_role(
             handshake, d.disaggregation_bootstrap_host, port, d.disaggregation_transfer_timeout, chunk, delay
         )
         bootstrap = (d.disaggregation_bootstrap_host, d.disaggregation_bootstrap_port)
-        return PrefillRole(transfer, pctx, handshake, bootstrap, moved)
+        sends_draft = pctx.pp_rank == pctx.pp_size - 1  # the last stage's ranks send the draft (cells.py)
+        return PrefillRole(transfer, pctx, handshake, bootstrap, moved if sends_draft else None)
     receiving = ZmqDecodeBackend(runner.pool, handshake, d.disaggregation_transfer_timeout, moved)
     return DecodeRole(receiving, pctx, handshake)
 

@@ -146,8 +146,10 @@ class ZmqDecodeBackend:
             self.fail(state, f"cannot take KV from the prefill server at {state.server}: {problem}")
             return []
         host, port = state.server.rsplit(":", 1)
+        ranks = cells.everyone(layout)
         for rank, shared in cells.peers(self.handshake, layout).items():
-            source = _Source(cells.cuts(self.handshake, shared), state.meta.decode_prefix_len)
+            draft = cells.sends_draft(ranks[rank], self.handshake)
+            source = _Source(cells.cuts(self.handshake, shared, draft), state.meta.decode_prefix_len)
             state.sources[f"{host}:{int(port) + rank}"] = source
         return list(state.sources)
 

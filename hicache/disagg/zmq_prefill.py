@@ -201,6 +201,7 @@ class ZmqPrefillBackend:
         if state.status is not KVPoll.BOOTSTRAPPING:
             return
         meta: DecodeMetadata = payload
+        mine = self.handshake
         try:
             if state.expected is None:  # the first decode rank names its server's topology
                 state.expected = cells.peers(self.handshake, meta.handshake)
@@ -210,7 +211,8 @@ class ZmqPrefillBackend:
             first = next(iter(state.peers.values()), None)
             if first is not None and _request(first.meta) != _request(meta):
                 raise ValueError(f"decode ranks disagree on the request: {_request(first.meta)}, {_request(meta)}")
-            state.peers[decode_rank] = _Peer(identity, meta, cells.cuts(self.handshake, state.expected[decode_rank]))
+            draft = cells.sends_draft(mine, meta.handshake)
+            state.peers[decode_rank] = _Peer(identity, meta, cells.cuts(mine, state.expected[decode_rank], draft))
         except ValueError as exc:  # another model or topology than this rank can serve: refuse it by name
             self._fail(state, f"refused decode's metadata: {exc}", identity)
             return

@@ -119,7 +119,7 @@ MTP = dataclasses.replace(BASE, draft="tiny-mtp (3f0c2a9e11b7)", draft_layers=1,
          "differs: prefill tiny-mtp (3f0c2a9e11b7), decode tiny-draft-packed (9d1e00aa4c2b)"),
         (MTP, dataclasses.replace(MTP, draft_layers=0, draft_kv_layout=()), "draft layers a transfer moves"),
         (MTP, dataclasses.replace(MTP, tp_size=2, kv_layout=(("k", (1, 32)), ("v", (1, 32)))),
-         "speculative decoding between two topologies is not supported yet (prefill TP1 PP1, decode TP2 PP1)"),
+         "speculative decoding between two TP sizes is not supported yet (prefill TP1, decode TP2)"),
     ],
 )  # fmt: skip
 def test_a_pair_whose_drafts_differ_is_refused_naming_both(prefill, decode, named):

@@ -68,7 +68,7 @@ def test_a_drafts_rows_travel_after_the_targets_and_land_in_its_own_pool():
         for c in POOL.layout.components), verified=True, mechanisms=(), draft="d", draft_layers=2,
         draft_kv_layout=tuple((c.name, tuple(c.shape)) for c in draft.layout.components),
     )  # fmt: skip
-    parts = cells.cuts(hs, cells.shard(hs))
+    parts = cells.cuts(hs, cells.shard(hs), cells.sends_draft(hs, hs))
     frames = frames_of(PoolRows(POOL, [3, 5], 4, 7, draft).read(4, 7), parts)
     assert [len(f) for f in frames] == [3 * 4 * 4] * LAYERS + [3 * 12 * 4] * 2
     target = DeviceKVPool(POOL.layout, LAYERS, NUM_PAGES, PAGE, torch.float32, torch.device("cpu"))

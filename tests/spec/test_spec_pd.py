@@ -65,10 +65,14 @@ def row_bytes(engine: Engine) -> int:
     return Handshake.from_json(engine.disagg_info()["handshake"]).row_bytes
 
 
+def row_bytes_without_draft(engine: Engine) -> int:
+    """The same, less the draft's rows."""
+    hs = Handshake.from_json(engine.disagg_info()["handshake"])
+    return Handshake.from_json({**hs.to_json(), "draft_layers": 0, "draft_kv_layout": ()}).row_bytes
+
+
 @pytest.mark.parametrize("draft", ["tiny-draft-packed", "tiny-mtp"])
-def test_pd_with_a_draft_equals_the_single_rank_run_and_moves_only_the_suffix(
-    reference, cache_off_acceptance, draft
-):
+def test_pd_with_a_draft_equals_the_single_rank_run_and_moves_only_the_suffix(reference, cache_off_acceptance, draft):
     prefill, decode, port = pd_engines(draft, DebugConfig())
     with prefill, decode:
         front = PDFront(PDPair(prefill, decode, port))
@@ -92,11 +96,6 @@ def test_pd_with_a_draft_equals_the_single_rank_run_and_moves_only_the_suffix(
         assert prefill.disagg_stats().sent_bytes == transferred * row_bytes(prefill)
         assert_clean(decode)
         assert_clean(prefill)
-
-
-def row_bytes_without_draft(engine: Engine) -> int:
-    hs = Handshake.from_json(engine.disagg_info()["handshake"])
-    return Handshake.from_json({**hs.to_json(), "draft_layers": 0, "draft_kv_layout": ()}).row_bytes
 
 
 def test_without_the_draft_rows_the_heads_acceptance_changes_and_outputs_stay(reference, cache_off_acceptance):
