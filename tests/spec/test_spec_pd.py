@@ -9,6 +9,7 @@ changes, since the hidden states it reads never arrived."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
 
 import pytest
@@ -17,10 +18,13 @@ from hicache import Engine, SamplingParams
 from hicache.config import DebugConfig, DisaggConfig, EngineConfig, HiCacheConfig
 from hicache.disagg.handshake import Handshake
 from hicache.engine.engine import GenerationResult
+from hicache.model.loading.loader import load_model
 from tests.conversations import run_turns
+from tests.disagg.deployment import DECODE_REUSE, complete, decode_counters, ports, prefill_args, router, serve, started
 from tests.disagg.pd import PDPair, Turn, free_ports
 from tests.parallel.workload import tokens
-from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec
+from tests.server.server_harness import assert_no_leaks
+from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, K, acceptance, assert_clean, spec
 
 PAGE = 16
 
@@ -106,3 +110,48 @@ def test_without_the_draft_rows_the_heads_acceptance_changes_and_outputs_stay(re
         assert tokens(turns) == reference  # the target verifies every token
         assert acceptance(turns) != cache_off_acceptance[draft]
         assert row_bytes(decode) == row_bytes_without_draft(decode), "only the target's rows cross"
+
+
+def test_the_astron_shape_through_the_router(reference, cache_off_acceptance, tmp_path):
+    """The seed's Astron deployment with the separate draft: prefill at PP2 with host memory and a file
+    store, decode at PP1 with decode reuse and a host tier, both running the draft, `hicache router` in
+    front. Each turn's prompts are the reference run's (its outputs appended), so every answer is compared
+    with the single-rank cache-off target's; later turns receive only what follows decode's prefix."""
+    draft = "tiny-draft-packed"
+    flags = ("--speculative-algorithm", "draft", "--speculative-draft-model", draft,
+             "--speculative-num-draft-tokens", str(K))  # fmt: skip
+    store = str(tmp_path / "prefill-store")
+    p_port, d_port, r_port = ports(3)
+    prefill = serve(tmp_path, p_port, "--pp-size", "2", "--enable-hierarchical-cache", "--hicache-storage-backend",
+                    "file", "--hicache-storage-dir", store, *flags, *prefill_args(free_ports(2)))  # fmt: skip
+    decode = serve(tmp_path, d_port, *DECODE_REUSE, "--max-total-tokens", str(DEVICE_TOKENS),
+                   "--hicache-load-back-threshold", "16", *flags)  # fmt: skip
+    text_of = load_model("tiny").tokenizer.decode
+    with started(prefill, decode):
+        front = router(tmp_path, r_port, [prefill.url], [decode.url])
+        with started(front):
+            histories = [list(c["system"]) for c in CONVS]
+            rngs = [random.Random(c["seed"]) for c in CONVS]
+            proposed = accepted = from_host = 0
+            for turn, outputs in enumerate(reference):
+                for history, conv, rng, want in zip(histories, CONVS, rngs, outputs):
+                    history.extend(rng.randrange(32, 127) for _ in range(conv["qlen"]))  # as run_turns does
+                    before = decode_counters(decode.url)
+                    got = complete(front.url, history, max_tokens=NEW, logprobs=1)
+                    assert got.status_code == 200, got.text
+                    body = got.json()
+                    assert body["choices"][0]["logprobs"]["tokens"] == [text_of([t]) for t in want], f"turn {turn}"
+                    usage = body["usage"]
+                    reused = usage["prompt_tokens_details"]["decode_prefix_tokens"]
+                    counters = decode_counters(decode.url)
+                    assert counters["received"] - before["received"] == len(history) - reused
+                    if turn:  # the last turn's prompt and answer are in decode's tree (device or host)
+                        assert reused >= (len(history) - conv["qlen"]) // PAGE * PAGE
+                    from_host += counters["host"] - before["host"]
+                    proposed += usage["completion_tokens_details"]["spec_proposed_tokens"]
+                    accepted += usage["completion_tokens_details"]["spec_accepted_tokens"]
+                    history.extend(want)
+            assert (proposed, accepted) == cache_off_acceptance[draft]
+            assert from_host > 0, "some of decode's prefix came back from its host tier"
+        assert_no_leaks(prefill.url)
+    assert_no_leaks(decode.url)
