@@ -120,38 +120,49 @@ def test_the_astron_shape_through_the_router(reference, cache_off_acceptance, tm
     draft = "tiny-draft-packed"
     flags = ("--speculative-algorithm", "draft", "--speculative-draft-model", draft,
              "--speculative-num-draft-tokens", str(K))  # fmt: skip
-    store = str(tmp_path / "prefill-store")
     p_port, d_port, r_port = ports(3)
-    prefill = serve(tmp_path, p_port, "--pp-size", "2", "--enable-hierarchical-cache", "--hicache-storage-backend",
-                    "file", "--hicache-storage-dir", store, *flags, *prefill_args(free_ports(2)))  # fmt: skip
+    text_of = load_model("tiny").tokenizer.decode
+    # One server starts at a time: on a loaded 2-core machine, three processes' self-checks at once can
+    # outlast a server's start-up deadline.
     decode = serve(tmp_path, d_port, *DECODE_REUSE, "--max-total-tokens", str(DEVICE_TOKENS),
                    "--hicache-load-back-threshold", "16", *flags)  # fmt: skip
-    text_of = load_model("tiny").tokenizer.decode
-    with started(prefill, decode):
-        front = router(tmp_path, r_port, [prefill.url], [decode.url])
-        with started(front):
-            histories = [list(c["system"]) for c in CONVS]
-            rngs = [random.Random(c["seed"]) for c in CONVS]
-            proposed = accepted = from_host = 0
-            for turn, outputs in enumerate(reference):
-                for history, conv, rng, want in zip(histories, CONVS, rngs, outputs):
-                    history.extend(rng.randrange(32, 127) for _ in range(conv["qlen"]))  # as run_turns does
-                    before = decode_counters(decode.url)
-                    got = complete(front.url, history, max_tokens=NEW, logprobs=1)
-                    assert got.status_code == 200, got.text
-                    body = got.json()
-                    assert body["choices"][0]["logprobs"]["tokens"] == [text_of([t]) for t in want], f"turn {turn}"
-                    usage = body["usage"]
-                    reused = usage["prompt_tokens_details"]["decode_prefix_tokens"]
-                    counters = decode_counters(decode.url)
-                    assert counters["received"] - before["received"] == len(history) - reused
-                    if turn:  # the last turn's prompt and answer are in decode's tree (device or host)
-                        assert reused >= (len(history) - conv["qlen"]) // PAGE * PAGE
-                    from_host += counters["host"] - before["host"]
-                    proposed += usage["completion_tokens_details"]["spec_proposed_tokens"]
-                    accepted += usage["completion_tokens_details"]["spec_accepted_tokens"]
-                    history.extend(want)
+    with started(decode):
+        prefill = serve(tmp_path, p_port, "--pp-size", "2", "--enable-hierarchical-cache", "--hicache-storage-backend",
+                        "file", "--hicache-storage-dir", str(tmp_path / "store"), *flags,
+                        *prefill_args(free_ports(2)))  # fmt: skip
+        with started(prefill):
+            front = router(tmp_path, r_port, [prefill.url], [decode.url])
+            with started(front):
+                proposed, accepted, from_host = run_reference_turns(front.url, decode.url, reference, text_of)
             assert (proposed, accepted) == cache_off_acceptance[draft]
             assert from_host > 0, "some of decode's prefix came back from its host tier"
-        assert_no_leaks(prefill.url)
-    assert_no_leaks(decode.url)
+            assert_no_leaks(prefill.url)
+        assert_no_leaks(decode.url)
+
+
+def run_reference_turns(url: str, decode_url: str, reference, text_of) -> tuple[int, int, int]:
+    """The reference run's turns through the router at `url`, each answer checked against the reference's
+    tokens and each transfer against decode's prefix; returns (proposed, accepted, decode prefix tokens
+    from its host tier)."""
+    histories = [list(c["system"]) for c in CONVS]
+    rngs = [random.Random(c["seed"]) for c in CONVS]
+    proposed = accepted = from_host = 0
+    for turn, outputs in enumerate(reference):
+        for history, conv, rng, want in zip(histories, CONVS, rngs, outputs):
+            history.extend(rng.randrange(32, 127) for _ in range(conv["qlen"]))  # as run_turns does
+            before = decode_counters(decode_url)
+            got = complete(url, history, max_tokens=NEW, logprobs=1)
+            assert got.status_code == 200, got.text
+            body = got.json()
+            assert body["choices"][0]["logprobs"]["tokens"] == [text_of([t]) for t in want], f"turn {turn}"
+            usage = body["usage"]
+            reused = usage["prompt_tokens_details"]["decode_prefix_tokens"]
+            counters = decode_counters(decode_url)
+            assert counters["received"] - before["received"] == len(history) - reused
+            if turn:  # the last turn's prompt and answer are in decode's tree (device or host)
+                assert reused >= (len(history) - conv["qlen"]) // PAGE * PAGE
+            from_host += counters["host"] - before["host"]
+            proposed += usage["completion_tokens_details"]["spec_proposed_tokens"]
+            accepted += usage["completion_tokens_details"]["spec_accepted_tokens"]
+            history.extend(want)
+    return proposed, accepted, from_host
