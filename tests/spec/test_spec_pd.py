@@ -3,16 +3,17 @@ decode server run the same draft, and each transfer moves the draft's rows (an M
 hidden states) with the target's. Over three turns of four conversations, with decode reuse and a host tier
 on decode, greedy outputs equal the single-rank cache-off target's token for token, acceptance equals the
 single-rank speculative run's, decode recomputes none of the draft's prefix, and only the suffix after
-decode_prefix_len crosses: exactly its tokens' bytes of both models' rows. The negative control moves the
-target's rows alone (`--debug-skip-draft-restore` on both servers): outputs stay, the MTP head's acceptance
-changes, since the hidden states it reads never arrived."""
+decode_prefix_len crosses: exactly its tokens' bytes of both models' rows. `tiny-mtp` runs between two
+in-process engines; the separate draft in the Astron shape, prefill PP2 to decode PP1 through `hicache
+router`. The negative control moves the target's rows alone (`--debug-skip-draft-restore` on both
+servers): outputs stay, the MTP head's acceptance changes, since the hidden states it reads never arrived."""
 
 from __future__ import annotations
 
 import random
 from collections.abc import Sequence
 
-import pytest
+import httpx
 
 from hicache import Engine, SamplingParams
 from hicache.config import DebugConfig, DisaggConfig, EngineConfig, HiCacheConfig
@@ -75,8 +76,8 @@ def row_bytes_without_draft(engine: Engine) -> int:
     return Handshake.from_json({**hs.to_json(), "draft_layers": 0, "draft_kv_layout": ()}).row_bytes
 
 
-@pytest.mark.parametrize("draft", ["tiny-draft-packed", "tiny-mtp"])
-def test_pd_with_a_draft_equals_the_single_rank_run_and_moves_only_the_suffix(reference, cache_off_acceptance, draft):
+def test_pd_with_an_mtp_head_equals_the_single_rank_run_and_moves_only_the_suffix(reference, cache_off_acceptance):
+    draft = "tiny-mtp"  # the separate draft runs through the router below, in the Astron shape
     prefill, decode, port = pd_engines(draft, DebugConfig())
     with prefill, decode:
         front = PDFront(PDPair(prefill, decode, port))
@@ -144,6 +145,9 @@ def run_reference_turns(url: str, decode_url: str, reference, text_of) -> tuple[
     """The reference run's turns through the router at `url`, each answer checked against the reference's
     tokens and each transfer against decode's prefix; returns (proposed, accepted, decode prefix tokens
     from its host tier)."""
+    handshake = Handshake.from_json(httpx.get(f"{decode_url}/disagg/info", timeout=10).json()["handshake"])
+    assert handshake.draft_layers == 3, "decode takes tiny-draft-packed's 3 layers with the target's"
+    row_bytes = handshake.row_bytes
     histories = [list(c["system"]) for c in CONVS]
     rngs = [random.Random(c["seed"]) for c in CONVS]
     proposed = accepted = from_host = 0
@@ -159,6 +163,7 @@ def run_reference_turns(url: str, decode_url: str, reference, text_of) -> tuple[
             reused = usage["prompt_tokens_details"]["decode_prefix_tokens"]
             counters = decode_counters(decode_url)
             assert counters["received"] - before["received"] == len(history) - reused
+            assert counters["bytes"] - before["bytes"] == (len(history) - reused) * row_bytes, "both models' rows"
             if turn:  # the last turn's prompt and answer are in decode's tree (device or host)
                 assert reused >= (len(history) - conv["qlen"]) // PAGE * PAGE
             from_host += counters["host"] - before["host"]
