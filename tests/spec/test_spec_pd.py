@@ -14,6 +14,7 @@ import random
 from collections.abc import Sequence
 
 import httpx
+import pytest
 
 from hicache import Engine, SamplingParams
 from hicache.config import DebugConfig, DisaggConfig, EngineConfig, HiCacheConfig
@@ -28,6 +29,7 @@ from tests.server.server_harness import assert_no_leaks
 from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, K, acceptance, assert_clean, spec
 
 PAGE = 16
+MTP = "tiny-mtp"  # between in-process engines; the separate draft runs through the router, in the Astron shape
 
 
 class PDFront:
@@ -76,40 +78,48 @@ def row_bytes_without_draft(engine: Engine) -> int:
     return Handshake.from_json({**hs.to_json(), "draft_layers": 0, "draft_kv_layout": ()}).row_bytes
 
 
-def test_pd_with_an_mtp_head_equals_the_single_rank_run_and_moves_only_the_suffix(reference, cache_off_acceptance):
-    draft = "tiny-mtp"  # the separate draft runs through the router below, in the Astron shape
-    prefill, decode, port = pd_engines(draft, DebugConfig())
+@pytest.fixture(scope="module")
+def mtp_pd():
+    """A P/D pair running the MTP head over the workload, once: the engines, each turn's pairs, the results."""
+    prefill, decode, port = pd_engines(MTP, DebugConfig())
     with prefill, decode:
         front = PDFront(PDPair(prefill, decode, port))
         turns = run_turns(front, CONVS, TURNS, NEW)
-        assert tokens(turns) == reference
-        assert acceptance(turns) == cache_off_acceptance[draft]
-        assert decode.spec_stats().draft_recomputed_tokens == 0, "decode took the draft's rows, not recomputed"
-        transferred, from_host = 0, 0
-        for turn, pairs in enumerate(front.turns):
-            for pair in pairs:
-                prompt_len = pair.prefill.prompt_tokens
-                assert pair.transferred_tokens == prompt_len - pair.decode_prefix_tokens
-                if turn:  # the last turn's prompt is in decode's tree (device or host): only the rest crosses
-                    assert pair.decode_prefix_tokens >= (prompt_len - NEW - CONVS[0]["qlen"]) // PAGE * PAGE
-                transferred += pair.transferred_tokens
-                from_host += pair.decode.disagg.decode_prefix_by_tier["host"]
-        assert from_host > 0, "some prefix came back from decode's host tier, both models' state with it"
-        draft_share = row_bytes(decode) - row_bytes_without_draft(decode)
-        assert draft_share > 0, "the handshake counts the draft's rows"
-        assert decode.disagg_stats().received_bytes == transferred * row_bytes(decode)
-        assert prefill.disagg_stats().sent_bytes == transferred * row_bytes(prefill)
-        assert_clean(decode)
-        assert_clean(prefill)
+        yield prefill, decode, front.turns, turns
 
 
-def test_without_the_draft_rows_the_heads_acceptance_changes_and_outputs_stay(reference, cache_off_acceptance):
-    draft = "tiny-mtp"
-    prefill, decode, port = pd_engines(draft, DebugConfig(debug_skip_draft_restore=True))
+def test_pd_with_an_mtp_head_equals_the_single_rank_run_and_moves_only_the_suffix(
+    reference, cache_off_acceptance, mtp_pd
+):
+    prefill, decode, pairs_by_turn, turns = mtp_pd
+    assert tokens(turns) == reference
+    assert acceptance(turns) == cache_off_acceptance[MTP]
+    assert decode.spec_stats().draft_recomputed_tokens == 0, "decode took the draft's rows, not recomputed"
+    transferred, from_host = 0, 0
+    for turn, pairs in enumerate(pairs_by_turn):
+        for pair in pairs:
+            prompt_len = pair.prefill.prompt_tokens
+            assert pair.transferred_tokens == prompt_len - pair.decode_prefix_tokens
+            if turn:  # the last turn's prompt is in decode's tree (device or host): only the rest crosses
+                assert pair.decode_prefix_tokens >= (prompt_len - NEW - CONVS[0]["qlen"]) // PAGE * PAGE
+            transferred += pair.transferred_tokens
+            from_host += pair.decode.disagg.decode_prefix_by_tier["host"]
+    assert from_host > 0, "some prefix came back from decode's host tier, both models' state with it"
+    assert row_bytes(decode) > row_bytes_without_draft(decode), "the handshake counts the draft's rows"
+    assert decode.disagg_stats().received_bytes == transferred * row_bytes(decode)
+    assert prefill.disagg_stats().sent_bytes == transferred * row_bytes(prefill)
+    assert_clean(decode)
+    assert_clean(prefill)
+
+
+def test_without_the_draft_rows_the_heads_acceptance_changes_and_outputs_stay(reference, mtp_pd):
+    """The first turn alone, against the same turn with the rows moved."""
+    with_rows = mtp_pd[3][:1]
+    prefill, decode, port = pd_engines(MTP, DebugConfig(debug_skip_draft_restore=True))
     with prefill, decode:
-        turns = run_turns(PDFront(PDPair(prefill, decode, port)), CONVS, TURNS, NEW)
-        assert tokens(turns) == reference  # the target verifies every token
-        assert acceptance(turns) != cache_off_acceptance[draft]
+        first = run_turns(PDFront(PDPair(prefill, decode, port)), CONVS, 1, NEW)
+        assert tokens(first) == reference[:1]  # the target verifies every token
+        assert acceptance(first) != acceptance(with_rows)
         assert row_bytes(decode) == row_bytes_without_draft(decode), "only the target's rows cross"
 
 
