@@ -257,7 +257,9 @@ class KVCache(Protocol):
 
     def complete(self, handle: KVHandle) -> None:
         """RESERVED → READY: the whole prompt's KV is in the handle's pages (agreed on every rank), shared
-        through the tree now. Changes the tree: yes. Raises RuntimeError unless its restores landed."""
+        through the tree now. With a speculative draft the outside KV carries the draft's rows too (P/D:
+        docs/DESIGN.md, "Speculation x P/D"), so `draft_len` covers the prompt where the draft's prefix
+        was restored. Changes the tree: yes. Raises RuntimeError unless its restores landed."""
 
     def fail(self, handle: KVHandle) -> None:
         """RESERVED (or WAITING) → RELEASED: the external KV or a restore did not land; everything goes

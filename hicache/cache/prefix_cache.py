@@ -131,6 +131,7 @@ class PrefixCache:
             return Admission(False)
         self.restores.track(handle, reserved.load)
         self._reserve_rest(handle, total_pages - len(handle.pages), reserved.cached, reserved.lock)
+        self._restored_draft(handle)
         self.extend(handle, len(handle.prompt))  # the pages the outside KV lands in
         return Admission(True, reserved.cached, handle.reserved_pages)
 
@@ -142,10 +143,14 @@ class PrefixCache:
             raise RuntimeError(f"request {handle.rid}: completion of a {handle.state.value} handle")
         self.restores.landed(handle)
         handle.enter(KVState.READY)
+        prefix = handle.kv_len
         handle.advance(len(handle.prompt))
+        if handle.draft_len == prefix and not self.skip_draft_restore:  # the outside KV had the draft's rows
+            handle.advance_draft(len(handle.prompt))
         if handle.lock is not None and self.lower is not None:
             self.lower.on_admitted(handle)
-        self.cache_prefix(handle, handle.prompt)
+        # Only what every pool holds: a draft without its rows shares the prompt once it caught up on it.
+        self.cache_prefix(handle, handle.prompt[: handle.valid_len])
 
     def fail(self, handle: KVHandle) -> None:
         self.release(handle, handle.prompt[: handle.kv_len])  # the prefix's pages were the tree's all along
@@ -229,11 +234,16 @@ class PrefixCache:
 
     def _ready(self, handle: KVHandle, reserve: int, cached: PrefixMatch, lock: TreeNode | None) -> Admission:
         self._reserve_rest(handle, reserve, cached, lock)
+        self._restored_draft(handle)
+        handle.enter(KVState.READY)
+        return Admission(True, cached, reserve)
+
+    def _restored_draft(self, handle: KVHandle) -> None:
+        """The draft's part of the handle's cached prefix: all of it (a tree page holds every pool's
+        state, and a restore moves them together), less what `skip_draft_restore` leaves out."""
         if handle.draft_len is not None:  # the effective hit is the MIN over every pool it needs
             unrestored = handle.cached.host + handle.cached.storage if self.skip_draft_restore else 0
             handle.draft_len = handle.kv_len - unrestored
-        handle.enter(KVState.READY)
-        return Admission(True, cached, reserve)
 
     def extend(self, handle: KVHandle, end: int) -> None:
         want = -(-end // self.page_size) - len(handle.pages)

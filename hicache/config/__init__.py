@@ -172,7 +172,7 @@ class DebugConfig(FromArgs):
     debug_storage_fail_rate: float = 0.0  # fraction of storage page reads that fail ...
     debug_storage_fail_rank: int = 0  # ... on this rank only
     debug_disable_pp_sync: bool = False  # later PP stages poll their own ACK queues (a known bug; negative tests)
-    debug_skip_draft_restore: bool = False  # a hit restores the target's KV only (negative control)
+    debug_skip_draft_restore: bool = False  # a hit or a P/D transfer moves the target's KV only (negative control)
     debug_load_fail_rate: float = 0.0  # each host -> device load fails (at a random layer) with this probability
     debug_step_delay_ms: float = 0.0  # every forward step takes this much longer (a slow model, e.g. a long prefill)
 
@@ -335,8 +335,6 @@ class EngineConfig(FromArgs):
             raise UserError(f"--debug-storage-fail-rank {rank} is not a rank (0..{world - 1})")
         if self.speculative.enabled:
             _check_speculative_topology(self)
-        if self.speculative.enabled and self.disagg.enabled:
-            raise UserError("--speculative-algorithm with --disaggregation-mode is not supported yet")
         _check_disagg(self)
 
     @property

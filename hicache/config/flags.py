@@ -194,7 +194,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     b.add_argument(
         "--debug-skip-draft-restore",
         action="store_true",
-        help="restore only the target's KV on a host or storage hit; the draft recomputes its prefix",
+        help="restore only the target's KV on a host or storage hit, and move only it between P/D servers (both "
+        "servers set it); the draft recomputes its prefix",
     )
     s = SpeculativeConfig()
     v = parser.add_argument_group("speculative decoding")

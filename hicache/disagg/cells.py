@@ -12,6 +12,11 @@ two handshakes, so no plan travels. Within a row, a cell is one element range pe
 A pair is misaligned when a cell's head boundary would cut a KV component that is not split by heads
 (a latent row, a per-token state): `misaligned` refuses it at start-up naming the boundary, as the
 unified store refuses a topology whose boundaries cut one of its cells.
+
+With speculative decoding a transfer also moves the draft's rows (docs/DESIGN.md, "Speculation x P/D"):
+every pipeline stage holds all of the draft's layers (its TP rank's share of them), so each decode rank
+takes them whole, once, from one prefill rank of its own TP rank (`draft_source`), after that rank's
+target cells (`cuts`). A pair of two TP sizes with a draft is refused.
 """
 
 from __future__ import annotations
@@ -97,9 +102,38 @@ def cut(hs: Handshake, cells: Shard) -> Cut:
     return Cut(local, tuple(_merged(columns)), offset)
 
 
+def draft_source(prefill: Handshake, decode: Handshake) -> int:
+    """The rank index of `prefill`'s server that sends `decode`'s rank the draft's rows: of decode's TP rank,
+    on decode's own stage when both have one PP size (a pair that moves the target's KV too), else on the
+    last stage (any stage computes the same rows; the last is the one with the target's last hidden states)."""
+    stage = decode.pp_rank if prefill.pp_size == decode.pp_size else prefill.pp_size - 1
+    return Mesh(pp=prefill.pp_size, tp=prefill.tp_size).rank_of(pp=stage, tp=decode.tp_rank)
+
+
+def sends_draft(prefill: Handshake, decode: Handshake) -> bool:
+    """Whether `prefill`'s rank sends `decode`'s rank the draft's rows."""
+    return bool(prefill.draft_layers) and rank(prefill) == draft_source(prefill, decode)
+
+
+def cuts(hs: Handshake, cells: Shard, draft: bool) -> tuple[Cut, ...]:
+    """Where a transfer's parts lie in `hs`'s rank's rows, in the order its frames travel: the target's
+    `cells`, then, where the pair moves the draft (`sends_draft`), every layer of the draft's pool whole
+    (its layers numbered after the target's local ones, as `kv_rows.PoolRows` reads them)."""
+    target = cut(hs, cells)
+    if not draft:
+        return (target,)
+    row = sum(math.prod(shape) for _, shape in hs.draft_kv_layout)
+    local = hs.layers[1] - hs.layers[0]
+    return target, Cut(range(local, local + hs.draft_layers), ((0, row),), row)
+
+
 def misaligned(prefill: Handshake, decode: Handshake, p_name: str = "prefill", d_name: str = "decode") -> str | None:
     """Why some cell of the pair cannot be cut out of one side's rows and laid into the other's (the
-    boundary that cuts a KV row, or rows of other components); None when every rank pair aligns."""
+    boundary that cuts a KV row, or rows of other components, or a draft between two topologies); None
+    when every rank pair aligns."""
+    problem = _draft_misaligned(prefill, decode, p_name, d_name)
+    if problem is not None:
+        return problem
     p_row = [(name, _per_rank(prefill, shape)) for name, shape in prefill.kv_layout]
     d_row = [(name, _per_rank(decode, shape)) for name, shape in decode.kv_layout]
     if p_row != d_row:
@@ -116,6 +150,25 @@ def misaligned(prefill: Handshake, decode: Handshake, p_name: str = "prefill", d
                         f"{p_name} rank tp{side.tp_rank}/pp{side.pp_rank}, a head boundary inside {name}'s KV "
                         f"row ({exc}): pair servers of one TP size"
                     )
+    return None
+
+
+def _draft_misaligned(prefill: Handshake, decode: Handshake, p_name: str, d_name: str) -> str | None:
+    """Why some decode rank cannot take the draft's rows whole from one prefill rank (None: each can)."""
+    if not prefill.draft_layers:
+        return None
+    if prefill.tp_size != decode.tp_size:
+        return (
+            f"speculative decoding between two TP sizes is not supported yet ({p_name} TP{prefill.tp_size}, "
+            f"{d_name} TP{decode.tp_size}): each decode rank takes the draft's rows whole from one prefill rank; "
+            "pair servers of one TP size"
+        )
+    for d_rank in everyone(decode):
+        if draft_source(prefill, d_rank) not in peers(d_rank, prefill):
+            return (
+                f"{d_name} rank tp{d_rank.tp_rank}/pp{d_rank.pp_rank} shares no layers with {p_name}'s last stage, "
+                f"which would send it the draft's rows: pair a decode server of one pipeline stage or {prefill.pp_size}"
+            )
     return None
 
 

@@ -52,7 +52,9 @@ class Incoming:
 
     @property
     def decode_prefix_len(self) -> int:
-        """Tokens decode serves from its tree (page-aligned); prefill sends the KV after them."""
+        """Tokens decode serves from its tree (page-aligned); prefill sends the KV after them. With a
+        speculative draft it is the MIN over the target's and the draft's pools: every tree page holds
+        both models' state, restored together (docs/DESIGN.md, "Speculation x P/D")."""
         return self.by_tier.total
 
 

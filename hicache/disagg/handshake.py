@@ -7,7 +7,9 @@ both run the same weights, dtype, page size and model geometry, and the same ker
 both ranks run), each verified by its start-up self-check. `mismatch` names the first field that
 differs. The two servers' topologies may differ: a handshake also says where the rank sits (TP and PP
 size and position, its KV row), and cells.py works out which cells each prefill rank sends each decode
-rank, refusing a pair whose boundaries cut a KV row (docs/DESIGN.md, "P/D across topologies").
+rank, refusing a pair whose boundaries cut a KV row (docs/DESIGN.md, "P/D across topologies"). With
+speculative decoding it also names the draft and what of its state each transfer moves: the two
+servers must run the same one (docs/DESIGN.md, "Speculation x P/D").
 `hicache router` checks the servers' rank-0 handshakes at start-up, and every transfer carries the
 decode rank's handshake, which each of its prefill peers checks against its own before it sends anything.
 """
@@ -21,7 +23,9 @@ from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.base import DecoderModel
 from hicache.parallel.parallel import ParallelContext
 
-HANDSHAKE_VERSION = 3  # 2: the model geometry, so the two sides may differ in topology; 3: WORKING messages
+# 2: the model geometry, so the two sides may differ in topology; 3: the draft, and WORKING messages
+HANDSHAKE_VERSION = 3
+NO_DRAFT = "none"
 
 # Field -> how a mismatch is named, in the order they are compared (the most basic first).
 _FIELDS = {
@@ -32,6 +36,8 @@ _FIELDS = {
     "num_layers": "number of layers",
     "num_kv_heads": "number of KV heads",
     "latent": "KV replication (MLA's latent row or per-head K/V)",
+    "draft": "speculative draft (--speculative-draft-model)",
+    "draft_layers": "draft layers a transfer moves (--debug-skip-draft-restore moves none)",
 }
 
 
@@ -53,11 +59,20 @@ class Handshake:
     kv_layout: tuple[tuple[str, tuple[int, ...]], ...]  # (component, shape) of one token's row per layer
     verified: bool  # the start-up batch-invariance self-check passed
     mechanisms: tuple[tuple[str, str], ...]
+    # A speculative draft: its name and weights digest, the layers of its pool each transfer moves after
+    # the target's (all on every rank: hicache/spec/build.py), and one token's row of them.
+    draft: str = NO_DRAFT
+    draft_layers: int = 0
+    draft_kv_layout: tuple[tuple[str, tuple[int, ...]], ...] = ()
     version: int = HANDSHAKE_VERSION
 
     @classmethod
-    def of(cls, identity: str, model: DecoderModel, pool: DeviceKVPool, pctx: ParallelContext) -> Handshake:
+    def of(
+        cls, identity: str, model: DecoderModel, pool: DeviceKVPool, pctx: ParallelContext,
+        draft: SpeculativeDraft | None = None,
+    ) -> Handshake:  # fmt: skip
         report = model.invariance
+        moved = draft is not None and draft.moved
         return cls(
             model=identity,
             dtype=str(pool.dtype).removeprefix("torch."),
@@ -70,9 +85,12 @@ class Handshake:
             num_layers=model.cfg.num_layers,
             num_kv_heads=model.cfg.num_kv_heads,
             latent=model.replicated_over_tp,
-            kv_layout=tuple((c.name, tuple(c.shape)) for c in pool.layout.components),
+            kv_layout=_layout(pool),
             verified=bool(report is not None and report.verified),
             mechanisms=tuple(sorted((report.mechanisms if report is not None else {}).items())),
+            draft=draft.describe() if draft is not None else NO_DRAFT,
+            draft_layers=draft.pool.num_layers if draft is not None and moved else 0,
+            draft_kv_layout=_layout(draft.pool) if draft is not None and moved else (),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -94,9 +112,13 @@ class Handshake:
                 num_layers=int(data["num_layers"]),
                 num_kv_heads=int(data["num_kv_heads"]),
                 latent=bool(data["latent"]),
-                kv_layout=tuple((str(n), tuple(int(x) for x in shape)) for n, shape in data["kv_layout"]),
+                kv_layout=_parsed_layout(data["kv_layout"]),
                 verified=bool(data["verified"]),
                 mechanisms=tuple((str(k), str(v)) for k, v in data["mechanisms"]),
+                # A peer of version 2 has no draft fields: its version is what `mismatch` names.
+                draft=str(data.get("draft", NO_DRAFT)),
+                draft_layers=int(data.get("draft_layers", 0)),
+                draft_kv_layout=_parsed_layout(data.get("draft_kv_layout", ())),
                 version=int(data["version"]),
             )
         except (KeyError, TypeError, ValueError, IndexError) as exc:
@@ -104,10 +126,11 @@ class Handshake:
 
     @property
     def row_bytes(self) -> int:
-        """Bytes of one token's KV on this rank (every layer it holds)."""
+        """Bytes of one token's KV on this rank (every layer it holds, and the draft's it moves)."""
         elem = {"float32": 4, "bfloat16": 2, "float16": 2}.get(self.dtype, 4)
         numel = sum(_prod(shape) for _, shape in self.kv_layout)
-        return numel * elem * (self.layers[1] - self.layers[0])
+        draft = sum(_prod(shape) for _, shape in self.draft_kv_layout)
+        return (numel * (self.layers[1] - self.layers[0]) + draft * self.draft_layers) * elem
 
     def mismatch(self, other: Handshake, mine: str = "prefill", theirs: str = "decode") -> str | None:
         """Why KV of `self`'s cannot be extended by `other` (or the reverse), whatever their topologies
@@ -126,6 +149,28 @@ class Handshake:
             if not hs.verified:
                 return f"the batch-invariance self-check did not pass on {side}, so its KV could change answers"
         return None
+
+
+@dataclass(frozen=True)
+class SpeculativeDraft:
+    """What a handshake says of this rank's speculative draft: its name, its weights digest, its device
+    pool, and whether transfers move its state (not under --debug-skip-draft-restore)."""
+
+    name: str
+    identity: str
+    pool: DeviceKVPool
+    moved: bool = True
+
+    def describe(self) -> str:
+        return f"{self.name} ({self.identity[:12]})"
+
+
+def _layout(pool: DeviceKVPool) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((c.name, tuple(c.shape)) for c in pool.layout.components)
+
+
+def _parsed_layout(data: Any) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    return tuple((str(name), tuple(int(x) for x in shape)) for name, shape in data)
 
 
 def _prod(shape: tuple[int, ...]) -> int:

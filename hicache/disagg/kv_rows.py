@@ -5,12 +5,14 @@ A transfer starts at a page boundary (decode_prefix_len is page-aligned) and cov
 the last, which carries only the prompt's rows (the rest of that page is decode's to fill). Between
 two ranks it moves the cells their shards share (cells.py): the layers of the `Cut`, and of each row
 the element ranges of the shared KV heads, as raw bytes of the pools' dtype (the handshake has checked
-that both sides share it and the row's components, so no conversion is needed).
+that both sides share it and the row's components, so no conversion is needed). With a speculative
+draft whose state moves, its pool's layers follow the target's (cells.cuts).
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Sequence
 
 import torch
 
@@ -24,22 +26,27 @@ class PoolRows:
     """A request's rows of tokens [start, end) in its device `pages` (transfer.KVSource): each `read`
     copies one chunk of them, every layer, to host memory, so what a transfer holds on the host is a
     chunk, not the suffix (docs/DESIGN.md, "P/D streaming"). The pages must stay the request's until the
-    transport has read them (the prefill role keeps them locked: prefill_role.py)."""
+    transport has read them (the prefill role keeps them locked: prefill_role.py). A speculative draft's
+    pool (`draft`) is indexed by the same pages: its layers are read after the target's."""
 
-    def __init__(self, pool: DeviceKVPool, pages: list[int], start: int, end: int) -> None:
+    def __init__(
+        self, pool: DeviceKVPool, pages: list[int], start: int, end: int, draft: DeviceKVPool | None = None
+    ) -> None:
         self.pool = pool
         self.pages = list(pages)  # the handle's list, as it was when the request ended
         self.start, self.end = start, end
+        self.buffers = pool.buffers + (draft.buffers if draft is not None else [])
 
     def read(self, start: int, end: int) -> list[torch.Tensor]:
-        """Rows of tokens [start, end) (absolute positions), one [end - start, row] tensor per layer."""
+        """Rows of tokens [start, end) (absolute positions), one [end - start, row] tensor per layer (the
+        target's, then the draft's)."""
         if not self.start <= start <= end <= self.end:
             raise ValueError(f"rows [{start}, {end}) outside [{self.start}, {self.end})")
         p = self.pool.page_size
         first = start // p
         slots = self.pool.allocator.slots(self.pages[first : -(-end // p)])[start - first * p : end - first * p]
         slots = slots.to(self.pool.device)
-        return [buffer.index_select(0, slots).cpu() for buffer in self.pool.buffers]
+        return [buffer.index_select(0, slots).cpu() for buffer in self.buffers]
 
 
 def chunk_tokens(pool_page_size: int, row_bytes: int) -> int:
@@ -48,33 +55,38 @@ def chunk_tokens(pool_page_size: int, row_bytes: int) -> int:
     return pages * pool_page_size
 
 
-def frames_of(chunk: list[torch.Tensor], cut: Cut) -> list[memoryview]:
-    """The bytes of `cut`'s cells of one chunk's rows (a tensor per local layer), one frame per layer
-    (zero-copy when the cut takes whole rows)."""
+def frames_of(chunk: list[torch.Tensor], cuts: Sequence[Cut]) -> list[memoryview]:
+    """The bytes of `cuts`' cells of one chunk's rows (a tensor per local layer), one frame per layer
+    (zero-copy when a cut takes whole rows)."""
     frames = []
-    for layer in cut.layers:
-        rows = chunk[layer]
-        if not cut.whole_rows:
-            rows = torch.cat([rows[:, x:y] for x, y in cut.columns], dim=1)
-        frames.append(memoryview(rows.contiguous().view(torch.uint8).numpy()).cast("B"))
+    for cut in cuts:
+        for layer in cut.layers:
+            rows = chunk[layer]
+            if not cut.whole_rows:
+                rows = torch.cat([rows[:, x:y] for x, y in cut.columns], dim=1)
+            frames.append(memoryview(rows.contiguous().view(torch.uint8).numpy()).cast("B"))
     return frames
 
 
-def land(pool: DeviceKVPool, slots: torch.Tensor, frames: list[memoryview | bytes], cut: Cut) -> int:
-    """Write one message's rows of `cut`'s cells (one frame per layer) into `slots`; returns the bytes
-    written. Raises ValueError if the frames do not fit (a peer that cut other cells)."""
-    if len(frames) != len(cut.layers):
-        raise ValueError(f"{len(frames)} layer frames for cells of {len(cut.layers)} layers")
+def land(
+    buffers: Sequence[torch.Tensor], slots: torch.Tensor, frames: Sequence[memoryview | bytes], cuts: Sequence[Cut]
+) -> int:
+    """Write one message's rows of `cuts`' cells (one frame per layer, in their order) into `slots` of
+    `buffers` (a pool's layers, a draft's after them); returns the bytes written. Raises ValueError if the
+    frames do not fit (a peer that cut other cells)."""
+    layers = [(layer, cut) for cut in cuts for layer in cut.layers]
+    if len(frames) != len(layers):
+        raise ValueError(f"{len(frames)} layer frames for cells of {len(layers)} layers")
     written = 0
     with warnings.catch_warnings():
         # The received buffer is read-only; it is only ever the source of the copy below.
         warnings.simplefilter("ignore", UserWarning)
-        for layer, frame in zip(cut.layers, frames):
-            buffer = pool.buffers[layer]
+        for (layer, cut), frame in zip(layers, frames):
+            buffer = buffers[layer]
             data = torch.frombuffer(frame, dtype=torch.uint8) if len(frame) else torch.empty(0, dtype=torch.uint8)
             if data.numel() != slots.numel() * cut.width * buffer.element_size():
                 raise ValueError(f"layer {layer}: {data.numel()} bytes for {slots.numel()} rows of {cut.width}")
-            rows = data.view(pool.dtype).view(slots.numel(), cut.width).to(pool.device)
+            rows = data.view(buffer.dtype).view(slots.numel(), cut.width).to(buffer.device)
             if cut.whole_rows:
                 buffer.index_copy_(0, slots, rows)
             else:

@@ -13,7 +13,8 @@ is final then, but its pages stay locked (the scheduler's release stops at this 
 transport's thread reads them a chunk at a time; once every rank's transport has read them (or given
 up), agreed like every other transfer outcome, every rank gives them back to the cache at the same
 step (docs/DESIGN.md, "P/D streaming"). A request whose decode gives up meanwhile (its client left, its
-transfer timed out) is aborted: nobody would receive what it computes.
+transfer timed out) is aborted: nobody would receive what it computes. With a speculative draft the
+draft's rows of the suffix travel with the target's (docs/DESIGN.md, "Speculation x P/D").
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from hicache.disagg.kv_rows import PoolRows
 from hicache.disagg.stats import DisaggStats
 from hicache.disagg.transfer import DecodeMetadata, KVPoll, KVSender, KVTransferBackend, PrefillResult
 from hicache.disagg.wire import prompt_digest
+from hicache.mem.device_pool import DeviceKVPool
 from hicache.parallel.parallel import ParallelContext
 from hicache.scheduler.request import FinishReason, Request, RequestEvent, TokenLogprob
 from hicache.scheduler.role import checked_intake
@@ -54,9 +56,11 @@ class PrefillRole:
     """This rank's prefill role over its transfer backend; transfer outcomes are agreed over `pctx`."""
 
     def __init__(
-        self, transfer: KVTransferBackend, pctx: ParallelContext, handshake: Handshake, bootstrap: tuple[str, int]
-    ) -> None:
+        self, transfer: KVTransferBackend, pctx: ParallelContext, handshake: Handshake, bootstrap: tuple[str, int],
+        draft: DeviceKVPool | None = None,
+    ) -> None:  # fmt: skip
         self.transfer = transfer
+        self.draft = draft  # a speculative draft's pool, whose rows each transfer moves after the target's
         self.pctx = pctx
         self.handshake = handshake
         self.bootstrap = bootstrap  # (host, base port): where decode servers reach this server's ranks
@@ -154,14 +158,19 @@ class PrefillRole:
         if sender is None:
             return False
         meta = sender.metadata()
-        if req.output_ids and not req.aborted and meta is not None:
-            kv = PoolRows(scheduler.runner.pool, req.kv.pages, meta.decode_prefix_len, req.prompt_len)
+        # The decoder computes a one-token request's draft rows in its prompt's step; never sent short.
+        draft_short = self.draft is not None and req.kv.valid_len < req.prompt_len
+        if req.output_ids and not req.aborted and meta is not None and not draft_short:
+            kv = PoolRows(scheduler.runner.pool, req.kv.pages, meta.decode_prefix_len, req.prompt_len, self.draft)
             sender.send(kv, PrefillResult(req.output_ids[0], logprob, dict(req.kv.cached_tokens_by_tier)))
             self.counters.sent_tokens += kv.end - kv.start
             self.counters.transfers_ok += 1
             self.sending.append((req, sender))
             return True
-        sender.abort("the prefill request was aborted before its KV was computed")
+        reason = "the prefill request was aborted before its KV was computed"
+        if draft_short:
+            reason = f"prefill's draft holds {req.kv.valid_len} of the prompt's {req.prompt_len} rows"
+        sender.abort(reason)
         self.counters.transfers_failed += 1
         return False
 

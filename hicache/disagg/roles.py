@@ -6,6 +6,8 @@ scheduler calls it) over a transfer backend of this rank, and are refused where 
 self-check failed: moving KV computed in one batch shape to be extended in another is exactly what
 invariance protects. A decode server keeps a radix tree only with `--disaggregation-decode-enable-radix-cache`.
 The role's description (`info`) is what `/disagg/info` shows and `hicache router` checks at start-up.
+With speculative decoding both servers run the same draft, and a transfer moves its state with the
+target's (docs/DESIGN.md, "Speculation x P/D").
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from typing import Any
 
 from hicache.config import EngineConfig
 from hicache.disagg.decode_role import DecodeRole
-from hicache.disagg.handshake import Handshake
+from hicache.disagg.handshake import Handshake, SpeculativeDraft
 from hicache.disagg.kv_rows import chunk_tokens
 from hicache.disagg.prefill_role import PrefillRole
 from hicache.disagg.stats import DisaggStats
 from hicache.disagg.zmq_decode import ZmqDecodeBackend
 from hicache.disagg.zmq_prefill import ZmqPrefillBackend
 from hicache.errors import UserError
+from hicache.mem.host_group import DraftPools
 from hicache.parallel.parallel import ParallelContext
 from hicache.scheduler.model_runner import ModelRunner
 from hicache.scheduler.role import Role
@@ -36,8 +39,11 @@ def radix_enabled(cfg: EngineConfig) -> bool:
     return cfg.disagg.disaggregation_mode != DECODE or cfg.disagg.disaggregation_decode_enable_radix_cache
 
 
-def pd_role(cfg: EngineConfig, runner: ModelRunner, pctx: ParallelContext, identity: str) -> Role | None:
-    """This rank's P/D role part for its scheduler, its transfer endpoint started; None without a role."""
+def pd_role(
+    cfg: EngineConfig, runner: ModelRunner, pctx: ParallelContext, identity: str, draft: DraftPools | None = None
+) -> Role | None:
+    """This rank's P/D role part for its scheduler, its transfer endpoint started; None without a role.
+    `draft`: a speculative draft's pools, whose state the transfers move with the target's."""
     d = cfg.disagg
     if not d.enabled:
         return None
@@ -46,7 +52,12 @@ def pd_role(cfg: EngineConfig, runner: ModelRunner, pctx: ParallelContext, ident
             f"--disaggregation-mode {d.disaggregation_mode} with page-sharded KV (--cp-size > 1, or an MLA model "
             "at --tp-size > 1) is not supported yet"
         )
-    handshake = Handshake.of(identity, runner.model, runner.pool, pctx)
+    spec = None
+    if draft is not None:
+        name = cfg.speculative.speculative_draft_model or ""
+        spec = SpeculativeDraft(name, draft.identity, draft.pool, moved=not draft.skip_restore)
+    handshake = Handshake.of(identity, runner.model, runner.pool, pctx, spec)
+    moved = draft.pool if spec is not None and spec.moved else None
     if not handshake.verified:
         raise UserError(
             f"--disaggregation-mode {d.disaggregation_mode} needs the batch-invariance self-check to pass: KV "
@@ -61,8 +72,10 @@ def pd_role(cfg: EngineConfig, runner: ModelRunner, pctx: ParallelContext, ident
             handshake, d.disaggregation_bootstrap_host, port, d.disaggregation_transfer_timeout, chunk, delay
         )
         bootstrap = (d.disaggregation_bootstrap_host, d.disaggregation_bootstrap_port)
-        return PrefillRole(transfer, pctx, handshake, bootstrap)
-    return DecodeRole(ZmqDecodeBackend(runner.pool, handshake, d.disaggregation_transfer_timeout), pctx, handshake)
+        sends_draft = pctx.pp_rank == pctx.pp_size - 1  # the last stage's ranks send the draft (cells.py)
+        return PrefillRole(transfer, pctx, handshake, bootstrap, moved if sends_draft else None)
+    receiving = ZmqDecodeBackend(runner.pool, handshake, d.disaggregation_transfer_timeout, moved)
+    return DecodeRole(receiving, pctx, handshake)
 
 
 def info(scheduler: Scheduler) -> dict[str, Any]:

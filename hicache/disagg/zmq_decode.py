@@ -38,7 +38,7 @@ logger = logging.getLogger(__name__)
 class _Source:
     """A prefill rank this rank takes cells from, for one request."""
 
-    cut: cells.Cut  # where its cells land in this rank's rows
+    cuts: tuple[cells.Cut, ...]  # where its cells land in this rank's rows (the target's, a draft's)
     next: int  # the next token whose KV is expected from it
     done: bool = False
 
@@ -91,10 +91,12 @@ class ZmqKVReceiver:
 
 
 class ZmqDecodeBackend:
-    """transfer.KVTransferBackend for a decode rank: KV lands in `pool`."""
+    """transfer.KVTransferBackend for a decode rank: KV lands in `pool` (and a draft's in `draft`)."""
 
-    def __init__(self, pool: DeviceKVPool, handshake: Handshake, timeout_s: float) -> None:
-        self.pool = pool
+    def __init__(
+        self, pool: DeviceKVPool, handshake: Handshake, timeout_s: float, draft: DeviceKVPool | None = None
+    ) -> None:
+        self.buffers = pool.buffers + (draft.buffers if draft is not None else [])  # as cells.cuts numbers them
         self.handshake = handshake
         self.timeout_s = timeout_s
         self.lock = threading.Lock()
@@ -144,8 +146,10 @@ class ZmqDecodeBackend:
             self.fail(state, f"cannot take KV from the prefill server at {state.server}: {problem}")
             return []
         host, port = state.server.rsplit(":", 1)
+        ranks = cells.everyone(layout)
         for rank, shared in cells.peers(self.handshake, layout).items():
-            source = _Source(cells.cut(self.handshake, shared), state.meta.decode_prefix_len)
+            draft = cells.sends_draft(ranks[rank], self.handshake)
+            source = _Source(cells.cuts(self.handshake, shared, draft), state.meta.decode_prefix_len)
             state.sources[f"{host}:{int(port) + rank}"] = source
         return list(state.sources)
 
@@ -289,7 +293,7 @@ class ZmqDecodeBackend:
         if start != source.next or not start < end <= state.meta.prompt_len:
             raise ValueError(f"rows [{start}, {end}) when token {source.next} was expected")
         base = state.meta.decode_prefix_len
-        self.moved_bytes += land(self.pool, state.slots[start - base : end - base], payload, source.cut)
+        self.moved_bytes += land(self.buffers, state.slots[start - base : end - base], payload, source.cuts)
         source.next = end
         state.status = KVPoll.TRANSFERRING
         state.deadline = time.monotonic() + self.timeout_s

@@ -43,7 +43,7 @@ class _Peer:
 
     identity: bytes  # its DEALER
     meta: DecodeMetadata
-    cut: cells.Cut  # where its cells lie in this rank's rows
+    cuts: tuple[cells.Cut, ...]  # where its cells lie in this rank's rows (the target's, a draft's)
     word_every_s: float  # how often it needs WORKING while the request is queued or computing
 
 
@@ -219,6 +219,7 @@ class ZmqPrefillBackend:
         if state.status is not KVPoll.BOOTSTRAPPING:
             return
         meta, every = payload
+        mine = self.handshake
         try:
             if state.expected is None:  # the first decode rank names its server's topology
                 state.expected = cells.peers(self.handshake, meta.handshake)
@@ -228,8 +229,9 @@ class ZmqPrefillBackend:
             first = next(iter(state.peers.values()), None)
             if first is not None and _request(first.meta) != _request(meta):
                 raise ValueError(f"decode ranks disagree on the request: {_request(first.meta)}, {_request(meta)}")
-            cut = cells.cut(self.handshake, state.expected[decode_rank])
-            state.peers[decode_rank] = _Peer(identity, meta, cut, every)
+            draft = cells.sends_draft(mine, meta.handshake)
+            cuts = cells.cuts(mine, state.expected[decode_rank], draft)
+            state.peers[decode_rank] = _Peer(identity, meta, cuts, every)
         except ValueError as exc:  # another model or topology than this rank can serve: refuse it by name
             self._fail(state, f"refused decode's metadata: {exc}", identity)
             return
@@ -308,9 +310,10 @@ class ZmqPrefillBackend:
         if state.status is not KVPoll.TRANSFERRING or not self._wait_for_window(state):
             return False
         chunk = kv.read(start, end)
-        messages = [(peer, frames_of(chunk, peer.cut)) for peer in state.peers.values()]
+        messages = [(peer, frames_of(chunk, peer.cuts)) for peer in state.peers.values()]
         # A cut of part of each row is a copy, held as long as the chunk.
-        copies = sum(f.nbytes for peer, frames in messages if not peer.cut.whole_rows for f in frames)
+        partial = [peer for peer in state.peers.values() if not all(c.whole_rows for c in peer.cuts)]
+        copies = sum(f.nbytes for peer, frames in messages if peer in partial for f in frames)
         queued = _Queued(state, sum(rows.nbytes for rows in chunk) + copies)
         self._stage(queued)
         header = {"room": state.room, "start": start, "end": end}

@@ -124,7 +124,7 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
     runner, context = ModelRunner(model, pool), context_length(cfg, loaded.config)
     compute = build_decoder_for(cfg, runner, draft, cache, context) if draft is not None else None
     # The scheduler's parts: how a step is computed (plain or speculative) and its P/D role, if any.
-    role = pd_role(cfg, runner, pctx, loaded.identity)
+    role = pd_role(cfg, runner, pctx, loaded.identity, pools)
     # Every rank of the tree-sharing group keeps the same tree: rank 0 publishes for them.
     kv_events = None
     if cfg.kv_events_endpoint and pctx.rank == 0:

@@ -75,8 +75,8 @@ def test_rows_cut_from_prefill_ranks_land_as_the_decode_ranks_own(prefill_tp, pr
         for p_rank, shared in cells.peers(d, prefill).items():
             p = cells.everyone(prefill)[p_rank]
             for start, end in ((2, 5), (5, tokens)):  # two messages
-                frames = frames_of([layer[start:end] for layer in rows(p)], cells.cut(p, shared))
-                land(pool, slots[start - 2 : end - 2], frames, cells.cut(d, shared))
+                frames = frames_of([layer[start:end] for layer in rows(p)], cells.cuts(p, shared, False))
+                land(pool.buffers, slots[start - 2 : end - 2], frames, cells.cuts(d, shared, False))
         for got, want in zip(pool.buffers, rows(d)):
             assert torch.equal(got[slots], want[2:]), "decode's rows equal its own shard of the model's KV"
             assert not got[:3].any() and not got[3 + tokens - 2 :].any(), "nothing outside the slots is written"
@@ -94,3 +94,22 @@ def test_a_head_boundary_inside_a_row_not_split_by_heads_is_refused_by_name():
     assert "component 'latent' (48,) is not split by KV heads" in problem
     other_rows = dataclasses.replace(server(4, 2, 2, 1), kv_layout=(("k", (1, 8)), ("v", (1, 8))))
     assert "the KV rows differ" in (cells.misaligned(prefill, other_rows) or "")
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(1, 4), st.sampled_from([1, 2]), st.integers(1, 4), st.integers(1, 4))
+def test_each_decode_rank_takes_the_drafts_rows_once_from_a_peer_or_the_pair_is_refused(num_layers, tp, p_pp, d_pp):
+    """Every stage holds the whole draft (its TP share): each decode rank takes it from exactly one
+    prefill rank of its TP rank that sends it target cells anyway, both sides agreeing which."""
+    layers = max(num_layers, p_pp, d_pp)
+    prefill, decode = (dataclasses.replace(server(layers, 2, tp, pp), draft="d", draft_layers=1,
+                                           draft_kv_layout=(("k", (1, HEAD_DIM)),)) for pp in (p_pp, d_pp))  # fmt: skip
+    problem = cells.misaligned(prefill, decode)
+    if problem is not None:
+        assert "shares no layers with prefill's last stage" in problem and 1 < p_pp != d_pp
+        return
+    for d in cells.everyone(decode):
+        senders = [p for p in cells.peers(d, prefill) if cells.sends_draft(cells.everyone(prefill)[p], d)]
+        assert len(senders) == 1 and cells.everyone(prefill)[senders[0]].tp_rank == d.tp_rank
+    other_tp = dataclasses.replace(server(4, 2, 3 - tp, 1), draft="d", draft_layers=1)
+    assert "between two TP sizes" in (cells.misaligned(prefill, other_tp) or "")

@@ -108,3 +108,31 @@ def test_prompt_digest_is_pinned():
     assert prompt_digest(range(40)) == "2a8c97b25630d526f923a10555c69ff4"
     with pytest.raises((OverflowError, ValueError)):
         prompt_digest([2**32])
+
+
+MTP = dataclasses.replace(BASE, draft="tiny-mtp (3f0c2a9e11b7)", draft_layers=1,
+                          draft_kv_layout=(("k", (2, 32)), ("v", (2, 32)), ("hidden", (64,))))  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("prefill", "decode", "named"),
+    [
+        (MTP, BASE, "speculative draft (--speculative-draft-model) differs: prefill tiny-mtp (3f0c2a9e11b7), "
+                    "decode none"),
+        (MTP, dataclasses.replace(MTP, draft="tiny-draft-packed (9d1e00aa4c2b)"),
+         "differs: prefill tiny-mtp (3f0c2a9e11b7), decode tiny-draft-packed (9d1e00aa4c2b)"),
+        (MTP, dataclasses.replace(MTP, draft_layers=0, draft_kv_layout=()), "draft layers a transfer moves"),
+        (MTP, dataclasses.replace(MTP, tp_size=2, kv_layout=(("k", (1, 32)), ("v", (1, 32)))),
+         "speculative decoding between two TP sizes is not supported yet (prefill TP1, decode TP2)"),
+    ],
+)  # fmt: skip
+def test_a_pair_whose_drafts_differ_is_refused_naming_both(prefill, decode, named):
+    req = Request(list(range(40)), SamplingParams(), 1)
+    meta = DecodeMetadata(1, 16, 40, prompt_digest(req.prompt_ids), decode)
+    assert named in (metadata_problem(meta, req, prefill) or "")
+    assert metadata_problem(DecodeMetadata(1, 16, 40, prompt_digest(req.prompt_ids), prefill), req, prefill) is None
+
+
+def test_a_draft_survives_the_wire_and_its_rows_count_in_a_tokens_bytes():
+    assert Handshake.from_json(json.loads(json.dumps(MTP.to_json()))) == MTP
+    assert MTP.row_bytes == BASE.row_bytes + (128 + 64) * 2  # bfloat16: the head's K, V and hidden state

@@ -1,6 +1,8 @@
 """A prefill rank reads a request's rows out of its device pages a chunk at a time (hicache/disagg/
 kv_rows.py, `PoolRows`): any chunk of any request, across page boundaries and out-of-order pages, is the
-rows of those tokens, every layer, and a chunk outside the transfer is refused."""
+rows of those tokens, every layer, and a chunk outside the transfer is refused. With a speculative draft
+(docs/DESIGN.md, "Speculation x P/D") its pool's rows, of another shape, travel after the target's and
+land in the decode side's draft pool."""
 
 from __future__ import annotations
 
@@ -9,18 +11,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.disagg.kv_rows import PoolRows
+from hicache.disagg import cells
+from hicache.disagg.handshake import Handshake
+from hicache.disagg.kv_rows import PoolRows, frames_of, land
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
 
 PAGE, NUM_PAGES, LAYERS = 4, 12, 3
 
 
-def filled_pool() -> DeviceKVPool:
+def filled_pool(layout: KVLayout = KVLayout.mha(1, 2), layers: int = LAYERS, first: int = 0) -> DeviceKVPool:
     """Every slot's row holds (layer, slot) in its first two columns, so a row says where it came from."""
-    pool = DeviceKVPool(KVLayout.mha(1, 2), LAYERS, NUM_PAGES, PAGE, torch.float32, torch.device("cpu"))
+    pool = DeviceKVPool(layout, layers, NUM_PAGES, PAGE, torch.float32, torch.device("cpu"))
     for layer, buffer in enumerate(pool.buffers):
-        buffer[:, 0] = layer
+        buffer[:, 0] = first + layer
         buffer[:, 1] = torch.arange(buffer.shape[0], dtype=torch.float32)
     return pool
 
@@ -54,3 +58,24 @@ def test_a_chunk_outside_the_transfer_is_refused():
         rows.read(2, 5)
     with pytest.raises(ValueError, match=r"outside"):
         rows.read(5, 9)
+
+
+def test_a_drafts_rows_travel_after_the_targets_and_land_in_its_own_pool():
+    draft = filled_pool(KVLayout.mha(2, 3), 2, first=LAYERS)  # another row shape: 2 heads of 3
+    hs = Handshake(
+        model="m", dtype="float32", page_size=PAGE, tp_size=1, tp_rank=0, pp_size=1, pp_rank=0, layers=(0, LAYERS),
+        num_layers=LAYERS, num_kv_heads=1, latent=False, kv_layout=tuple((c.name, tuple(c.shape))
+        for c in POOL.layout.components), verified=True, mechanisms=(), draft="d", draft_layers=2,
+        draft_kv_layout=tuple((c.name, tuple(c.shape)) for c in draft.layout.components),
+    )  # fmt: skip
+    parts = cells.cuts(hs, cells.shard(hs), cells.sends_draft(hs, hs))
+    frames = frames_of(PoolRows(POOL, [3, 5], 4, 7, draft).read(4, 7), parts)
+    assert [len(f) for f in frames] == [3 * 4 * 4] * LAYERS + [3 * 12 * 4] * 2
+    target = DeviceKVPool(POOL.layout, LAYERS, NUM_PAGES, PAGE, torch.float32, torch.device("cpu"))
+    landed = DeviceKVPool(draft.layout, 2, NUM_PAGES, PAGE, torch.float32, torch.device("cpu"))
+    slots = torch.tensor([8, 9, 10])
+    assert land(target.buffers + landed.buffers, slots, frames, parts) == sum(len(f) for f in frames)
+    for got, want in zip(target.buffers + landed.buffers, POOL.buffers + draft.buffers):
+        assert torch.equal(got[slots], want[torch.tensor([20, 21, 22])])  # tokens 4-6: page 5
+    with pytest.raises(ValueError, match="frames for cells of 5 layers"):
+        land(target.buffers + landed.buffers, slots, frames[:LAYERS], parts)  # a peer that moves no draft

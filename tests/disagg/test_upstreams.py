@@ -31,6 +31,10 @@ def test_a_pair_that_may_not_exchange_kv_is_refused_by_name():
     with pytest.raises(UserError, match=r"decode http://d1 rank tp0/pp0 needs KV heads 0-0 of prefill http://p2"):
         check_pairs([upstream("http://p2", "prefill", tp_size=2, kv_layout=latent)],
                     [upstream("http://d1", "decode", kv_layout=latent)])  # fmt: skip
+    mtp = {"draft": "tiny-mtp (3f0c2a9e11b7)", "draft_layers": 1, "draft_kv_layout": half}
+    with pytest.raises(UserError, match=r"http://d1: speculative draft \(--speculative-draft-model\) differs: "
+                                        r"prefill http://p1 tiny-mtp \(3f0c2a9e11b7\), decode http://d1 none"):
+        check_pairs([upstream("http://p1", "prefill", **mtp)], decodes)  # fmt: skip
     renamed = dataclasses.replace(decodes[0], served_model_name="other")
     with pytest.raises(UserError, match="served model name differs"):
         check_pairs(prefills[:1], [renamed])
