@@ -11,6 +11,7 @@ interface the kernel routes to the --dist-init-addr host is the one every node c
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import socket
 import struct
@@ -18,6 +19,8 @@ import struct
 GLOO_INTERFACE_VAR = "GLOO_SOCKET_IFNAME"
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 _IFNAMSIZ = 16
+
+logger = logging.getLogger(__name__)
 
 
 def route_source(host: str, port: int) -> str:
@@ -51,3 +54,4 @@ def choose_gloo_interface(init_method: str) -> None:
     name = interface_with_address(route_source(host.strip("[]"), int(port)))
     if name is not None:
         os.environ[GLOO_INTERFACE_VAR] = name
+        logger.info("gloo binds %s, the interface that reaches the rendezvous host %s", name, host)
