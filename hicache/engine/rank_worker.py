@@ -31,6 +31,7 @@ import torch.distributed as dist
 from hicache.config import EngineConfig
 from hicache.engine.build import build_scheduler, load_engine_model
 from hicache.engine.commands import COMMANDS
+from hicache.engine.interfaces import choose_gloo_interface
 from hicache.errors import UserError
 from hicache.parallel.divergence import RankDivergenceError
 from hicache.parallel.parallel import Mesh, ParallelContext
@@ -78,6 +79,7 @@ def init_distributed(spec: RankSpec, cfg: EngineConfig) -> ParallelContext:
         torch.cuda.set_device(spec.local_rank)
     timeout = timedelta(seconds=par.dist_timeout)
     compute = "nccl" if device.type == "cuda" else "gloo"
+    choose_gloo_interface(spec.init_method)  # every group is gloo: ParallelContext adds CPU groups on CUDA too
     dist.init_process_group(
         compute, init_method=spec.init_method, rank=spec.rank, world_size=spec.world_size, timeout=timeout
     )

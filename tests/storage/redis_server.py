@@ -38,9 +38,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _ping(port: int) -> bool:
+def _ping(host: str, port: int) -> bool:
     try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+        with socket.create_connection((host, port), timeout=0.5) as s:
             s.sendall(b"PING\r\n")
             return s.recv(64).startswith(b"+PONG")
     except OSError:
@@ -48,11 +48,16 @@ def _ping(port: int) -> bool:
 
 
 class RedisServer:
-    """A redis-server subprocess on 127.0.0.1. The port is chosen at the first start and kept across
+    """A redis-server subprocess on `host` (127.0.0.1; another host's address where the caller starts it
+    from that host's network namespace, tests/fleet/netns.py). The port is chosen at the first start and kept across
     stop()/start(), so clients' URLs stay valid through a restart (with an empty store: no persistence)."""
 
     def __init__(
-        self, workdir: str | os.PathLike[str] | None = None, executable: str = "redis-server", persist: bool = False
+        self,
+        workdir: str | os.PathLike[str] | None = None,
+        executable: str = "redis-server",
+        persist: bool = False,
+        host: str = "127.0.0.1",
     ) -> None:
         """`persist`: an append-only file synced at every write, so a restart keeps what was stored (a
         production server's setting; tests of an outage that loses the data leave it off)."""
@@ -61,6 +66,7 @@ class RedisServer:
             raise RedisServerError(f"{executable} is not on PATH; install it with `make redis`")
         self.executable = path
         self.persist = persist
+        self.host = host
         self._own_dir = workdir is None
         self.workdir = Path(tempfile.mkdtemp(prefix="hicache-redis-") if workdir is None else workdir)
         self.port: int | None = None
@@ -70,7 +76,7 @@ class RedisServer:
     def url(self) -> str:
         if self.port is None:
             raise RedisServerError("the server has not been started")
-        return f"redis://127.0.0.1:{self.port}/0"
+        return f"redis://{self.host}:{self.port}/0"
 
     @property
     def pid(self) -> int:
@@ -105,7 +111,8 @@ class RedisServer:
         cmd = [
             self.executable,
             "--port", str(port),
-            "--bind", "127.0.0.1",
+            "--bind", self.host,
+            "--protected-mode", "no",  # without a password it would answer another host with DENIED
             "--save", "",
             "--appendonly", "yes" if self.persist else "no",
             "--appendfsync", "always",
@@ -119,7 +126,7 @@ class RedisServer:
                 err = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
                 tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
                 raise RedisServerError(f"redis-server exited with {proc.returncode} on port {port}: {err}{tail}")
-            if _ping(port):
+            if _ping(self.host, port):
                 self._proc = proc
                 return
             time.sleep(0.02)
