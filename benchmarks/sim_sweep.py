@@ -123,11 +123,11 @@ def sweep(sizes: list[float], run, tiers: tuple[str, ...]) -> Sweep:  # noqa: AN
 def plot(host: Sweep, storage: Sweep, args: argparse.Namespace) -> None:
     fig, axes = plt.subplots(2, 3, figsize=(15, 8.4))
     panels = (
-        (axes[0], host, "host tier", ("device", "host"), f"host {max(args.host_gb):g} GB"),
-        (axes[1], storage, f"file store behind {args.storage_host_gb:g} GB of host", ("device", "host", "storage"),
+        (axes[0], host, "host tier", f"host {max(args.host_gb):g} GB"),
+        (axes[1], storage, f"file store behind {args.storage_host_gb:g} GB of host",
          f"host {args.storage_host_gb:g} GB, storage {max(args.storage_gb):g} GB"),
     )  # fmt: skip
-    for (hits, ttft, tiers), (rows, occupancy), what, held, largest in panels:
+    for (hits, ttft, tiers), (rows, occupancy), what, largest in panels:
         sizes = [gb for gb, _ in rows]
         hits.plot(sizes, [100 * s["hit_rate"] for _, s in rows], "o-", label="hit rate")
         hits.plot(sizes, [100 * s["ideal_hit_rate"] for _, s in rows], "--", color="grey", label="the trace's ideal")
@@ -136,7 +136,7 @@ def plot(host: Sweep, storage: Sweep, args: argparse.Namespace) -> None:
         ttft.plot(sizes, [1000 * s["ttft_median_s"] for _, s in rows], "o-")
         ttft.set(xlabel=f"{what} (GB of KV)", ylabel="ms", title="median TTFT", ylim=(0, None))
         times = [t for t, _ in occupancy]
-        for tier in held:
+        for tier in ("device", "host"):  # what the tiers in memory hold (a store's bytes are its own)
             tiers.plot(times, [used.get(tier, 0) / 1e6 for _, used in occupancy], label=tier)
         tiers.set(xlabel="virtual time (s)", ylabel="M tokens held", title=f"occupancy, {largest}")
         tiers.legend()

@@ -41,9 +41,9 @@ LINK_OF_WORKER = {"backup": "device->host", "load": "host->device", "storage": "
 
 def stored_bytes(hc: HiCacheConfig, pool: DeviceKVPool, page_bytes: int) -> int:
     """The cap, in the simulator's own stored bytes, that holds as many pages as `--hicache-storage-max-bytes`
-    holds of the modelled KV (`page_bytes` a page): the store keeps the simulator's one-row pages, each in
-    its verified envelope (a header, then the page), and evicts them by bytes."""
-    pages = hc.hicache_storage_max_bytes // page_bytes
+    holds of the modelled KV (`page_bytes` a page): a store keeps each page in its verified envelope (a
+    header, then the page) and evicts by those bytes, the simulator's one-row pages as the model's."""
+    pages = hc.hicache_storage_max_bytes // (HEADER_SIZE + page_bytes)
     if pages < 1:
         raise UserError(f"--hicache-storage-max-bytes {hc.hicache_storage_max_bytes} holds no {page_bytes}-byte page")
     return pages * (HEADER_SIZE + pool.bytes_per_token * pool.page_size)
