@@ -19,7 +19,7 @@ import torch
 
 from hicache.bench.metrics import IdealCache, RequestRecord
 from hicache.cache import Worker, device_cache, hierarchical_cache
-from hicache.config import EngineConfig
+from hicache.config import EngineConfig, HiCacheConfig
 from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
@@ -31,11 +31,22 @@ from hicache.scheduler.scheduler import Scheduler, check_request_fits
 from hicache.sim.cost import CostModel
 from hicache.sim.links import StorageLink, VirtualClock, VirtualLink
 from hicache.sim.trace import TraceRequest
+from hicache.storage.codec import HEADER_SIZE
 
 # What a simulated request may span: the trace's lengths are the limit, not a model's positions.
 SIMULATED_CONTEXT = 2**40
 # The tiers' workers, by name (hicache/cache/host_tier.py, storage_tier.py), and the links they run on.
 LINK_OF_WORKER = {"backup": "device->host", "load": "host->device", "storage": "storage"}
+
+
+def stored_bytes(hc: HiCacheConfig, pool: DeviceKVPool, page_bytes: int) -> int:
+    """The cap, in the simulator's own stored bytes, that holds as many pages as `--hicache-storage-max-bytes`
+    holds of the modelled KV (`page_bytes` a page): a store keeps each page in its verified envelope (a
+    header, then the page) and evicts by those bytes, the simulator's one-row pages as the model's."""
+    pages = hc.hicache_storage_max_bytes // (HEADER_SIZE + page_bytes)
+    if pages < 1:
+        raise UserError(f"--hicache-storage-max-bytes {hc.hicache_storage_max_bytes} holds no {page_bytes}-byte page")
+    return pages * (HEADER_SIZE + pool.bytes_per_token * pool.page_size)
 
 
 class CostedCompute:
@@ -88,8 +99,8 @@ class Simulator:
         pool = DeviceKVPool(KVLayout.mha(1, 1), 1, cfg.num_pages, cfg.page_size, torch.float32, torch.device("cpu"))
         hc = cfg.hicache
         if hc.enable_hierarchical_cache:
-            if hc.hicache_storage_max_bytes:  # the store holds the simulator's few-byte pages, not the model's
-                raise UserError("hicache simulate cannot cap the store yet: drop --hicache-storage-max-bytes")
+            if hc.hicache_storage_max_bytes:  # bytes of the modelled KV: the same pages of the simulator's
+                hc = dataclasses.replace(hc, hicache_storage_max_bytes=stored_bytes(hc, pool, page_bytes))
             if hc.hicache_storage_backend:
                 self.links["storage"] = StorageLink(self.clock, cost.storage, page_bytes)
             if hc.hicache_size > 0:  # GB of the modelled KV, not of the simulator's one-row pages

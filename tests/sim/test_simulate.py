@@ -15,6 +15,7 @@ from hicache.sim.calibrate import to_toml
 from hicache.sim.cost import load_cost_model
 from hicache.sim.simulator import Simulator
 from hicache.sim.trace import TraceRequest, answer_tokens
+from hicache.storage.codec import HEADER_SIZE
 
 PAGE = 16
 DEVICE_TOKENS = 1280  # below the trace's working set (3 x 256 shared + 6 x 128 own = 1536 tokens)
@@ -94,6 +95,22 @@ def test_simulated_hits_equal_the_engines_request_by_request(both):
     else:
         restarted = {tier: sum(r[tier] for r in real[len(PROMPTS) :]) for tier in totals}
         assert restarted["storage"] > 0 and totals["storage"] == restarted["storage"], (totals, restarted)
+
+
+def test_a_capped_store_keeps_as_many_pages_as_its_modelled_bytes_hold(tmp_path):
+    """`--hicache-storage-max-bytes` counts the modelled KV's bytes (the cost model's), not the simulator's
+    few-byte pages: a cap of 24 modelled pages keeps at most 24 objects; a cap above what the trace
+    stores (96 pages) changes nothing, a restarted server on it hits as on an uncapped store."""
+    envelope = HEADER_SIZE + load_cost_model("epyc-2core-tiny").kv_bytes_per_token * PAGE
+    kept, restarted_hits = {}, {}
+    for cap_pages in (0, 24, 100):
+        store = tmp_path / str(cap_pages)
+        hc = dataclasses.replace(STORE, hicache_storage_dir=str(store), hicache_storage_max_bytes=cap_pages * envelope)
+        _simulated_hits(hc)
+        kept[cap_pages] = len([f for f in store.rglob("*") if f.is_file() and not f.name.startswith(".")])
+        restarted_hits[cap_pages] = sum(hit["storage"] for hit in _simulated_hits(hc))
+    assert kept[24] <= 24 < kept[0] == kept[100], kept
+    assert restarted_hits[100] == restarted_hits[0] > 0, restarted_hits
 
 
 def test_a_mooncake_trace_imports_and_runs(tmp_path, capsys):
