@@ -59,12 +59,14 @@ class StoragePuts:
         self._last_retry = 0.0
 
     def put(self, nodes: list[TreeNode]) -> TransferOp | None:
-        """Queue the host copies of `nodes` for storage (the put, to wait for; None: nothing to put)."""
+        """Queue the host copies of `nodes` for storage (the put, to wait for; None: nothing to put). The
+        pages of their ancestors are touched after it: a store that evicts the least recently used then
+        takes a chain from its tail, not its head, which a hit in memory never reads there."""
         pages = [page for node in nodes for page in self._own_pages(node)]
         for node in nodes:  # the whole page, as every owner puts its part of it
             self.tree.events.stored(node, STORAGE)
         self.stats.put_pages += len(pages)
-        return self._submit(pages)
+        return self._submit(pages, self._ancestor_hashes(nodes) if pages else [])
 
     def retry(self, path: list[TreeNode]) -> TransferOp | None:
         """Put again the pages of `path` (a request's matched prefix) whose put found the store
@@ -109,6 +111,19 @@ class StoragePuts:
                     pages.append((digest, page))
         return pages
 
+    def _ancestor_hashes(self, nodes: list[TreeNode]) -> list[bytes]:
+        """The page hashes of the nodes above `nodes` (none of them), root first: what the put leans on."""
+        seen = {id(node) for node in nodes}
+        chains = []
+        for node in nodes:
+            chain, above = [], node.parent
+            while above is not None and above.parent is not None and id(above) not in seen:  # not the root
+                seen.add(id(above))
+                chain.append(chain_hashes(above, self.page_size))
+                above = above.parent
+            chains += reversed(chain)
+        return [digest for hashes in chains for digest in hashes]
+
     def _take_in_failed(self) -> None:
         while self._failed:
             hashes = self._failed.popleft()
@@ -118,10 +133,10 @@ class StoragePuts:
         for _ in range(len(self.unstored) - self.pool.allocator.num_pages):
             del self.unstored[next(iter(self.unstored))]
 
-    def _submit(self, pages: list[tuple[bytes, int]]) -> TransferOp | None:
-        return None if (op := self._op(pages)) is None else self.worker.submit(op)
+    def _submit(self, pages: list[tuple[bytes, int]], touched: Sequence[bytes] = ()) -> TransferOp | None:
+        return None if (op := self._op(pages, touched)) is None else self.worker.submit(op)
 
-    def _op(self, pages: list[tuple[bytes, int]]) -> TransferOp | None:
+    def _op(self, pages: list[tuple[bytes, int]], touched: Sequence[bytes] = ()) -> TransferOp | None:
         if not pages:
             return None
         hashes = [digest for digest, _ in pages]
@@ -134,6 +149,8 @@ class StoragePuts:
             for (store, _), part_payloads in zip(parts, payloads):
                 present = store.exists_prefix(hashes)
                 stored &= store.put_pages(hashes[present:], part_payloads[present:])
+                if touched:
+                    store.touch(touched)
             if not stored:
                 failed.append(hashes)
 

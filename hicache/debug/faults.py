@@ -45,6 +45,9 @@ class FlakyReads(StorageBackend):
     def put(self, key: str, blob: Blob) -> None:
         self.inner.put(key, blob)
 
+    def touch(self, keys: list[str]) -> None:
+        self.inner.touch(keys)
+
     def batch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
         self.inner.batch_put(items)
 

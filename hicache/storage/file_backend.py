@@ -79,6 +79,11 @@ class FileBackend(StorageBackend):
         # check_key admits no '/', '.', NUL or other separator, so the result is always inside the root.
         return os.path.join(self._root, check_key(key)[:_FANOUT], key)
 
+    def touch(self, keys: list[str]) -> None:
+        check_keys(keys)
+        for key in keys:
+            self.capacity.on_read(self._path(key))  # its mtime is its last use (only when capped)
+
     def exists_prefix(self, keys: list[str]) -> int:
         check_keys(keys)  # every key before touching the disk
         asked = Counter(k[:_FANOUT] for k in keys)

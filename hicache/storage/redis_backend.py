@@ -206,6 +206,12 @@ class RedisBackend(StorageBackend):
                     pipe.setrange(name, offset, bytes(memoryview(part).cast("B")))
             pipe.execute()
 
+    def touch(self, keys: list[str]) -> None:
+        check_keys(keys)
+        if keys:  # TOUCH: what a maxmemory LRU or LFU policy counts as an access
+            with self._reachable("TOUCH"):
+                self._client.touch(*(self.prefix + k for k in keys))
+
     def delete(self, key: str) -> None:
         name = self._name(key)
         with self._reachable("UNLINK"):

@@ -93,6 +93,14 @@ class VerifiedStore:
         self._reachable()
         return found
 
+    def touch(self, page_hashes: Sequence[bytes]) -> None:
+        """Mark the stored pages used now (StorageBackend.touch); an unavailable store is not an error here:
+        the put beside it finds out and counts it."""
+        try:
+            self.backend.touch(self.keys(page_hashes))
+        except StorageUnavailable:
+            pass
+
     def put_pages(self, page_hashes: Sequence[bytes], payloads: Sequence[BytesLike]) -> bool:
         """Store each payload under its page hash. True if the backend took the batch; False (counted,
         logged) if the store was unavailable, in which case some pages may or may not have been written."""

@@ -51,6 +51,21 @@ def test_cap_holds_after_every_put_and_least_recently_used_go_first(tmp_path: Pa
     assert stored_bytes(tmp_path) <= cap
 
 
+def test_touched_objects_go_after_untouched_older_ones(tmp_path: Path) -> None:
+    """What the storage tier does to a put's ancestors: touched, they are as recent as the put, so the
+    cap takes the untouched objects written after them first."""
+    backend = FileBackend(tmp_path, max_bytes=10 * OBJECT)
+    first = keys(10)
+    for key in first:
+        backend.put(key, b"x" * OBJECT)
+        time.sleep(0.002)
+    backend.touch(first[:2] + keys(1, salt=9))  # an absent key is no error: another rank's, or evicted
+    time.sleep(0.002)
+    backend.put(keys(1, salt=1)[0], b"y" * OBJECT)  # over the cap: down to the low watermark
+    assert all(backend.get(key) is not None for key in first[:2])
+    assert backend.get(first[2]) is None
+
+
 def test_a_store_over_its_cap_at_start_up_is_brought_under_it(tmp_path: Path) -> None:
     uncapped = FileBackend(tmp_path)
     for key in keys(20):

@@ -42,6 +42,20 @@ def test_round_trip_and_exists_prefix(redis_server: RedisServer) -> None:
     backend.close()
 
 
+def test_touch_is_an_access_to_redis_lru(redis_server: RedisServer) -> None:
+    """A capped Redis (maxmemory, an LRU policy) evicts by idle time: a touched page's is reset."""
+    store = VerifiedStore(make_backend("redis", url=redis_server.url), NS, payload_bytes=PAGE_BYTES)
+    hashes = page_hashes(range(16 * 2), 16)
+    assert store.put_pages(hashes, payloads(2))
+    raw = redis.Redis.from_url(redis_server.url)
+    names = [f"hicache:{NS.object_key(h)}" for h in hashes]
+    time.sleep(1.1)  # OBJECT IDLETIME counts whole seconds
+    store.touch(hashes[:1])
+    assert raw.object("idletime", names[0]) == 0 and raw.object("idletime", names[1]) >= 1
+    raw.close()
+    store.backend.close()
+
+
 def test_truncated_and_foreign_values_are_corrupt_misses(redis_server: RedisServer) -> None:
     backend = RedisBackend(redis_server.url)
     store = VerifiedStore(backend, NS)
