@@ -115,12 +115,18 @@ class CheckedTiers(Tiers):
 def test_eviction_order_equals_a_full_rebuild(min_compact, operations):
     with mock.patch.object(radix_lru, "_MIN_COMPACT", min_compact):
         t = CheckedTiers()
+    run_then_drain(t, operations)
+
+
+def run_then_drain(t: CheckedTiers, operations) -> None:  # noqa: ANN001 - hypothesis's (op, arg) pairs
+    """Apply `operations`, checking the invariants after each; then unlock everything and evict every
+    candidate there is, in order (each pop checked against a full rebuild): the tree empties completely."""
     for op, arg in operations:
         t.apply(op, arg)
         t.check_invariants()
     for node, _ in t.locks:
         t.tree.unlock(node)
-    t.tree.evict(t.tree.total_pages + 1)  # every candidate there is, in order
+    t.tree.evict(t.tree.total_pages + 1)
     t.tree.evict_host(t.tree.host_pages_held + 1)
     assert not list(t.tree.nodes()), "an unlocked tree empties completely"
     assert t.dev.free_pages == DEVICE_PAGES and t.host.free_pages == HOST_PAGES

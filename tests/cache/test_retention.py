@@ -15,8 +15,8 @@ from hicache.cache import radix_lru, retention
 from hicache.cache.radix import RadixTree, TreeNode
 from hicache.cache.retention import NO_RETENTION, Retention
 from tests.cache.kv import PAGE, settle, tiers, write_kv
-from tests.cache.test_radix_lru import CheckedTiers
-from tests.cache.test_radix_tiers import DEVICE_PAGES, HOST_PAGES, OPERATIONS
+from tests.cache.test_radix_lru import CheckedTiers, run_then_drain
+from tests.cache.test_radix_tiers import OPERATIONS
 
 arrivals = st.tuples(
     st.just("arrive"),
@@ -56,16 +56,7 @@ def test_eviction_order_with_hints_equals_a_full_rebuild(min_compact, operations
         mock.patch.object(radix_lru, "_MIN_COMPACT", min_compact),
         mock.patch.object(retention, "_MIN_COMPACT", min_compact),
     ):
-        t = HintedTiers()
-        for op, arg in operations:
-            t.apply(op, arg)
-            t.check_invariants()
-        for node, _ in t.locks:
-            t.tree.unlock(node)
-        t.tree.evict(t.tree.total_pages + 1)  # every candidate there is, in order
-        t.tree.evict_host(t.tree.host_pages_held + 1)
-    assert not list(t.tree.nodes()), "an unlocked tree empties completely"
-    assert t.dev.free_pages == DEVICE_PAGES and t.host.free_pages == HOST_PAGES
+        run_then_drain(HintedTiers(), operations)
 
 
 def three_prompts(hint: Retention) -> tuple[RadixTree, list[list[int]]]:

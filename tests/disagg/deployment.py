@@ -8,7 +8,7 @@ import contextlib
 import pathlib
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import httpx
 
@@ -45,11 +45,13 @@ def router(
 
 
 @contextlib.contextmanager
-def started(*servers: ServerProcess) -> Iterator[None]:
-    """Wait until every server is healthy; stop them all at the end (signal all, then wait)."""
+def started(
+    *servers: ServerProcess, wait: Callable[[ServerProcess], None] = ServerProcess.wait_healthy
+) -> Iterator[None]:
+    """Wait until every server is healthy (`wait`); stop them all at the end (signal all, then wait)."""
     try:
         for server in servers:
-            server.wait_healthy()
+            wait(server)
         yield
     finally:
         for server in servers:

@@ -19,6 +19,7 @@ import httpx
 import pytest
 
 from hicache import Engine, SamplingParams
+from tests.disagg.deployment import started
 from tests.fleet.netns import Host, network, unavailable
 from tests.server.server_harness import REPO, ServerProcess, metric, scrape
 from tests.storage.redis_server import RedisServer
@@ -87,15 +88,8 @@ def wait_healthy(client: Host, server: ServerProcess) -> None:
 
 @contextlib.contextmanager
 def running(client: Host, *servers: ServerProcess) -> Iterator[None]:
-    try:
-        for server in servers:
-            wait_healthy(client, server)
+    with started(*servers, wait=functools.partial(wait_healthy, client)):
         yield
-    finally:
-        for server in servers:
-            server.terminate()
-        for server in servers:
-            server.wait_stopped()
     for server in servers:  # after a clean run only: a failure's own message is the one to read
         assert "Traceback" not in server.log.read_text(errors="replace"), server.log_tail()
 
