@@ -61,7 +61,12 @@ def started(
 
 
 def ports(n: int) -> list[int]:
-    return [free_ports(1) for _ in range(n)]
+    """n distinct free ports (each pick is random and free now: two picks can be the same port)."""
+    chosen: list[int] = []
+    while len(chosen) < n:
+        if (port := free_ports(1)) not in chosen:
+            chosen.append(port)
+    return chosen
 
 
 def decode_counters(url: str) -> dict[str, float]:

@@ -37,8 +37,9 @@ PAGE = 16
 @pytest.fixture(scope="module")
 def deployment(tmp_path_factory: pytest.TempPathFactory):
     logs = tmp_path_factory.mktemp("pd")
-    p_port, p2_port, d_port, plain_port, ref_port, r_port, r_plain_port, r_many_port, boot, boot2 = ports(10)
-    r_aware_port = ports(1)[0]
+    p_port, p2_port, d_port, plain_port, ref_port, r_port, r_plain_port, r_many_port, boot, boot2, r_aware_port = (
+        ports(11)
+    )
     events = [("--kv-events-endpoint", f"tcp://127.0.0.1:{free_ports(2)}") for _ in range(3)]
     prefill = serve(logs, p_port, *prefill_args(boot, *events[0]))
     prefill2 = serve(logs, p2_port, *prefill_args(boot2, *events[1]))

@@ -65,22 +65,17 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list:
     return turns
 
 
-def test_device_tier_answers_and_logprobs_equal_cache_off(reference: list, tmp_path: pathlib.Path) -> None:
-    with running_servers(tmp_path, SMOLLM2) as (server,):
-        assert httpx.get(f"{server.url}/health").json()["batch_invariance"]["verified"] is True
-        turns = converse(server.url)
-        assert_no_leaks(server.url)
-    assert all(tiers["device"] > 0 for _, _, tiers in turns[2:]), "later turns must hit the device cache"
-    _assert_same(turns, reference, "device")
-
-
 def test_host_and_storage_tiers_answers_and_logprobs_equal_cache_off(reference: list, tmp_path: pathlib.Path) -> None:
     # A low prefetch threshold: the first turns' prompts (~220 tokens) are below the default 256.
     store = ("--hicache-storage-backend", "file", "--hicache-storage-dir", str(tmp_path / "store"),
              "--hicache-storage-prefetch-threshold", "64")
     with running_servers(tmp_path, (*SMOLLM2, *HIERARCHICAL, *store)) as (server,):
+        assert httpx.get(f"{server.url}/health").json()["batch_invariance"]["verified"] is True
         turns = converse(server.url)
         assert_no_leaks(server.url)
+    # Each conversation's later turns find part of their history on the device, the part the other's
+    # turn pushed out in host memory.
+    assert any(tiers["device"] > 0 for _, _, tiers in turns), f"no device hit: {[t for _, _, t in turns]}"
     assert any(tiers["host"] > 0 for _, _, tiers in turns), f"no host hit: {[t for _, _, t in turns]}"
     _assert_same(turns, reference, "device + host")
     # A new server on the same store: every turn's history comes back from storage.
