@@ -37,6 +37,8 @@ def test_prompts_file_runs_in_order_and_hits_cache(tmp_path):
         (["--model", "tiny", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens must be positive"),
         (["--model", "tiny", "--prompt", "x", "--page-size", "12"], "power of two"),
         (["--model", "tiny"], "required"),
+        (["--model", "tiny", "--prompt", "x", "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
+          "--hicache-storage-idle-ttl", "60"], "applies to --hicache-storage-backend redis only"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(args, message):

@@ -92,6 +92,11 @@ class RetentionTimeline:
         """The node's priority now (0 once its retention has passed, lapsed or not yet)."""
         return node.priority if node.retain_until > self.now else 0
 
+    def remaining(self, node: TreeNode) -> float:
+        """Seconds of retention the node has left (0: none; inf: until evicted): what a store that keeps
+        no priorities takes as a time credit (StoragePuts)."""
+        return node.retain_until - self.now if self.effective(node) else 0.0
+
     def touch_path(self, nodes: Iterable[TreeNode], retention: Retention) -> None:
         """A request matched or inserted `nodes` (the tree offers the candidates among them afterwards, as
         for any touch). The clock moves on to its arrival; with a hint, each node keeps the higher of its

@@ -31,6 +31,10 @@ from hicache.mem.host_pool import PagePart
 from hicache.storage import VerifiedStore
 
 RETRY_PROBE_INTERVAL_S = 1.0  # while the store is down, how often a retried put may find out it is back
+# A retention without an end (until evicted) as a store's time credit: after every page used within a year.
+UNTIL_EVICTED_S = 365 * 24 * 3600.0
+
+Uses = Sequence[tuple[list[bytes], float | None]]  # page hashes a put marks used, and when (StoragePuts._uses)
 
 
 class StoragePuts:
@@ -61,12 +65,13 @@ class StoragePuts:
     def put(self, nodes: list[TreeNode]) -> TransferOp | None:
         """Queue the host copies of `nodes` for storage (the put, to wait for; None: nothing to put). The
         pages of their ancestors are touched after it: a store that evicts the least recently used then
-        takes a chain from its tail, not its head, which a hit in memory never reads there."""
+        takes a chain from its tail, not its head, which a hit in memory never reads there. Retained
+        pages, theirs and the ancestors', are touched at the end of their retention (`_uses`)."""
         pages = [page for node in nodes for page in self._own_pages(node)]
         for node in nodes:  # the whole page, as every owner puts its part of it
             self.tree.events.stored(node, STORAGE)
         self.stats.put_pages += len(pages)
-        return self._submit(pages, self._ancestor_hashes(nodes) if pages else [])
+        return self._submit(pages, self._uses(nodes) if pages else [])
 
     def retry(self, path: list[TreeNode]) -> TransferOp | None:
         """Put again the pages of `path` (a request's matched prefix) whose put found the store
@@ -111,18 +116,28 @@ class StoragePuts:
                     pages.append((digest, page))
         return pages
 
-    def _ancestor_hashes(self, nodes: list[TreeNode]) -> list[bytes]:
-        """The page hashes of the nodes above `nodes` (none of them), root first: what the put leans on."""
+    def _uses(self, nodes: list[TreeNode]) -> list[tuple[list[bytes], float | None]]:
+        """What a put of `nodes` marks used, and when (wall-clock seconds; None: now): the pages of the
+        nodes above them (none of them), root first, which the put leans on; and every retained page of
+        both at the end of its retention, a time credit for a store that keeps no priorities
+        (docs/DESIGN.md, "retention hints"; a store never moves a use back, so the order does not matter)."""
         seen = {id(node) for node in nodes}
-        chains = []
+        above: list[TreeNode] = []
         for node in nodes:
-            chain, above = [], node.parent
-            while above is not None and above.parent is not None and id(above) not in seen:  # not the root
-                seen.add(id(above))
-                chain.append(chain_hashes(above, self.page_size))
-                above = above.parent
-            chains += reversed(chain)
-        return [digest for hashes in chains for digest in hashes]
+            chain, up = [], node.parent
+            while up is not None and up.parent is not None and id(up) not in seen:  # not the root
+                seen.add(id(up))
+                chain.append(up)
+                up = up.parent
+            above += reversed(chain)
+        retention, now = self.tree.retention, time.time()
+        uses: list[tuple[list[bytes], float | None]] = [
+            ([d for node in above if not retention.remaining(node) for d in chain_hashes(node, self.page_size)], None)
+        ]
+        for node in above + nodes:
+            if left := retention.remaining(node):
+                uses.append((chain_hashes(node, self.page_size), now + min(left, UNTIL_EVICTED_S)))
+        return uses
 
     def _take_in_failed(self) -> None:
         while self._failed:
@@ -133,10 +148,10 @@ class StoragePuts:
         for _ in range(len(self.unstored) - self.pool.allocator.num_pages):
             del self.unstored[next(iter(self.unstored))]
 
-    def _submit(self, pages: list[tuple[bytes, int]], touched: Sequence[bytes] = ()) -> TransferOp | None:
-        return None if (op := self._op(pages, touched)) is None else self.worker.submit(op)
+    def _submit(self, pages: list[tuple[bytes, int]], uses: Uses = ()) -> TransferOp | None:
+        return None if (op := self._op(pages, uses)) is None else self.worker.submit(op)
 
-    def _op(self, pages: list[tuple[bytes, int]], touched: Sequence[bytes] = ()) -> TransferOp | None:
+    def _op(self, pages: list[tuple[bytes, int]], uses: Uses = ()) -> TransferOp | None:
         if not pages:
             return None
         hashes = [digest for digest, _ in pages]
@@ -149,8 +164,9 @@ class StoragePuts:
             for (store, _), part_payloads in zip(parts, payloads):
                 present = store.exists_prefix(hashes)
                 stored &= store.put_pages(hashes[present:], part_payloads[present:])
-                if touched:
-                    store.touch(touched)
+                for used, at in uses:
+                    if used:
+                        store.touch(used, at)
             if not stored:
                 failed.append(hashes)
 

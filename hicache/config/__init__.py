@@ -73,6 +73,7 @@ class HiCacheConfig(FromArgs):
     hicache_storage_prefetch_timeout_base: float = 1.0  # seconds
     hicache_storage_prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 prefetched tokens
     hicache_storage_max_bytes: int = 0  # file backend: least recently used objects go past this; 0 = no cap
+    hicache_storage_idle_ttl: float = 0.0  # redis backend: seconds an object lives after its last use; 0 = ever
     hicache_transfer_timeout: float = 60.0  # seconds any wait on a copy or storage call may take
     hicache_draft_layout: str = "auto"  # how a speculative draft's state sits beside the target's (hicache/spec/)
     # Storage keys (hicache/storage/unified.py): "rank-suffix" names each rank's shard; "unified" cuts a
@@ -96,6 +97,8 @@ class HiCacheConfig(FromArgs):
                 raise UserError("--hicache-storage-backend needs --enable-hierarchical-cache")
         if self.hicache_storage_max_bytes and self.hicache_storage_backend != "file":
             raise UserError("--hicache-storage-max-bytes applies to --hicache-storage-backend file only")
+        if self.hicache_storage_idle_ttl and self.hicache_storage_backend != "redis":
+            raise UserError("--hicache-storage-idle-ttl applies to --hicache-storage-backend redis only")
         _choice("--hicache-storage-key-scheme", self.hicache_storage_key_scheme, KEY_SCHEMES)
         if self.hicache_storage_key_scheme == "unified":
             if self.hicache_mem_layout == "layer_first":
@@ -104,7 +107,7 @@ class HiCacheConfig(FromArgs):
             # the same bytes for MLA and a permutation for MHA, so it is switched, not refused.
             object.__setattr__(self, "hicache_mem_layout", "page_unified")
         for name in ("hicache_load_back_threshold", "hicache_storage_prefetch_threshold", "hicache_storage_max_bytes",
-                     "hicache_storage_head_partition", "hicache_storage_layer_partition"):
+                     "hicache_storage_head_partition", "hicache_storage_layer_partition", "hicache_storage_idle_ttl"):
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0")
         if not self.hicache_transfer_timeout > 0:

@@ -109,6 +109,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="file backend size cap in bytes: least recently used objects are removed (0: no cap)",
     )
     t.add_argument(
+        "--hicache-storage-idle-ttl",
+        type=float,
+        default=h.hicache_storage_idle_ttl,
+        help="redis backend: seconds an object lives after its last use, so that maxmemory-policy volatile-ttl "
+        "evicts least recently used first and honours retention hints (0: objects never expire)",
+    )
+    t.add_argument(
         "--hicache-storage-key-scheme",
         default=h.hicache_storage_key_scheme,
         help="rank-suffix (each rank's own objects) or unified (objects any compatible TP/PP reads)",

@@ -45,8 +45,8 @@ class FlakyReads(StorageBackend):
     def put(self, key: str, blob: Blob) -> None:
         self.inner.put(key, blob)
 
-    def touch(self, keys: list[str]) -> None:
-        self.inner.touch(keys)
+    def touch(self, keys: list[str], at: float | None = None) -> None:
+        self.inner.touch(keys, at)
 
     def batch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
         self.inner.batch_put(items)

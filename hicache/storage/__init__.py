@@ -45,12 +45,16 @@ __all__ = [
 
 
 def make_backend(
-    kind: str, storage_dir: str | os.PathLike[str] | None = None, url: str | None = None, max_bytes: int = 0
+    kind: str,
+    storage_dir: str | os.PathLike[str] | None = None,
+    url: str | None = None,
+    max_bytes: int = 0,
+    idle_ttl_s: float = 0.0,
 ) -> StorageBackend:
     """The backend for `--hicache-storage-backend kind`: "file" (under storage_dir, default
     default_storage_dir(), capped at max_bytes if > 0) or "redis" (at url, default
-    redis://127.0.0.1:6379/0). Connections are lazy: an unreachable Redis is reported by the first
-    operation as StorageUnavailable, not here."""
+    redis://127.0.0.1:6379/0; objects expire idle_ttl_s after their last use if > 0). Connections are
+    lazy: an unreachable Redis is reported by the first operation as StorageUnavailable, not here."""
     if kind == "file":
         try:
             return FileBackend(storage_dir, max_bytes=max_bytes)
@@ -58,7 +62,7 @@ def make_backend(
             raise UserError(str(exc)) from exc
     if kind == "redis":
         try:
-            return RedisBackend(url or DEFAULT_URL)
+            return RedisBackend(url or DEFAULT_URL, idle_ttl_s=idle_ttl_s)
         except ValueError as exc:
             raise UserError(f"invalid Redis URL {url!r}: {exc}") from exc
     raise UserError(f"unknown storage backend {kind!r}; choose one of {', '.join(BACKEND_KINDS)}")

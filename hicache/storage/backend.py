@@ -163,11 +163,13 @@ class StorageBackend(abc.ABC):
     def close(self) -> None:
         """Release connections and handles. The backend is unusable afterwards."""
 
-    def touch(self, keys: list[str]) -> None:
-        """Mark the objects under `keys` (those present) used now, for a store that evicts the least
-        recently used: a page's ancestors are touched after it is put, so a chain ages from its tail
-        and a prefix's first pages, which every later turn needs, are not the first to go (docs/DESIGN.md,
-        "storage"). The default does nothing: a store without a cap of its own."""
+    def touch(self, keys: list[str], at: float | None = None) -> None:
+        """Mark the objects under `keys` (those present) used now, or at the wall-clock time `at` when
+        later than their last use, for a store that evicts the least recently used: a page's ancestors are
+        touched after it is put, so a chain ages from its tail and a prefix's first pages, which every later
+        turn needs, are not the first to go (docs/DESIGN.md, "storage"); a retained page is touched at the
+        end of its retention, a use in the future ("retention hints"). The default does nothing: a store
+        without a cap of its own."""
 
     def evictions(self) -> tuple[int, int]:
         """(objects, bytes) the backend removed to stay under a size cap of its own; (0, 0) for a store

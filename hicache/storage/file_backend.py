@@ -79,10 +79,10 @@ class FileBackend(StorageBackend):
         # check_key admits no '/', '.', NUL or other separator, so the result is always inside the root.
         return os.path.join(self._root, check_key(key)[:_FANOUT], key)
 
-    def touch(self, keys: list[str]) -> None:
+    def touch(self, keys: list[str], at: float | None = None) -> None:
         check_keys(keys)
         for key in keys:
-            self.capacity.on_read(self._path(key))  # its mtime is its last use (only when capped)
+            self.capacity.on_use(self._path(key), at)  # its mtime is its last use (only when capped)
 
     def exists_prefix(self, keys: list[str]) -> int:
         check_keys(keys)  # every key before touching the disk
@@ -123,7 +123,7 @@ class FileBackend(StorageBackend):
             return None
         except OSError as exc:
             raise StorageUnavailable(f"reading {path}: {exc}") from exc
-        self.capacity.on_read(path)
+        self.capacity.on_use(path)
         return data
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
@@ -146,7 +146,7 @@ class FileBackend(StorageBackend):
             return None
         except OSError as exc:
             raise StorageUnavailable(f"reading {path}: {exc}") from exc
-        self.capacity.on_read(path)
+        self.capacity.on_use(path)
         try:
             size = os.fstat(fd).st_size
             want = min(size, sum(b.nbytes for b in buffers))
@@ -218,7 +218,7 @@ class FileBackend(StorageBackend):
             return None
         except OSError as exc:
             raise StorageUnavailable(f"reading {path}: {exc}") from exc
-        self.capacity.on_read(path)
+        self.capacity.on_use(path)
         return data
 
     def batch_read_ranges(self, items: Sequence[tuple[str, Sequence[tuple[int, memoryview]]]]) -> list[int | None]:
@@ -232,7 +232,7 @@ class FileBackend(StorageBackend):
                 continue
             except OSError as exc:
                 raise StorageUnavailable(f"reading {path}: {exc}") from exc
-            self.capacity.on_read(path)
+            self.capacity.on_use(path)
             try:  # one pread per range, at its offset: the bytes between ranges are never read
                 out.append(sum(_pread_into(fd, buf, offset) for offset, buf in ranges))
             except OSError as exc:

@@ -2,7 +2,9 @@
 
 The directory itself is the index. An object's last use is its mtime: a put writes it, and a read of a
 capped store touches it (`os.utime`), so it works on file systems mounted noatime and across several
-servers sharing one directory. The backend keeps a running estimate of the bytes stored (a scan at
+servers sharing one directory. A retention hint (docs/DESIGN.md, "retention hints") is a time credit: a
+retained page counts as used at the end of its retention, an mtime in the future, so the pass takes it
+after every page used before then; no use moves an mtime back, so a read does not take the credit away. The backend keeps a running estimate of the bytes stored (a scan at
 start-up plus its own puts); when the estimate passes the cap, one eviction pass scans the directory
 (the true total, other writers' objects included), then deletes the least recently used objects until
 the total is under LOW_WATERMARK of the cap. Objects are immutable and content-addressed, so deleting
@@ -89,11 +91,14 @@ class FileCapacity:
             self._estimate += size
         self._evict_if_over()
 
-    def on_read(self, path: str) -> None:
-        """A read marks the object used (only when capped: otherwise last use is never consulted)."""
+    def on_use(self, path: str, at: float | None = None) -> None:
+        """The object was used (read, or touched) at `at` (None: now); only when capped, as otherwise last
+        use is never consulted. Never back: an mtime past `at` is a retention credit, kept."""
         if self.max_bytes:
+            at = time.time() if at is None else at
             try:
-                os.utime(path)
+                if os.stat(path).st_mtime < at:
+                    os.utime(path, (at, at))
             except OSError:
                 pass  # deleted meanwhile, or a read-only store: the object just ages as if unread
 

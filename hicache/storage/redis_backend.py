@@ -16,6 +16,14 @@ a socket the server has closed before reusing it, so the first call after a rest
 
 Run the server as a cache (`maxmemory` with `maxmemory-policy allkeys-lru`): at maxmemory without an
 eviction policy Redis refuses writes, which this backend reports as StorageUnavailable.
+
+Retention hints (docs/DESIGN.md, "retention hints") reach Redis only through expiry: Redis's LRU and LFU
+count uses up to now and no later. With `idle_ttl_s` (`--hicache-storage-idle-ttl`) every object expires
+that long after its last use: a put sets it, a read or a touch moves it later (never earlier), and a
+retained page's touch at the end of its retention moves it that much further. Under
+`maxmemory-policy volatile-ttl`, which evicts the nearest expiry first, Redis's eviction is then least
+recently used first with the hints' credit, the file store's order; an object idle for `idle_ttl_s`
+expires even without pressure.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import re
+import time
 from collections.abc import Iterator, Sequence
 from typing import cast
 
@@ -53,6 +62,12 @@ for i, key in ipairs(KEYS) do
 end
 return #KEYS
 """
+# Each KEY's expiry moved to ARGV[1] ms from now, unless it is later already (GT; a key without one has
+# none to move: objects written before expiries were used stay as they are).
+_EXPIRE_LATER = """
+for i, key in ipairs(KEYS) do redis.call('PEXPIRE', key, ARGV[1], 'GT') end
+return 0
+"""
 
 
 class RedisBackend(StorageBackend):
@@ -71,11 +86,16 @@ class RedisBackend(StorageBackend):
         timeout_s: float = 1.0,
         health_check_interval_s: int = 10,
         exists_chunk: int = 256,
+        idle_ttl_s: float = 0.0,
     ) -> None:
+        """`idle_ttl_s`: each object expires that long after its last use (0: never; the module docstring)."""
         if _PREFIX_RE.fullmatch(prefix) is None:
             raise ValueError(f"invalid key prefix {prefix!r}: expected characters from [0-9A-Za-z_:-]")
         if exists_chunk <= 0:
             raise ValueError(f"exists_chunk must be positive, got {exists_chunk}")
+        if not idle_ttl_s >= 0:
+            raise ValueError(f"idle_ttl_s must be >= 0, got {idle_ttl_s}")
+        self._idle_ms = round(idle_ttl_s * 1000)
         self.url = url
         self.prefix = prefix
         self.exists_chunk = exists_chunk
@@ -89,6 +109,7 @@ class RedisBackend(StorageBackend):
         )
         # EVALSHA, loading the script again after a restart emptied the server's script cache.
         self._leading_keys = self._client.register_script(_LEADING_KEYS)
+        self._expire_later = self._client.register_script(_EXPIRE_LATER)
 
     def _name(self, key: str) -> str:
         return self.prefix + check_key(key)
@@ -125,19 +146,24 @@ class RedisBackend(StorageBackend):
     def get(self, key: str) -> bytes | None:
         name = self._name(key)
         with self._reachable("GET"):
-            return cast("bytes | None", self._client.get(name))  # bytes: decode_responses is off
+            data = cast("bytes | None", self._client.get(name))  # bytes: decode_responses is off
+            self._used([name])
+        return data
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         if not keys:
             return []
         names = [self._name(k) for k in keys]
         with self._reachable("MGET"):
-            return cast("list[bytes | None]", self._client.mget(names))
+            data = cast("list[bytes | None]", self._client.mget(names))
+            self._used(names)
+        return data
 
     def put(self, key: str, blob: Blob) -> None:
         name = self._name(key)
         with self._reachable("SET"):
-            self._client.set(name, join_blob(blob))  # a SET takes one value: parts are joined (one copy)
+            # A SET takes one value: parts are joined (one copy).
+            self._client.set(name, join_blob(blob), px=self._idle_ms or None)
 
     def batch_put(self, items: Sequence[tuple[str, Blob]]) -> None:
         if not items:
@@ -146,7 +172,7 @@ class RedisBackend(StorageBackend):
         with self._reachable("SET pipeline"):
             pipe = self._client.pipeline(transaction=False)
             for name, blob in named:
-                pipe.set(name, blob)
+                pipe.set(name, blob, px=self._idle_ms or None)
             pipe.execute()
 
     def get_range(self, key: str, offset: int, length: int) -> bytes | None:
@@ -160,6 +186,7 @@ class RedisBackend(StorageBackend):
             if length:
                 pipe.getrange(name, offset, offset + length - 1)
             present, *data = pipe.execute()
+            self._used([name])
         if not present:
             return None
         return data[0] if data else b""
@@ -179,6 +206,7 @@ class RedisBackend(StorageBackend):
                     if buf.nbytes:
                         pipe.getrange(name, offset, offset + buf.nbytes - 1)
             replies = iter(pipe.execute())
+            self._used(names)
         out: list[int | None] = []
         for _, ranges in items:
             present = next(replies)
@@ -204,13 +232,26 @@ class RedisBackend(StorageBackend):
                     pipe.setrange(name, size - 1, b"\x00")
                 for offset, part in parts:
                     pipe.setrange(name, offset, bytes(memoryview(part).cast("B")))
+                if self._idle_ms:
+                    pipe.pexpire(name, self._idle_ms)
             pipe.execute()
 
-    def touch(self, keys: list[str]) -> None:
+    def touch(self, keys: list[str], at: float | None = None) -> None:
+        """TOUCH (what a maxmemory LRU or LFU policy counts as an access, now whatever `at` says); with
+        `idle_ttl_s`, also each expiry moved to `idle_ttl_s` past `at` (a retention credit, the module
+        docstring)."""
         check_keys(keys)
-        if keys:  # TOUCH: what a maxmemory LRU or LFU policy counts as an access
+        if keys:
+            names = [self.prefix + k for k in keys]
             with self._reachable("TOUCH"):
-                self._client.touch(*(self.prefix + k for k in keys))
+                self._client.touch(*names)
+                self._used(names, 0.0 if at is None else max(0.0, at - time.time()))
+
+    def _used(self, names: list[str], later_s: float = 0.0) -> None:
+        """With `idle_ttl_s`: the objects `names` were used, `later_s` seconds from now (their expiries,
+        never earlier). Inside the caller's `_reachable`."""
+        if self._idle_ms and names:
+            self._expire_later(keys=names, args=[self._idle_ms + round(later_s * 1000)])
 
     def delete(self, key: str) -> None:
         name = self._name(key)

@@ -93,11 +93,11 @@ class VerifiedStore:
         self._reachable()
         return found
 
-    def touch(self, page_hashes: Sequence[bytes]) -> None:
-        """Mark the stored pages used now (StorageBackend.touch); an unavailable store is not an error here:
-        the put beside it finds out and counts it."""
+    def touch(self, page_hashes: Sequence[bytes], at: float | None = None) -> None:
+        """Mark the stored pages used now, or at `at` (StorageBackend.touch); an unavailable store is not an
+        error here: the put beside it finds out and counts it."""
         try:
-            self.backend.touch(self.keys(page_hashes))
+            self.backend.touch(self.keys(page_hashes), at)
         except StorageUnavailable:
             pass
 

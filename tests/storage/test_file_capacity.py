@@ -66,6 +66,22 @@ def test_touched_objects_go_after_untouched_older_ones(tmp_path: Path) -> None:
     assert backend.get(first[2]) is None
 
 
+def test_an_object_touched_in_the_future_goes_after_every_one_used_before_then(tmp_path: Path) -> None:
+    """A retention hint's credit (docs/DESIGN.md, "retention hints"): touched at the end of its retention,
+    the oldest object outlives newer plain ones, and a later read does not take the credit back."""
+    backend = FileBackend(tmp_path, max_bytes=10 * OBJECT)
+    first = keys(10)
+    for key in first:
+        backend.put(key, b"x" * OBJECT)
+        time.sleep(0.002)
+    backend.touch(first[:1], at=time.time() + 600)
+    assert backend.get(first[0]) is not None  # a read now: used now, but the credit is later and stays
+    assert os.stat(backend._path(first[0])).st_mtime > time.time() + 500
+    backend.put(keys(1, salt=1)[0], b"y" * OBJECT)  # over the cap: down to the low watermark
+    assert backend.get(first[0]) is not None
+    assert backend.get(first[1]) is None, "the plain objects used before the credit's end go first"
+
+
 def test_a_store_over_its_cap_at_start_up_is_brought_under_it(tmp_path: Path) -> None:
     uncapped = FileBackend(tmp_path)
     for key in keys(20):

@@ -56,6 +56,42 @@ def test_touch_is_an_access_to_redis_lru(redis_server: RedisServer) -> None:
     store.backend.close()
 
 
+def test_with_an_idle_ttl_volatile_ttl_evicts_least_recently_used_and_keeps_a_retained_page(
+    redis_server: RedisServer,
+) -> None:
+    """`--hicache-storage-idle-ttl` (docs/DESIGN.md, "retention hints"): every object expires that long
+    after its last use, a retained page's touch moves that to past its retention's end, and a read never
+    moves it back; so under maxmemory with `volatile-ttl` Redis evicts the least recently used first and the
+    retained page after them."""
+    backend = RedisBackend(redis_server.url, idle_ttl_s=600)
+    store = VerifiedStore(backend, NS, payload_bytes=PAGE_BYTES)
+    raw = redis.Redis.from_url(redis_server.url)
+    hashes = page_hashes(range(16 * 24), 16)
+    names = [f"hicache:{NS.object_key(h)}" for h in hashes]
+    assert store.put_pages(hashes[:10], payloads(10))
+    assert 599_000 < raw.pttl(names[0]) <= 600_000
+    time.sleep(0.05)
+    store.touch(hashes[:1], at=time.time() + 3600)  # retained for an hour
+    assert store.get_pages(hashes[:1])[0] is not None  # a read now does not take the credit back
+    assert 4_199_000 < raw.pttl(names[0]) <= 4_200_000
+    store.touch(hashes[5:10])  # used now: later than the other plain ones
+    # Room for about 14 objects beyond what the server holds besides them, sampled exactly.
+    baseline = int(raw.info("memory")["used_memory"]) - 10 * PAGE_BYTES
+    raw.config_set("maxmemory-samples", 64)
+    raw.config_set("maxmemory-policy", "volatile-ttl")
+    raw.config_set("maxmemory", baseline + 14 * PAGE_BYTES)
+    assert store.put_pages(hashes[10:20], payloads(10, salt=10))
+    assert raw.exists(names[0]) == 1, "the retained page was evicted"
+    # The plain pages by last use, in groups used together (within a millisecond: ties, in any order):
+    # 1-4 (put), 5-9 (touched), 10-19 (put last). What went is the oldest groups'.
+    groups = [[raw.exists(n) == 1 for n in names[a:b]] for a, b in ((1, 5), (5, 10), (10, 20))]
+    last = max(g for g, group in enumerate(groups) if not all(group))
+    assert not any(p for group in groups[:last] for p in group) and all(p for g in groups[last + 1 :] for p in g)
+    assert sum(not p for group in groups for p in group) >= 4, groups
+    raw.close()
+    backend.close()
+
+
 def test_truncated_and_foreign_values_are_corrupt_misses(redis_server: RedisServer) -> None:
     backend = RedisBackend(redis_server.url)
     store = VerifiedStore(backend, NS)
