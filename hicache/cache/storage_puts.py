@@ -63,10 +63,12 @@ class StoragePuts:
         self._last_retry = 0.0
 
     def put(self, nodes: list[TreeNode]) -> TransferOp | None:
-        """Queue the host copies of `nodes` for storage (the put, to wait for; None: nothing to put). The
+        """Queue the host copies of `nodes` for storage (the put, to wait for; None: nothing to put; called
+        every step, with no nodes too, so what the store's cap evicted is reported within a step). The
         pages of their ancestors are touched after it: a store that evicts the least recently used then
         takes a chain from its tail, not its head, which a hit in memory never reads there. Retained
         pages, theirs and the ancestors', are touched at the end of their retention (`_uses`)."""
+        self._report_evicted()
         pages = [page for node in nodes for page in self._own_pages(node)]
         for node in nodes:  # the whole page, as every owner puts its part of it
             self.tree.events.stored(node, STORAGE)
@@ -138,6 +140,15 @@ class StoragePuts:
             if left := retention.remaining(node):
                 uses.append((chain_hashes(node, self.page_size), now + min(left, UNTIL_EVICTED_S)))
         return uses
+
+    def _report_evicted(self) -> None:
+        """KV events for the pages a store's own cap evicted (the file store's, during this rank's puts):
+        a page any of whose objects went is gone from storage."""
+        backends = {id(store.backend): store.backend for store, _ in self.parts}
+        keys = [key for backend in backends.values() for key in backend.take_evicted()]
+        if keys:
+            pages = dict.fromkeys(page for store, _ in self.parts for page in store.pages_of(keys))
+            self.tree.events.removed_pages(list(pages), STORAGE)
 
     def _take_in_failed(self) -> None:
         while self._failed:

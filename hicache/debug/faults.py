@@ -66,6 +66,9 @@ class FlakyReads(StorageBackend):
     def evictions(self) -> tuple[int, int]:
         return self.inner.evictions()
 
+    def take_evicted(self) -> list[str]:
+        return self.inner.take_evicted()
+
 
 class InjectedFault(RuntimeError):
     """A failure fault injection caused (so logs and tests can tell it from a real one)."""

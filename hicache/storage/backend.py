@@ -176,6 +176,11 @@ class StorageBackend(abc.ABC):
         that has none (Redis evicts by its own maxmemory policy, which it reports itself)."""
         return 0, 0
 
+    def take_evicted(self) -> list[str]:
+        """The keys the backend removed to stay under a size cap of its own since the last call (for the
+        KV events: a page gone from storage); [] for a store that has none."""
+        return []
+
     def __enter__(self) -> "StorageBackend":
         return self
 

@@ -274,6 +274,9 @@ class FileBackend(StorageBackend):
     def evictions(self) -> tuple[int, int]:
         return self.capacity.stats.evicted_objects, self.capacity.stats.evicted_bytes
 
+    def take_evicted(self) -> list[str]:
+        return self.capacity.take_evicted()
+
 
 def _after(buffers: Sequence[memoryview], skip: int) -> list[memoryview]:
     """`buffers` with their first `skip` bytes (in order) dropped."""

@@ -21,11 +21,15 @@ import os
 import re
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 
 logger = logging.getLogger(__name__)
 
 LOW_WATERMARK = 0.9  # an eviction pass frees down to this fraction of the cap, so passes stay rare
+# Evicted keys kept for the KV events until taken (take_evicted): a bound for a store nobody asks, whose
+# oldest keys are then dropped (a subscriber's index keeps those pages: a worse route, never a wrong answer).
+MAX_UNREPORTED_EVICTIONS = 1 << 20
 STALE_TMP_S = 60.0
 
 
@@ -70,6 +74,7 @@ class FileCapacity:
         self.fanout_dir = fanout_dir
         self.max_bytes = max_bytes
         self.stats = CapacityStats()
+        self._evicted: deque[str] = deque(maxlen=MAX_UNREPORTED_EVICTIONS)  # keys: appended by a pass
         self._lock = threading.Lock()
         objects, temps = scan(root, fanout_dir)
         now = time.time()
@@ -107,6 +112,11 @@ class FileCapacity:
             with self._lock:
                 self._estimate = max(0, self._estimate - size)
 
+    def take_evicted(self) -> list[str]:
+        """The keys eviction passes removed since the last call (thread-safe: a deque's ends are atomic)."""
+        evicted = self._evicted
+        return [evicted.popleft() for _ in range(len(evicted))]
+
     def on_clear(self) -> None:
         with self._lock:
             self._estimate = 0
@@ -125,6 +135,7 @@ class FileCapacity:
                         break
                     if self._remove(obj.path):
                         total -= obj.size
+                        self._evicted.append(os.path.basename(obj.path))
                         self.stats.evicted_objects += 1
                         self.stats.evicted_bytes += obj.size
             self._estimate = total

@@ -16,7 +16,7 @@ from typing import TypeVar
 
 from hicache.storage.backend import Blob, StorageBackend, StorageUnavailable
 from hicache.storage.codec import HEADER_SIZE, BytesLike, CorruptObject, decode, encode_parts, verify_parts
-from hicache.storage.keys import Namespace
+from hicache.storage.keys import HASH_BYTES, Namespace
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,11 @@ class VerifiedStore:
 
     def keys(self, page_hashes: Sequence[bytes]) -> list[str]:
         return [self.namespace.object_key(h) for h in page_hashes]
+
+    def pages_of(self, keys: Sequence[str]) -> list[bytes]:
+        """The page hashes of those `keys` that are this store's objects (others' are dropped)."""
+        tails = {key[2 * HASH_BYTES :] for key in self.keys([bytes(HASH_BYTES)])}  # a key after its page hash
+        return [bytes.fromhex(key[: 2 * HASH_BYTES]) for key in keys if key[2 * HASH_BYTES :] in tails]
 
     def exists_prefix(self, page_hashes: Sequence[bytes]) -> int:
         """How many leading pages the store holds (0 when it is unreachable). Existence is not validity:

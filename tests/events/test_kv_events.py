@@ -156,3 +156,28 @@ def test_an_endpoint_taken_or_malformed_is_a_clear_error():
     finally:
         first.close()
     assert not recorder.enabled  # closed: the cache records nothing more
+
+
+def test_what_a_capped_store_evicts_is_removed_from_storage_in_the_events(tmp_path):
+    """The file store's own cap evicts objects during this server's puts: the events remove their pages,
+    so the subscriber's storage pages stay exactly the store's (without the reports they kept every page
+    ever put)."""
+    store = tmp_path / "store"
+    endpoint = f"tcp://127.0.0.1:{free_ports(2)}"
+    page_object = PAGE * 2048 + 64  # tiny's float32 K and V of one page, and the envelope's header
+    cfg = HiCacheConfig(
+        enable_hierarchical_cache=True, hicache_write_policy="write_through", hicache_storage_backend="file",
+        hicache_storage_dir=str(store), hicache_storage_max_bytes=40 * page_object,
+    )  # fmt: skip
+    sub = KVEventSubscriber(endpoint)
+    try:
+        with Engine(model="tiny", page_size=PAGE, hicache=cfg, kv_events_endpoint=endpoint) as engine:
+            in_step(engine, [sub])
+            run_turns(engine, CONVS, 2, NEW)  # about twice what the cap holds
+            in_step(engine, [sub])  # a step after the last put's eviction pass: its report
+            drain(sub)
+            evicted = engine.snapshot().cache.storage.store.evicted_objects
+        assert evicted > 0, "the cap never evicted: the test would prove nothing"
+        assert sub.index.pages["storage"] == stored_hashes(store)
+    finally:
+        sub.close()
