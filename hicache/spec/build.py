@@ -57,11 +57,6 @@ def build_draft(cfg: EngineConfig, target: LoadedModel, target_pool: DeviceKVPoo
             f"--speculative-draft-model {loaded.name} keeps per-token state beside its KV that --cp-size > 1 "
             "cannot shard yet (each token reads its predecessor's); use a draft without it, or --cp-size 1"
         )
-    if family_of(loaded).decoder.reads_target_hidden and pctx.pp_size > 1:
-        raise UserError(
-            f"--speculative-draft-model {loaded.name} reads the target's last hidden states, which only the last "
-            "pipeline stage has, and the draft runs on every stage; use --pp-size 1"
-        )
     device, dtype = target_pool.device, target_pool.dtype
     context = draft_context(pctx, loaded)
     model = build_decoder(loaded, context, dtype, device, invariant=cfg.batch_invariant_ops)

@@ -37,7 +37,9 @@ TOPOLOGIES = {"tp2-packed": (ParallelConfig(tp_size=2), "tiny-draft-packed"),
               # The seed's section 1.4 shape (TP4/CP4 + MTP + host cache) at the 4 processes CI has, with the
               # separate draft (an MTP head reads its predecessor's row: refused under CP).
               "tp2cp2-packed": (ParallelConfig(tp_size=2, cp_size=2), "tiny-draft-packed"),
-              "tp2-mtp": (ParallelConfig(tp_size=2), "tiny-mtp")}  # fmt: skip
+              "tp2-mtp": (ParallelConfig(tp_size=2), "tiny-mtp"),
+              # The head on both stages, reading the target's hidden states the last stage sends back.
+              "pp2-mtp": (ParallelConfig(pp_size=2), "tiny-mtp")}  # fmt: skip
 ACCEPT = "SpeculativeDecoder.accept"
 
 
