@@ -34,7 +34,9 @@ An MTP head (docs/DESIGN.md, "Speculative decoding: an MTP head") reads the targ
 target's pass writes them into the head's pool rows, the catch-up computes a row only once the target
 has computed the one before it (a prompt whose first token is its last: after the target's pass, in the
 same step), and its proposal rows after the first read the head's own output and are
-not kept (the next catch-up recomputes the accepted ones from the target's hidden states).
+not kept (the next catch-up recomputes the accepted ones from the target's hidden states). Under PP the
+last stage sends those hidden states back to the earlier stages after the target's pass, so every
+stage's copy of the head reads the same rows (`_store_target_hidden`).
 
 Speculation is greedy-only: a sampling request takes K = 0 (its verify item is a plain decode row,
 sampled as without speculation), as does a request with one token left. The draft's load events are
