@@ -1,6 +1,8 @@
 """The forward pass's messages between ranks: hidden states from one pipeline stage to the next, and the
 sampled tokens from the one rank that samples (last stage, first TP rank) to every rank, so every
-scheduler appends the same tokens.
+scheduler appends the same tokens. With an MTP head under PP, also the target's final hidden states
+from the last stage back to the earlier ones, whose copies of the head read them (docs/DESIGN.md,
+"Speculative decoding: an MTP head").
 
 Batch metadata (which requests, which token ranges, which slots) is never sent: every rank derives it
 from identical scheduler state. The sampled-token message carries a digest of the batch it was sampled
@@ -39,6 +41,24 @@ class StageLink:
 
     def send_hidden(self, hidden: torch.Tensor) -> None:
         dist.send(hidden.contiguous(), dst=self.pctx.next_stage_rank, group=self.pctx.pp_group)
+
+    def share_final_hidden(
+        self, hidden: torch.Tensor | None, num_tokens: int, hidden_size: int, dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
+        """The last stage's final hidden states of this step's tokens on every stage of this rank's
+        pipeline (the last stage passes them, the others None): one broadcast down the TP index's
+        stages, the size of one stage-to-stage message."""
+        if self.pctx.pp_size == 1:
+            assert hidden is not None
+            return hidden
+        src = self.pctx.rank_of(self.pctx.pp_size - 1, self.pctx.tp_rank)
+        if self.pctx.is_last_stage:
+            assert hidden is not None
+            hidden = hidden.contiguous()
+        else:
+            hidden = torch.empty(num_tokens, hidden_size, dtype=dtype, device=device)
+        dist.broadcast(hidden, src=src, group=self.pctx.pp_group)
+        return hidden
 
     def share_samples(self, samples: Sequence[Any] | None, batch_digest: int) -> list[Any]:
         """The sampling rank's `samples` on every rank (others pass None)."""

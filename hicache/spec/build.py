@@ -8,7 +8,9 @@ memory is extra, and smaller).
 Where it runs (docs/DESIGN.md, "Speculative decoding on every topology"): all of it on every pipeline
 stage, sharded over the stage's TP ranks like the target where its KV heads and MLP columns split (its
 host rows then have the target's shape, so it can pack), whole on each TP rank where they do not; under
-CP its pages are sharded like the target's (the same logical pages, the same owners).
+CP its pages are sharded like the target's (the same logical pages, the same owners). An MTP head under
+PP reads the target's final hidden states, which the last stage sends back to the others
+(hicache/spec/decoder.py); under CP it is refused, as every draft with per-token state.
 """
 
 from __future__ import annotations
@@ -56,11 +58,6 @@ def build_draft(cfg: EngineConfig, target: LoadedModel, target_pool: DeviceKVPoo
         raise UserError(
             f"--speculative-draft-model {loaded.name} keeps per-token state beside its KV that --cp-size > 1 "
             "cannot shard yet (each token reads its predecessor's); use a draft without it, or --cp-size 1"
-        )
-    if family_of(loaded).decoder.reads_target_hidden and pctx.pp_size > 1:
-        raise UserError(
-            f"--speculative-draft-model {loaded.name} reads the target's last hidden states, which only the last "
-            "pipeline stage has, and the draft runs on every stage; use --pp-size 1"
         )
     device, dtype = target_pool.device, target_pool.dtype
     context = draft_context(pctx, loaded)

@@ -34,7 +34,9 @@ An MTP head (docs/DESIGN.md, "Speculative decoding: an MTP head") reads the targ
 target's pass writes them into the head's pool rows, the catch-up computes a row only once the target
 has computed the one before it (a prompt whose first token is its last: after the target's pass, in the
 same step), and its proposal rows after the first read the head's own output and are
-not kept (the next catch-up recomputes the accepted ones from the target's hidden states).
+not kept (the next catch-up recomputes the accepted ones from the target's hidden states). Under PP the
+last stage sends those hidden states back to the earlier stages after the target's pass, so every
+stage's copy of the head reads the same rows (`_store_target_hidden`).
 
 Speculation is greedy-only: a sampling request takes K = 0 (its verify item is a plain decode row,
 sampled as without speculation), as does a request with one token left. The draft's load events are
@@ -115,15 +117,23 @@ class SpeculativeDecoder:
         target_work = [verify.get(id(item), item) for item in work]
         sink = self._store_target_hidden if self._chains_hidden else None
         logits = self.target.forward(target_work, before_layer, sink)  # None on a stage before the last
-        if self._chains_hidden:
-            self._finish_prompts(work, self._draft_hook(before_layer))
         link = self.target.link
+        if self._chains_hidden:
+            if not link.pctx.is_last_stage:  # the last stage's sink sends them: the head here reads them too
+                self._store_target_hidden(self.target.build(target_work), None)
+            self._finish_prompts(work, self._draft_hook(before_layer))
         choices = self._choices(work, target_work, logits) if link.samples_here else None
         # Its digest covers the proposals: a rank whose draft proposed otherwise finds out here.
         digest = hash(tuple((done.req.rid, done.start, done.end, done.draft) for done in target_work))
         return self.accept(work, target_work, link.share_samples(choices, digest))
 
-    def _store_target_hidden(self, batch: ForwardBatch, hidden: torch.Tensor) -> None:
+    def _store_target_hidden(self, batch: ForwardBatch, hidden: torch.Tensor | None) -> None:
+        """The target's final hidden states of `batch`'s rows into the head's pool, on every stage: the
+        last stage computed them (`hidden`), and under PP sends them to the earlier ones (None there)."""
+        target = self.target.model
+        hidden = self.target.link.share_final_hidden(
+            hidden, batch.num_tokens, target.cfg.hidden_size, target.dtype, self.draft.pool.device
+        )
         self.draft.model.store_target_hidden(self.draft.pool, batch.out_slots, hidden)
 
     def _draft_forward(

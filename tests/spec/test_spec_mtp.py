@@ -4,7 +4,7 @@ off, token for token; served from device, host and storage hits (a restart on th
 acceptance equals the cache-off run's with nothing recomputed (each cached position's hidden state comes
 back with the head's KV), and the pages it stores hold the same bytes whether their tokens came as
 accepted proposals or in a prompt; without the head's restore (the negative control) its acceptance
-changes and the outputs do not. It is refused under PP (at TP2: tests/spec/test_spec_topology.py)."""
+changes and the outputs do not. It is refused under CP (at TP2 and PP2: tests/spec/test_spec_topology.py)."""
 
 from __future__ import annotations
 
@@ -83,10 +83,10 @@ def test_a_tokens_head_row_is_the_same_whether_it_came_as_a_proposal_or_in_a_pro
     assert [name for name in generated if generated[name] != prompted[name]] == []
 
 
-def test_the_head_is_refused_under_pp():
-    """Only the last stage has the target's hidden states, and the draft runs on every stage. (At TP2 it
+def test_the_head_is_refused_under_cp():
+    """A row reads its predecessor's hidden state, which CP may hold on another rank. (At TP2 and PP2 it
     runs: tests/spec/test_spec_topology.py.)"""
-    pool = DeviceKVPool(KVLayout.mha(2, 32), 1, 8, 16, torch.float32, torch.device("cpu"))
-    cfg = EngineConfig(speculative=spec(DRAFT), parallel=ParallelConfig(pp_size=2))
-    with pytest.raises(UserError, match="tiny-mtp reads the target's last hidden states, which only the last"):
-        build_draft(cfg, load_model("tiny"), pool, ParallelContext(pp_size=2))
+    pool = DeviceKVPool(KVLayout.mha(2, 32), 1, 8, 16, torch.float32, torch.device("cpu"), shards=2, shard_rank=0)
+    cfg = EngineConfig(speculative=spec(DRAFT), parallel=ParallelConfig(cp_size=2))
+    with pytest.raises(UserError, match="tiny-mtp keeps per-token state .* --cp-size > 1"):
+        build_draft(cfg, load_model("tiny"), pool, ParallelContext(cp_size=2))

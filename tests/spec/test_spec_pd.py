@@ -4,8 +4,8 @@ hidden states) with the target's. Over three turns of four conversations, with d
 on decode, greedy outputs equal the single-rank cache-off target's token for token, acceptance equals the
 single-rank speculative run's, decode recomputes none of the draft's prefix, and only the suffix after
 decode_prefix_len crosses: exactly its tokens' bytes of both models' rows. `tiny-mtp` runs between two
-in-process engines; the separate draft in the Astron shape, prefill PP2 to decode PP1 through `hicache
-router`. The negative control moves the target's rows alone (`--debug-skip-draft-restore` on both
+in-process engines; both drafts run in the Astron shape, prefill PP2 (host and file storage) to decode PP1
+through `hicache router`, over four turns. The negative control moves the target's rows alone (`--debug-skip-draft-restore` on both
 servers): outputs stay, the MTP head's acceptance changes, since the hidden states it reads never arrived."""
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ from tests.server.server_harness import assert_no_leaks
 from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, K, acceptance, assert_clean, spec
 
 PAGE = 16
-MTP = "tiny-mtp"  # between in-process engines; the separate draft runs through the router, in the Astron shape
+MTP = "tiny-mtp"
+DRAFT_LAYERS = {MTP: 1, "tiny-draft-packed": 3}
 
 
 class PDFront:
@@ -123,19 +124,21 @@ def test_without_the_draft_rows_the_heads_acceptance_changes_and_outputs_stay(re
         assert row_bytes(decode) == row_bytes_without_draft(decode), "only the target's rows cross"
 
 
-def test_the_astron_shape_through_the_router(reference, cache_off_acceptance, tmp_path):
-    """The seed's Astron deployment with the separate draft: prefill at PP2 with host memory and a file
-    store, decode at PP1 with decode reuse and a host tier, both running the draft, `hicache router` in
-    front. Each turn's prompts are the reference run's (its outputs appended), so every answer is compared
+@pytest.mark.parametrize("draft", [MTP, "tiny-draft-packed"])
+def test_the_astron_shape_through_the_router(four_turn_reference, four_turn_acceptance, tmp_path, draft):
+    """The seed's Astron deployment: prefill at PP2 with host memory and a file store, decode at PP1 with
+    decode reuse and a host tier, both running the draft (the MTP head, whose rows come from prefill's
+    last stage with the target's hidden states, or the separate draft), `hicache router` in front. Each
+    turn's prompts are the reference run's (its outputs appended), four turns, so every answer is compared
     with the single-rank cache-off target's; later turns receive only what follows decode's prefix."""
-    draft = "tiny-draft-packed"
     flags = ("--speculative-algorithm", "draft", "--speculative-draft-model", draft,
              "--speculative-num-draft-tokens", str(K))  # fmt: skip
     p_port, d_port, r_port = ports(3)
     text_of = load_model("tiny").tokenizer.decode
     # One server starts at a time: on a loaded 2-core machine, three processes' self-checks at once can
     # outlast a server's start-up deadline.
-    decode = serve(tmp_path, d_port, *DECODE_REUSE, "--max-total-tokens", str(DEVICE_TOKENS),
+    # Its host tier holds four turns of the working set (~3x its device pool): later turns reuse all of it.
+    decode = serve(tmp_path, d_port, *DECODE_REUSE, "--max-total-tokens", str(DEVICE_TOKENS), "--hicache-ratio", "4",
                    "--hicache-load-back-threshold", "16", *flags)  # fmt: skip
     with started(decode):
         prefill = serve(tmp_path, p_port, "--pp-size", "2", "--enable-hierarchical-cache", "--hicache-storage-backend",
@@ -144,19 +147,20 @@ def test_the_astron_shape_through_the_router(reference, cache_off_acceptance, tm
         with started(prefill):
             front = router(tmp_path, r_port, [prefill.url], [decode.url])
             with started(front):
-                proposed, accepted, from_host = run_reference_turns(front.url, decode.url, reference, text_of)
-            assert (proposed, accepted) == cache_off_acceptance[draft]
+                proposed, accepted, from_host = run_reference_turns(front.url, decode.url, four_turn_reference,
+                                                                    text_of, DRAFT_LAYERS[draft])  # fmt: skip
+            assert (proposed, accepted) == four_turn_acceptance[draft]
             assert from_host > 0, "some of decode's prefix came back from its host tier"
             assert_no_leaks(prefill.url)
         assert_no_leaks(decode.url)
 
 
-def run_reference_turns(url: str, decode_url: str, reference, text_of) -> tuple[int, int, int]:
+def run_reference_turns(url: str, decode_url: str, reference, text_of, draft_layers: int) -> tuple[int, int, int]:
     """The reference run's turns through the router at `url`, each answer checked against the reference's
     tokens and each transfer against decode's prefix; returns (proposed, accepted, decode prefix tokens
     from its host tier)."""
     handshake = Handshake.from_json(httpx.get(f"{decode_url}/disagg/info", timeout=10).json()["handshake"])
-    assert handshake.draft_layers == 3, "decode takes tiny-draft-packed's 3 layers with the target's"
+    assert handshake.draft_layers == draft_layers, "decode takes the draft's layers with the target's"
     row_bytes = handshake.row_bytes
     histories = [list(c["system"]) for c in CONVS]
     rngs = [random.Random(c["seed"]) for c in CONVS]

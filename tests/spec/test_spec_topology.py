@@ -4,8 +4,9 @@ on both stages, a sidecar), at CP2 (the draft's pages sharded like the target's)
 host and a storage tier, greedy outputs equal the single-rank cache-off target's token for token,
 acceptance equals the single-rank speculative run's exactly, the draft's state comes back with every
 host and storage hit, and the consensus checker finds every rank's acceptance equal (and, on the same
-logs edited on one rank, names it). The negative control skips the
-draft's restore: outputs and acceptance stay, and the recompute counter shows what the restore saved."""
+logs edited on one rank, names it). An MTP head runs at TP2 and at PP2 (every stage's copy reading the
+target's hidden states the last stage sends back). The negative control skips the draft's restore:
+outputs stay, the recompute counter shows what the restore saved, and the MTP head's acceptance changes."""
 
 from __future__ import annotations
 
@@ -37,7 +38,9 @@ TOPOLOGIES = {"tp2-packed": (ParallelConfig(tp_size=2), "tiny-draft-packed"),
               # The seed's section 1.4 shape (TP4/CP4 + MTP + host cache) at the 4 processes CI has, with the
               # separate draft (an MTP head reads its predecessor's row: refused under CP).
               "tp2cp2-packed": (ParallelConfig(tp_size=2, cp_size=2), "tiny-draft-packed"),
-              "tp2-mtp": (ParallelConfig(tp_size=2), "tiny-mtp")}  # fmt: skip
+              "tp2-mtp": (ParallelConfig(tp_size=2), "tiny-mtp"),
+              # The head on both stages, reading the target's hidden states the last stage sends back.
+              "pp2-mtp": (ParallelConfig(pp_size=2), "tiny-mtp")}  # fmt: skip
 ACCEPT = "SpeculativeDecoder.accept"
 
 
@@ -99,15 +102,20 @@ def test_speculation_on_several_ranks_equals_one_rank(
 
 
 @pytest.mark.timeout(180)
-def test_without_the_drafts_restore_the_draft_recomputes_on_every_stage(reference, cache_off_acceptance, tmp_path):
-    """The negative control at PP2: loads restore the target's state only. Answers and acceptance do
-    not change (the draft recomputes what it lacks), but the counter the test above holds at 0 counts
-    exactly the restored prefix."""
-    parallel, draft = TOPOLOGIES["pp2-sidecar"]
+@pytest.mark.parametrize("topology", ["pp2-sidecar", "pp2-mtp"])
+def test_without_the_drafts_restore_the_draft_recomputes_on_every_stage(
+    reference, cache_off_acceptance, tmp_path, topology
+):
+    """The negative control at PP2: loads restore the target's state only. Answers do not change, but the
+    counter the test above holds at 0 counts exactly the restored prefix. The separate draft recomputes
+    what it lacks from the tokens, so its acceptance stays; the MTP head's changes, since the target's
+    hidden states it reads over that prefix were never restored."""
+    parallel, draft = TOPOLOGIES[topology]
     with speculative_engine(tmp_path, parallel, draft, DebugConfig(debug_skip_draft_restore=True)) as engine:
         turns = run_turns(engine, CONVS, TURNS, NEW)
         assert tokens(turns) == reference
-        assert acceptance(turns) == cache_off_acceptance[draft]
+        recomputes_from_tokens = draft != "tiny-mtp"
+        assert (acceptance(turns) == cache_off_acceptance[draft]) == recomputes_from_tokens
         assert hits(turns)["host"] > 0
         assert engine.spec_stats().draft_recomputed_tokens == hits(turns)["host"] + hits(turns)["storage"]
         assert_clean(engine)

@@ -9,7 +9,8 @@ its own output at p-1 instead (`ForwardBatch.carried_hidden`).
 
 The target's hidden state of each token lives in the head's pool row, beside its KV (component
 `hidden`): the target writes it for every row it computes (`store_target_hidden`, through
-`ForwardBatch.hidden_sink`), and the head reads its predecessor's. So it is backed up, stored and
+`ForwardBatch.hidden_sink`; under PP the last stage's, sent to every stage's copy of the head by
+hicache/spec/decoder.py), and the head reads its predecessor's. So it is backed up, stored and
 restored with the head's KV, like `shift.py`'s state; a row reads another token's row, so its pages
 cannot be sharded over CP ranks.
 """
