@@ -81,6 +81,8 @@ class FileBackend(StorageBackend):
 
     def touch(self, keys: list[str], at: float | None = None) -> None:
         check_keys(keys)
+        if not self.capacity.max_bytes:
+            return  # uncapped: last use is never consulted, and a long history's touch is thousands of keys
         for key in keys:
             self.capacity.on_use(self._path(key), at)  # its mtime is its last use (only when capped)
 
