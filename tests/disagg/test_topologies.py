@@ -1,8 +1,9 @@
 """P/D across topologies (docs/DESIGN.md, "P/D across topologies"), through `hicache router` in front of
-real servers: a prefill server at PP2 (the Astron shape), TP2 or CP2 sends a single-rank decode server the
-cells each of its ranks holds (under CP, of the pages each rank owns). Turn after turn of one conversation, the tokens and logprobs equal a
-single-rank cache-off server's, and decode's reuse still works: later turns receive only the suffix
-after decode_prefix_len, counted by decode's metrics."""
+real servers: a prefill server at PP2 (the Astron shape), TP2 or CP2 sends a single-rank decode server
+the cells each of its ranks holds (under CP, of the pages each rank owns). Turn after turn of two
+interleaved conversations, the tokens and logprobs equal a single-rank cache-off server's, decode's
+reuse still works (later turns receive only the suffix after decode_prefix_len, counted by decode's
+metrics), and prefill sends exactly the bytes decode receives (no page crosses twice)."""
 
 from __future__ import annotations
 
