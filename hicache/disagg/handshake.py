@@ -8,8 +8,9 @@ both ranks run), each verified by its start-up self-check. `mismatch` names the 
 differs. The two servers' topologies may differ: a handshake also says where the rank sits (TP, CP and
 PP size and position, its KV row, how many ranks its pages are sharded over), and cells.py works out
 which cells each prefill rank sends each decode rank, refusing a pair whose boundaries cut a KV row
-(docs/DESIGN.md, "P/D across topologies"). With speculative decoding it also names the draft and what of its state each transfer moves: the two
-servers must run the same one (docs/DESIGN.md, "Speculation x P/D").
+(docs/DESIGN.md, "P/D across topologies"). With speculative decoding it also names the draft and what
+of its state each transfer moves: the two servers must run the same one (docs/DESIGN.md, "Speculation x
+P/D").
 `hicache router` checks the servers' rank-0 handshakes at start-up, and every transfer carries the
 decode rank's handshake, which each of its prefill peers checks against its own before it sends anything.
 """
