@@ -74,7 +74,9 @@ def frames_of(chunk: list[torch.Tensor], cuts: Sequence[Cut]) -> list[memoryview
             rows = chunk[layer]
             if not cut.whole_rows:
                 rows = torch.cat([rows[:, x:y] for x, y in cut.columns], dim=1)
-            frames.append(memoryview(rows.contiguous().view(torch.uint8).numpy()).cast("B"))
+            data = rows.contiguous().view(torch.uint8).numpy()
+            # No rows (a page-sharded rank owning no page of the chunk): memoryview cannot cast an empty shape.
+            frames.append(memoryview(data).cast("B") if data.size else memoryview(b""))
     return frames
 
 

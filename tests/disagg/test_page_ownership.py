@@ -63,25 +63,28 @@ def handshake(page_shards: int) -> Handshake:
     )  # fmt: skip
 
 
-def transfer(decode: DeviceKVPool, decode_pages: list[int], claims: list[list[int] | None]) -> tuple[KVPoll, str]:
-    """Run one request's transfer from the two CP ranks into `decode` (its pages `decode_pages`), rank r
-    claiming to send pages `claims[r]` (None: the pages it owns) with the rows it holds of them."""
+def transfer(
+    decode: DeviceKVPool, decode_pages: list[int], claims: list[list[int] | None], prefix: int = 0
+) -> tuple[KVPoll, str]:
+    """Run one request's transfer of the tokens after `prefix` (decode_prefix_len) from the two CP ranks
+    into `decode` (its pages `decode_pages`), rank r claiming to send pages `claims[r]` (None: the pages
+    it owns) with the rows it holds of them."""
     hs = handshake(decode.placement.shards)
     backend = ZmqDecodeBackend(decode, hs, timeout_s=30)
     try:
-        meta = DecodeMetadata(1, 0, PROMPT, "digest", hs)
+        meta = DecodeMetadata(1, prefix, PROMPT, "digest", hs)
         cuts = cells.cuts(hs, cells.shard(hs), draft=False)
-        slots = decode.allocator.slots(decode_pages, PROMPT)
+        slots = decode.allocator.slots(decode_pages, PROMPT)[prefix:]
         state = _Room(1, "tcp://127.0.0.1:1", KVPoll.WAITING_FOR_INPUT, meta, slots)
-        state.sources = {f"cp{r}": _Source(cuts, 0, sharded=True) for r in range(2)}
+        state.sources = {f"cp{r}": _Source(cuts, prefix, sharded=True) for r in range(2)}
         state.deadline = float("inf")
         backend._rooms[1] = state
         for r, pool in enumerate(PREFILL):
-            rows = PoolRows(pool, PREFILL_PAGES, 0, PROMPT)
-            pages = rows.held(0, PROMPT) if claims[r] is None else claims[r]
-            slots = pool.allocator.slots(PREFILL_PAGES, PROMPT)[tokens_of(pages, 0, PROMPT, PAGE)]
+            rows = PoolRows(pool, PREFILL_PAGES, prefix, PROMPT)
+            pages = rows.held(prefix, PROMPT) if claims[r] is None else claims[r]
+            slots = pool.allocator.slots(PREFILL_PAGES, PROMPT)[tokens_of(pages, prefix, PROMPT, PAGE)]
             chunk = [buffer[pool.placement.local_rows(slots)] for buffer in pool.buffers]
-            header = {"room": 1, "start": 0, "end": PROMPT, "pages": pages}
+            header = {"room": 1, "start": prefix, "end": PROMPT, "pages": pages}
             backend._on_message(f"cp{r}", wire.KV, header, frames_of(chunk, cuts))
             done = wire.result_header(1, PROMPT, PrefillResult(7, None, {}))
             backend._on_message(f"cp{r}", wire.DONE, done, [])
@@ -98,6 +101,11 @@ def test_a_tp1_decode_lands_every_page_from_its_owner():
     for layer, buffer in enumerate(decode.buffers):
         assert buffer[slots, 1].tolist() == [want_slot(t) for t in range(PROMPT)]
         assert buffer[slots, 0].tolist() == [layer + 1] * PROMPT
+    # Decode held the first four pages: only the last crosses, and rank 0, which does not own it, sends
+    # an empty message (its turn in the chunk's order) and DONE.
+    decode = DeviceKVPool(LAYOUT, LAYERS, 8, PAGE, torch.float32, torch.device("cpu"))
+    assert transfer(decode, decode_pages, [None, None], prefix=16) == (KVPoll.SUCCESS, "")
+    assert decode.buffers[0][slots, 1].tolist() == [0.0] * 16 + [want_slot(t) for t in range(16, PROMPT)]
 
 
 def test_a_cp2_decode_rank_keeps_the_pages_it_owns():
