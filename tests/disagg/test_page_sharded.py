@@ -52,7 +52,7 @@ def test_an_mla_prefill_at_tp2_feeds_a_tp1_decode(tmp_path):
 
 
 def test_a_cp2_decode_takes_its_own_pages_from_a_cp2_and_a_tp1_prefill(tmp_path):
-    first, second = conversations(seed=5), conversations(seed=6, count=1, turns=2)
+    first, second = conversations(seed=5, count=1), conversations(seed=6, count=1, turns=2)
     p_port, d_port, r_port, p1_port, r1_port = ports(5)
     decode = serve(tmp_path, d_port, "--cp-size", "2", *DECODE_REUSE)  # starts while the reference answers
     want = recorded(tmp_path, first + second)
