@@ -16,7 +16,17 @@ unified store refuses a topology whose boundaries cut one of its cells.
 With speculative decoding a transfer also moves the draft's rows (docs/DESIGN.md, "Speculation x P/D"):
 every pipeline stage holds all of the draft's layers (its TP rank's share of them), so each decode rank
 takes them whole, once, from one prefill rank of its own TP rank (`draft_source`), after that rank's
-target cells (`cuts`). A pair of two TP sizes with a draft is refused.
+target cells (`cuts`). A pair of two TP sizes with a draft is refused, and so is a draft with page-sharded
+KV on either side.
+
+Page ownership is the third cut (docs/DESIGN.md, "P/D across topologies"). Under context parallelism
+(and for MLA at TP > 1) a rank holds the cells of its (PP, TP) shard for only the pages it owns (page q
+on owner class q mod N, hicache/parallel/placement.py), so every CP rank of prefill is a peer of the
+decode ranks its cells overlap, and sends each of them the rows of the pages it owns, naming those pages
+(prompt page indices) in each message; a decode rank whose own pages are sharded keeps the rows of the
+pages it owns and drops the rest. Which pages a rank owns depends on the request's page ids, which each
+server allocates for itself, so that part cannot come from the handshakes: it travels as the page list,
+and decode checks that the page-sharded sources of one cell cover every page of the transfer exactly once.
 """
 
 from __future__ import annotations
@@ -53,17 +63,21 @@ def shard(hs: Handshake) -> Shard:
     return shard_of(geometry, hs.tp_size, hs.tp_rank, hs.pp_size, hs.pp_rank)
 
 
+def _mesh(hs: Handshake) -> Mesh:
+    return Mesh(pp=hs.pp_size, cp=hs.cp_size, tp=hs.tp_size)
+
+
 def rank(hs: Handshake) -> int:
     """The rank index of `hs`'s rank in its server (where its transfer endpoint listens: base port + it)."""
-    return Mesh(pp=hs.pp_size, tp=hs.tp_size).rank_of(pp=hs.pp_rank, tp=hs.tp_rank)
+    return _mesh(hs).rank_of(pp=hs.pp_rank, cp=hs.cp_rank, tp=hs.tp_rank)
 
 
 def everyone(hs: Handshake) -> list[Handshake]:
     """The handshake of every rank of `hs`'s server, by rank index (the row layout is the same on all)."""
     out = []
-    for r in range(hs.pp_size * hs.tp_size):
-        coords = Mesh(pp=hs.pp_size, tp=hs.tp_size).coords_of(r)
-        placed = dataclasses.replace(hs, tp_rank=coords["tp"], pp_rank=coords["pp"])
+    for r in range(_mesh(hs).world_size):
+        coords = _mesh(hs).coords_of(r)
+        placed = dataclasses.replace(hs, tp_rank=coords["tp"], pp_rank=coords["pp"], cp_rank=coords["cp"])
         layers = shard(placed).layers
         out.append(dataclasses.replace(placed, layers=(layers.start, layers.stop)))
     return out
@@ -71,7 +85,9 @@ def everyone(hs: Handshake) -> list[Handshake]:
 
 def peers(mine: Handshake, theirs: Handshake) -> dict[int, Shard]:
     """The ranks of `theirs`'s server (any rank's handshake names it) that share KV with `mine`'s rank,
-    by rank index, and the cells each pair exchanges: the overlap of their two shards, model-global."""
+    by rank index, and the cells each pair exchanges: the overlap of their two shards, model-global.
+    Ranks whose pages are sharded (CP, MLA's TP) hold the same cells on different pages: each of them is
+    a peer, and a transfer from one of them moves only the pages it owns (kv_rows.PoolRows.held)."""
     a = shard(mine)
     out = {}
     for other in everyone(theirs):
@@ -157,6 +173,8 @@ def _draft_misaligned(prefill: Handshake, decode: Handshake, p_name: str, d_name
     """Why some decode rank cannot take the draft's rows whole from one prefill rank (None: each can)."""
     if not prefill.draft_layers:
         return None
+    if max(prefill.page_shards, decode.page_shards) > 1:
+        return SHARDED_DRAFT
     if prefill.tp_size != decode.tp_size:
         return (
             f"speculative decoding between two TP sizes is not supported yet ({p_name} TP{prefill.tp_size}, "
@@ -170,6 +188,12 @@ def _draft_misaligned(prefill: Handshake, decode: Handshake, p_name: str, d_name
                 f"which would send it the draft's rows: pair a decode server of one pipeline stage or {prefill.pp_size}"
             )
     return None
+
+
+SHARDED_DRAFT = (
+    "speculative decoding with P/D and page-sharded KV (--cp-size > 1, or an MLA model at --tp-size > 1) is "
+    "not supported yet: the draft's rows move whole from one prefill rank, which holds only its own pages"
+)
 
 
 def _per_head(hs: Handshake, shape: tuple[int, ...]) -> bool:

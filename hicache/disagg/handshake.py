@@ -5,11 +5,12 @@ Every GEMM and attention call is batch-invariant (hicache/model/kernels/ops.py),
 prefill server and then extended by a decode server gives the same tokens as one server — but only if
 both run the same weights, dtype, page size and model geometry, and the same kernel mechanisms (those
 both ranks run), each verified by its start-up self-check. `mismatch` names the first field that
-differs. The two servers' topologies may differ: a handshake also says where the rank sits (TP and PP
-size and position, its KV row), and cells.py works out which cells each prefill rank sends each decode
-rank, refusing a pair whose boundaries cut a KV row (docs/DESIGN.md, "P/D across topologies"). With
-speculative decoding it also names the draft and what of its state each transfer moves: the two
-servers must run the same one (docs/DESIGN.md, "Speculation x P/D").
+differs. The two servers' topologies may differ: a handshake also says where the rank sits (TP, CP and
+PP size and position, its KV row, how many ranks its pages are sharded over), and cells.py works out
+which cells each prefill rank sends each decode rank, refusing a pair whose boundaries cut a KV row
+(docs/DESIGN.md, "P/D across topologies"). With speculative decoding it also names the draft and what
+of its state each transfer moves: the two servers must run the same one (docs/DESIGN.md, "Speculation x
+P/D").
 `hicache router` checks the servers' rank-0 handshakes at start-up, and every transfer carries the
 decode rank's handshake, which each of its prefill peers checks against its own before it sends anything.
 """
@@ -23,8 +24,9 @@ from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.base import DecoderModel
 from hicache.parallel.parallel import ParallelContext
 
-# 2: the model geometry, so the two sides may differ in topology; 3: the draft, and WORKING messages
-HANDSHAKE_VERSION = 3
+# 2: the model geometry, so the two sides may differ in topology; 3: the draft, and WORKING messages;
+# 4: context parallelism and page sharding (a rank holding every N-th page sends only those)
+HANDSHAKE_VERSION = 4
 NO_DRAFT = "none"
 
 # Field -> how a mismatch is named, in the order they are compared (the most basic first).
@@ -64,6 +66,11 @@ class Handshake:
     draft: str = NO_DRAFT
     draft_layers: int = 0
     draft_kv_layout: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    # Context parallelism: a rank's cells are the same on every CP rank (cells.py), its pages are not:
+    # with its pool's pages sharded over `page_shards` ranks (CP, or TP for MLA) it holds every N-th one.
+    cp_size: int = 1
+    cp_rank: int = 0
+    page_shards: int = 1
     version: int = HANDSHAKE_VERSION
 
     @classmethod
@@ -82,6 +89,9 @@ class Handshake:
             pp_size=pctx.pp_size,
             pp_rank=pctx.pp_rank,
             layers=tuple(model.layer_range),  # type: ignore[arg-type]
+            cp_size=pctx.cp_size,
+            cp_rank=pctx.cp_rank,
+            page_shards=pool.placement.shards,
             num_layers=model.cfg.num_layers,
             num_kv_heads=model.cfg.num_kv_heads,
             latent=model.replicated_over_tp,
@@ -109,6 +119,10 @@ class Handshake:
                 pp_size=int(data["pp_size"]),
                 pp_rank=int(data["pp_rank"]),
                 layers=(int(data["layers"][0]), int(data["layers"][1])),
+                # A peer of version 3 has no CP fields: its version is what `mismatch` names.
+                cp_size=int(data.get("cp_size", 1)),
+                cp_rank=int(data.get("cp_rank", 0)),
+                page_shards=int(data.get("page_shards", 1)),
                 num_layers=int(data["num_layers"]),
                 num_kv_heads=int(data["num_kv_heads"]),
                 latent=bool(data["latent"]),

@@ -6,7 +6,8 @@ the last, which carries only the prompt's rows (the rest of that page is decode'
 two ranks it moves the cells their shards share (cells.py): the layers of the `Cut`, and of each row
 the element ranges of the shared KV heads, as raw bytes of the pools' dtype (the handshake has checked
 that both sides share it and the row's components, so no conversion is needed). With a speculative
-draft whose state moves, its pool's layers follow the target's (cells.cuts).
+draft whose state moves, its pool's layers follow the target's (cells.cuts). A rank of a page-sharded
+pool reads only the pages it owns (`PoolRows.held`), and one lands only the rows of its own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from hicache.disagg.cells import Cut
-from hicache.mem.device_pool import DeviceKVPool
+from hicache.mem.device_pool import DeviceKVPool, OwnedSlots
 
 CHUNK_BYTES = 4 << 20  # one message of a transfer carries about this much KV (whole pages)
 
@@ -37,15 +38,24 @@ class PoolRows:
         self.start, self.end = start, end
         self.buffers = pool.buffers + (draft.buffers if draft is not None else [])
 
+    def held(self, start: int, end: int) -> list[int] | None:
+        """The pages (prompt page indices) of tokens [start, end) this rank holds when its pool's pages are
+        sharded (each is on one rank: cells.py, "page ownership"); None when it holds every page."""
+        if not self.pool.sharded:
+            return None
+        p, placement = self.pool.page_size, self.pool.placement
+        pages = range(start // p, -(-end // p))
+        return [q for q in pages if placement.owner(self.pages[q]) == self.pool.shard_rank]
+
     def read(self, start: int, end: int) -> list[torch.Tensor]:
-        """Rows of tokens [start, end) (absolute positions), one [end - start, row] tensor per layer (the
-        target's, then the draft's)."""
+        """Rows of tokens [start, end) (absolute positions) this rank holds (`held`: of a sharded pool, its
+        own pages' only), one [tokens, row] tensor per layer (the target's, then the draft's)."""
         if not self.start <= start <= end <= self.end:
             raise ValueError(f"rows [{start}, {end}) outside [{self.start}, {self.end})")
         p = self.pool.page_size
         first = start // p
         slots = self.pool.allocator.slots(self.pages[first : -(-end // p)])[start - first * p : end - first * p]
-        slots = slots.to(self.pool.device)
+        slots = self.pool.owned(slots).rows.to(self.pool.device)
         return [buffer.index_select(0, slots).cpu() for buffer in self.buffers]
 
 
@@ -64,15 +74,26 @@ def frames_of(chunk: list[torch.Tensor], cuts: Sequence[Cut]) -> list[memoryview
             rows = chunk[layer]
             if not cut.whole_rows:
                 rows = torch.cat([rows[:, x:y] for x, y in cut.columns], dim=1)
-            frames.append(memoryview(rows.contiguous().view(torch.uint8).numpy()).cast("B"))
+            data = rows.contiguous().view(torch.uint8).numpy()
+            # No rows (a page-sharded rank owning no page of the chunk): memoryview cannot cast an empty shape.
+            frames.append(memoryview(data).cast("B") if data.size else memoryview(b""))
     return frames
 
 
+def tokens_of(pages: Sequence[int], start: int, end: int, page_size: int) -> torch.Tensor:
+    """The token positions within [start, end) of prompt pages `pages`, in order: the rows a message of a
+    page-sharded source carries (PoolRows.held)."""
+    spans = [torch.arange(max(q * page_size, start), min((q + 1) * page_size, end)) for q in pages]
+    return torch.cat(spans) if spans else torch.empty(0, dtype=torch.long)
+
+
 def land(
-    buffers: Sequence[torch.Tensor], slots: torch.Tensor, frames: Sequence[memoryview | bytes], cuts: Sequence[Cut]
-) -> int:
+    buffers: Sequence[torch.Tensor], slots: torch.Tensor, frames: Sequence[memoryview | bytes], cuts: Sequence[Cut],
+    where: OwnedSlots | None = None,
+) -> int:  # fmt: skip
     """Write one message's rows of `cuts`' cells (one frame per layer, in their order) into `slots` of
-    `buffers` (a pool's layers, a draft's after them); returns the bytes written. Raises ValueError if the
+    `buffers` (a pool's layers, a draft's after them); returns the bytes written. With `where` (a sharded
+    pool's `owned(slots)`) only the rows this rank holds land, at its local rows. Raises ValueError if the
     frames do not fit (a peer that cut other cells)."""
     layers = [(layer, cut) for cut in cuts for layer in cut.layers]
     if len(frames) != len(layers):
@@ -87,12 +108,15 @@ def land(
             if data.numel() != slots.numel() * cut.width * buffer.element_size():
                 raise ValueError(f"layer {layer}: {data.numel()} bytes for {slots.numel()} rows of {cut.width}")
             rows = data.view(buffer.dtype).view(slots.numel(), cut.width).to(buffer.device)
+            target = slots
+            if where is not None and where.index is not None:
+                rows, target = rows.index_select(0, where.index.to(rows.device)), where.rows
             if cut.whole_rows:
-                buffer.index_copy_(0, slots, rows)
+                buffer.index_copy_(0, target, rows)
             else:
                 offset = 0
                 for x, y in cut.columns:
-                    buffer[slots, x:y] = rows[:, offset : offset + y - x]
+                    buffer[target, x:y] = rows[:, offset : offset + y - x]
                     offset += y - x
             written += data.numel()
     return written

@@ -7,7 +7,8 @@ self-check failed: moving KV computed in one batch shape to be extended in anoth
 invariance protects. A decode server keeps a radix tree only with `--disaggregation-decode-enable-radix-cache`.
 The role's description (`info`) is what `/disagg/info` shows and `hicache router` checks at start-up.
 With speculative decoding both servers run the same draft, and a transfer moves its state with the
-target's (docs/DESIGN.md, "Speculation x P/D").
+target's (docs/DESIGN.md, "Speculation x P/D"), except with page-sharded KV (CP, or MLA at TP > 1), where
+each rank sends only the pages it owns (cells.py) and the draft's rows would not be whole: refused.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from hicache.config import EngineConfig
+from hicache.disagg import cells
 from hicache.disagg.decode_role import DecodeRole
 from hicache.disagg.handshake import Handshake, SpeculativeDraft
 from hicache.disagg.kv_rows import chunk_tokens
@@ -47,13 +49,10 @@ def pd_role(
     d = cfg.disagg
     if not d.enabled:
         return None
-    if runner.pool.sharded:  # a rank's cells hold every page of the prompt (cells.py), not every N-th
-        raise UserError(
-            f"--disaggregation-mode {d.disaggregation_mode} with page-sharded KV (--cp-size > 1, or an MLA model "
-            "at --tp-size > 1) is not supported yet"
-        )
     spec = None
     if draft is not None:
+        if runner.pool.sharded:
+            raise UserError(f"--disaggregation-mode {d.disaggregation_mode}: {cells.SHARDED_DRAFT}")
         name = cfg.speculative.speculative_draft_model or ""
         spec = SpeculativeDraft(name, draft.identity, draft.pool, moved=not draft.skip_restore)
     handshake = Handshake.of(identity, runner.model, runner.pool, pctx, spec)

@@ -70,8 +70,12 @@ class KVSource(Protocol):
     start: int
     end: int
 
+    def held(self, start: int, end: int) -> list[int] | None:
+        """The pages of tokens [start, end) this rank holds, of a page-sharded pool (None: every page)."""
+
     def read(self, start: int, end: int) -> list[torch.Tensor]:
-        """A host copy of rows [start, end) (absolute token positions), one tensor per local layer."""
+        """A host copy of the rows of tokens [start, end) (absolute token positions) this rank holds, one
+        tensor per local layer."""
 
 
 class KVSender(Protocol):

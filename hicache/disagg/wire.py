@@ -7,8 +7,9 @@
                         ACK   {room}                       this prefill rank's cells landed
                         ABORT {room, reason}               decode gave up on the request
     prefill -> decode   LAYOUT {room: 0, handshake}        the answer to HELLO
-                        KV    {room, start, end}, one frame per layer of the cells the pair shares
-                              (cells.py): those cells of rows [start, end)
+                        KV    {room, start, end[, pages]}, one frame per layer of the cells the pair
+                              shares (cells.py): those cells of rows [start, end); a page-sharded rank
+                              sends the rows of its own pages only and lists them (prompt page indices)
                         DONE  {room, end, first_token, logprob, cached_tokens_by_tier}
                         ERROR {room, reason}               prefill refused or failed the request
                         WORKING {room}                     prefill holds the request (queued or computing):

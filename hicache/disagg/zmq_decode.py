@@ -8,7 +8,10 @@ monitor: when the connection to a prefill rank drops, every transfer still waiti
 ("disconnected mid-transfer") instead of at its timeout. Arriving KV messages are checked (the source's
 next expected token, within the prompt) and written straight into the request's reserved device pages
 on the I/O thread, under the backend's lock; `abort` takes the same lock, so once it returns nothing
-more is written and the pages may be freed. The request has landed when every source has said DONE.
+more is written and the pages may be freed. The request has landed when every source has said DONE
+and, where prefill's pages are sharded (CP, MLA's TP), its ranks have sent every page of each cell
+between them, each page once (cells.py, "page ownership"); a decode rank with sharded pages of its own
+keeps the rows of the pages it owns.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from zmq.utils.monitor import recv_monitor_message
 
 from hicache.disagg import cells, wire
 from hicache.disagg.handshake import Handshake
-from hicache.disagg.kv_rows import land
+from hicache.disagg.kv_rows import land, tokens_of
 from hicache.disagg.transfer import DecodeMetadata, KVPoll, PrefillResult
 from hicache.disagg.zmq_io import IOLoop
 from hicache.mem.device_pool import DeviceKVPool
@@ -40,6 +43,7 @@ class _Source:
 
     cuts: tuple[cells.Cut, ...]  # where its cells land in this rank's rows (the target's, a draft's)
     next: int  # the next token whose KV is expected from it
+    sharded: bool = False  # it holds only its own pages, and sends those (cells.py, "page ownership")
     done: bool = False
 
 
@@ -51,6 +55,8 @@ class _Room:
     meta: DecodeMetadata | None = None
     slots: torch.Tensor | None = None  # device slots of tokens [decode_prefix_len, prompt_len)
     sources: dict[str, _Source] = field(default_factory=dict)  # by endpoint; empty until the layout is known
+    # Pages landed from page-sharded sources, by the cells they carry: each page once, from its owner.
+    landed: dict[tuple[cells.Cut, ...], set[int]] = field(default_factory=dict)
     deadline: float = 0.0  # fails when nothing arrives before this
     result: PrefillResult | None = None
     error: str | None = None
@@ -96,6 +102,7 @@ class ZmqDecodeBackend:
     def __init__(
         self, pool: DeviceKVPool, handshake: Handshake, timeout_s: float, draft: DeviceKVPool | None = None
     ) -> None:
+        self.pool = pool
         self.buffers = pool.buffers + (draft.buffers if draft is not None else [])  # as cells.cuts numbers them
         self.handshake = handshake
         self.timeout_s = timeout_s
@@ -149,7 +156,8 @@ class ZmqDecodeBackend:
         ranks = cells.everyone(layout)
         for rank, shared in cells.peers(self.handshake, layout).items():
             draft = cells.sends_draft(ranks[rank], self.handshake)
-            source = _Source(cells.cuts(self.handshake, shared, draft), state.meta.decode_prefix_len)
+            cuts = cells.cuts(self.handshake, shared, draft)
+            source = _Source(cuts, state.meta.decode_prefix_len, sharded=layout.page_shards > 1)
             state.sources[f"{host}:{int(port) + rank}"] = source
         return list(state.sources)
 
@@ -244,7 +252,9 @@ class ZmqDecodeBackend:
                 if source is None:
                     raise ValueError("not a prefill rank this request takes KV from")
                 if kind == wire.KV:
-                    self._land(state, source, int(header["start"]), int(header["end"]), payload)
+                    pages = header.get("pages")
+                    held = None if pages is None else [int(q) for q in pages]
+                    self._land(state, source, int(header["start"]), int(header["end"]), held, payload)
                     return None
                 if kind == wire.WORKING:  # prefill is alive and on it: wait the timeout from now
                     state.deadline = time.monotonic() + self.timeout_s
@@ -254,6 +264,7 @@ class ZmqDecodeBackend:
                         raise ValueError(f"done at token {source.next} of {state.meta.prompt_len}")
                     source.done, state.result = True, wire.parse_result(header)
                     if all(s.done for s in state.sources.values()):
+                        self._check_covered(state)
                         state.status = KVPoll.SUCCESS
                         del self._rooms[room]
                     return wire.encode(wire.ACK, {"room": room})
@@ -287,13 +298,42 @@ class ZmqDecodeBackend:
         for endpoint, message in sends:
             self._dealer(endpoint).send_multipart(message)
 
-    def _land(self, state: _Room, source: _Source, start: int, end: int, payload: list[memoryview]) -> None:
-        """Lock held. Raises ValueError for a message out of order or outside the prompt."""
+    def _land(
+        self, state: _Room, source: _Source, start: int, end: int, held: list[int] | None, payload: list[memoryview]
+    ) -> None:
+        """Lock held. `held`: the pages a page-sharded source sent rows of. Raises ValueError for a message
+        out of order or outside the prompt, or a page sent twice or by a source that holds every page."""
         assert state.meta is not None and state.slots is not None
         if start != source.next or not start < end <= state.meta.prompt_len:
             raise ValueError(f"rows [{start}, {end}) when token {source.next} was expected")
         base = state.meta.decode_prefix_len
-        self.moved_bytes += land(self.buffers, state.slots[start - base : end - base], payload, source.cuts)
+        if held is None:
+            if source.sharded:
+                raise ValueError("rows of a page-sharded prefill rank without the pages they belong to")
+            slots = state.slots[start - base : end - base]
+        else:
+            p = self.handshake.page_size
+            seen = state.landed.setdefault(source.cuts, set())
+            chunk = range(start // p, -(-end // p))
+            if not source.sharded or any(q not in chunk for q in held) or len(set(held)) < len(held):
+                raise ValueError(f"pages {held} are not pages of rows [{start}, {end}) this rank may send")
+            twice = seen.intersection(held)
+            if twice:
+                raise ValueError(f"pages {sorted(twice)} came from two prefill ranks: each page has one owner")
+            seen.update(held)
+            slots = state.slots[tokens_of(held, start, end, p) - base]
+        self.moved_bytes += land(self.buffers, slots, payload, source.cuts, self.pool.owned(slots))
         source.next = end
         state.status = KVPoll.TRANSFERRING
         state.deadline = time.monotonic() + self.timeout_s
+
+    def _check_covered(self, state: _Room) -> None:
+        """Lock held, every source done: raises ValueError unless the page-sharded sources of each cell
+        sent every page of the transfer (between them, once each)."""
+        assert state.meta is not None
+        p = self.handshake.page_size
+        wanted = set(range(state.meta.decode_prefix_len // p, -(-state.meta.prompt_len // p)))
+        for cuts in {s.cuts for s in state.sources.values() if s.sharded}:
+            missing = wanted - state.landed.get(cuts, set())
+            if missing:
+                raise ValueError(f"no prefill rank sent pages {sorted(missing)[:8]} of the prompt")

@@ -86,6 +86,51 @@ def complete(url: str, prompt: str | list[int], max_tokens: int = 12, **extra: o
     return httpx.post(f"{url}/v1/completions", json=body, timeout=60)
 
 
+def conversations(seed: int, count: int = 2, turns: int = 3) -> list[tuple[int, list[int]]]:
+    """(conversation, prompt) in the order interleaved clients send them: each conversation's next turn
+    is its last prompt and 40 more tokens. Seeds name the conversations, so a test whose seed no other
+    test of its decode server uses finds nothing of them on decode at its first turn."""
+    histories = [[(7 * i + 31 * seed + 11 * c) % 250 for i in range(150)] for c in range(count)]
+    out = []
+    for turn in range(turns):
+        for c in range(count):
+            out.append((c, histories[c]))
+            histories[c] = histories[c] + [40 + turn + c] * 40
+    return out
+
+
+def sent_bytes(prefill: str) -> float:
+    return metric(scrape(prefill), "hicache_disagg_sent_bytes_total")
+
+
+def check_turns(
+    front: str, prefill: str, decode: str, prompts: Sequence[tuple[int, list[int]]],
+    want: Callable[[list[int]], object], page: int = 16, model: str = "tiny",
+) -> None:  # fmt: skip
+    """Send `prompts` through the router at `front`: each answer's tokens and logprobs are `want(prompt)`'s
+    (a single-rank cache-off server's), decode receives exactly the prompt after the prefix its own tree
+    served, which covers the conversation's last prompt, and prefill sends exactly the bytes decode
+    receives (every cell of every page crosses once, from its one owner)."""
+    previous: dict[int, int] = {}  # each conversation's last prompt length, which decode's tree holds
+    for n, (c, history) in enumerate(prompts):
+        before, sent = decode_counters(decode), sent_bytes(prefill)
+        got = complete(front, history, max_tokens=8, logprobs=2, model=model)
+        assert got.status_code == 200, got.text
+        assert got.json()["choices"][0]["logprobs"] == want(history), f"prompt {n} (conversation {c})"
+        reused = got.json()["usage"]["prompt_tokens_details"]["decode_prefix_tokens"]
+        after = decode_counters(decode)
+        received = after["received"] - before["received"]
+        assert received == len(history) - reused, "decode receives exactly the prompt after its prefix"
+        assert reused >= previous.get(c, 0) // page * page, "a later turn receives only what follows the last"
+        assert after["bytes"] - before["bytes"] == sent_bytes(prefill) - sent > 0, "each cell of each page once"
+        previous[c] = len(history)
+
+
+def reference(url: str, model: str = "tiny") -> Callable[[list[int]], object]:
+    """What `check_turns` wants of a prompt: the tokens and logprobs of the server at `url`."""
+    return lambda prompt: complete(url, prompt, max_tokens=8, logprobs=2, model=model).json()["choices"][0]["logprobs"]
+
+
 def router_refusal(prefill: str, decode: str) -> str:
     """Start `hicache router` over one pair that it must refuse: its one-line error (exit code 2)."""
     cmd = [sys.executable, "-m", "hicache", "router", "--prefill", prefill, "--decode", decode,

@@ -22,12 +22,13 @@ from tests.disagg.test_handshake import BASE
 HEAD_DIM = 4
 
 
-def server(num_layers: int, num_kv_heads: int, tp: int, pp: int) -> Handshake:
-    """Rank 0's handshake of a server of this topology (`cells.everyone` places the others)."""
+def server(num_layers: int, num_kv_heads: int, tp: int, pp: int, cp: int = 1) -> Handshake:
+    """Rank 0's handshake of a server of this topology (`cells.everyone` places the others); at CP > 1
+    its pages are sharded over its CP ranks."""
     per = num_kv_heads // tp
     layout = (("k", (per, HEAD_DIM)), ("v", (per, HEAD_DIM)))
     hs = dataclasses.replace(BASE, num_layers=num_layers, num_kv_heads=num_kv_heads, tp_size=tp, pp_size=pp,
-                             kv_layout=layout)  # fmt: skip
+                             cp_size=cp, page_shards=cp, kv_layout=layout)  # fmt: skip
     return cells.everyone(hs)[0]
 
 
@@ -36,8 +37,9 @@ def pairs(draw) -> tuple[Handshake, Handshake]:
     num_layers = draw(st.integers(1, 9))
     num_kv_heads = draw(st.sampled_from([1, 2, 4, 6, 8]))
     tps = [t for t in (1, 2, 3, 4) if num_kv_heads % t == 0]
-    sides = [(draw(st.sampled_from(tps)), draw(st.integers(1, min(num_layers, 4)))) for _ in range(2)]
-    return tuple(server(num_layers, num_kv_heads, tp, pp) for tp, pp in sides)  # type: ignore[return-value]
+    sides = [(draw(st.sampled_from(tps)), draw(st.integers(1, min(num_layers, 4))), draw(st.sampled_from([1, 2])))
+             for _ in range(2)]  # fmt: skip
+    return tuple(server(num_layers, num_kv_heads, tp, pp, cp) for tp, pp, cp in sides)  # type: ignore[return-value]
 
 
 @settings(max_examples=150, deadline=None)
@@ -45,10 +47,14 @@ def pairs(draw) -> tuple[Handshake, Handshake]:
 def test_every_decode_rank_gets_its_shard_exactly_once_and_both_sides_agree_on_the_plan(pair):
     prefill, decode = pair
     assert cells.misaligned(prefill, decode) is None
+    ranks = cells.everyone(prefill)
     for d in cells.everyone(decode):
         mine = cells.shard(d)
-        covered = [(layer, head) for c in cells.peers(d, prefill).values() for layer in c.layers for head in c.heads]
-        assert sorted(covered) == [(layer, head) for layer in mine.layers for head in mine.heads]
+        # Every CP rank of prefill holds the same cells, of the pages it owns: each gives them once.
+        for cp in range(prefill.cp_size):
+            covered = [(layer, head) for p, c in cells.peers(d, prefill).items() if ranks[p].cp_rank == cp
+                       for layer in c.layers for head in c.heads]  # fmt: skip
+            assert sorted(covered) == [(layer, head) for layer in mine.layers for head in mine.heads]
         for p_rank, shared in cells.peers(d, prefill).items():
             # The prefill rank owes this decode rank exactly the cells the decode rank expects of it.
             assert cells.peers(cells.everyone(prefill)[p_rank], decode)[cells.rank(d)] == shared
@@ -113,3 +119,7 @@ def test_each_decode_rank_takes_the_drafts_rows_once_from_a_peer_or_the_pair_is_
         assert len(senders) == 1 and cells.everyone(prefill)[senders[0]].tp_rank == d.tp_rank
     other_tp = dataclasses.replace(server(4, 2, 3 - tp, 1), draft="d", draft_layers=1)
     assert "between two TP sizes" in (cells.misaligned(prefill, other_tp) or "")
+    # A page-sharded side holds only its own pages: no one rank has the draft's rows whole.
+    cp2 = dataclasses.replace(server(layers, 2, tp, p_pp, cp=2), draft="d", draft_layers=1,
+                              draft_kv_layout=(("k", (1, HEAD_DIM)),))  # fmt: skip
+    assert cells.misaligned(cp2, decode) == cells.misaligned(prefill, cp2) == cells.SHARDED_DRAFT

@@ -1,18 +1,27 @@
 """P/D across topologies (docs/DESIGN.md, "P/D across topologies"), through `hicache router` in front of
-real servers: a prefill server at PP2 (the Astron shape) or TP2 sends a single-rank decode server the
-cells each of its ranks holds. Turn after turn of one conversation, the tokens and logprobs equal a
-single-rank cache-off server's, and decode's reuse still works: later turns receive only the suffix
-after decode_prefix_len, counted by decode's metrics."""
+real servers: a prefill server at PP2 (the Astron shape), TP2 or CP2 sends a single-rank decode server
+the cells each of its ranks holds (under CP, of the pages each rank owns). Turn after turn of two
+interleaved conversations, the tokens and logprobs equal a single-rank cache-off server's, decode's
+reuse still works (later turns receive only the suffix after decode_prefix_len, counted by decode's
+metrics), and prefill sends exactly the bytes decode receives (no page crosses twice)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.disagg.deployment import DECODE_REUSE, complete, decode_counters, ports, prefill_args, router, serve, started
+from tests.disagg.deployment import (
+    DECODE_REUSE,
+    check_turns,
+    conversations,
+    ports,
+    prefill_args,
+    reference,
+    router,
+    serve,
+    started,
+)
 from tests.disagg.pd import free_ports
 from tests.server.server_harness import assert_no_leaks
-
-PAGE = 16
 
 
 @pytest.fixture(scope="module")
@@ -26,28 +35,19 @@ def servers(tmp_path_factory: pytest.TempPathFactory):
         yield {"logs": logs, "decode": decode.url, "ref": ref.url}
 
 
-@pytest.mark.parametrize("layout", [("--pp-size", "2"), ("--tp-size", "2")], ids=["pp2", "tp2"])
-def test_a_prefill_of_another_layout_feeds_a_tp1_decode_and_equals_one_cache_off_server(servers, layout):
+@pytest.mark.parametrize(
+    "seed,layout",
+    [(1, ("--pp-size", "2")), (2, ("--tp-size", "2")), (3, ("--cp-size", "2"))],
+    ids=["pp2", "tp2", "cp2"],
+)
+def test_a_prefill_of_another_layout_feeds_a_tp1_decode_and_equals_one_cache_off_server(servers, seed, layout):
     decode, ref = servers["decode"], servers["ref"]
     p_port, r_port = ports(2)
     prefill = serve(servers["logs"], p_port, *layout, *prefill_args(free_ports(2)))
     with started(prefill):
         front = router(servers["logs"], r_port, [prefill.url], [decode])
         with started(front):
-            # Each layout its own conversation, so the first turn finds nothing on decode.
-            history = [(7 * i + len(layout[0]) * 31) % 250 for i in range(150)]
-            previous = 0  # the last turn's prompt length, which decode's tree holds
-            for turn in range(3):
-                before = decode_counters(decode)
-                got = complete(front.url, history, max_tokens=8, logprobs=2)
-                assert got.status_code == 200, got.text
-                want = complete(ref, history, max_tokens=8, logprobs=2).json()["choices"][0]
-                assert got.json()["choices"][0]["logprobs"] == want["logprobs"], f"turn {turn}: tokens or logprobs"
-                reused = got.json()["usage"]["prompt_tokens_details"]["decode_prefix_tokens"]
-                received = decode_counters(decode)["received"] - before["received"]
-                assert received == len(history) - reused, "decode receives exactly the prompt after its prefix"
-                assert reused >= previous // PAGE * PAGE, "a later turn receives only what follows the last prompt"
-                previous = len(history)
-                history = history + [40 + turn] * 40  # the next turn
+            # Each layout its own conversations (`seed`), so a first turn finds nothing on decode.
+            check_turns(front.url, prefill.url, decode, conversations(seed), reference(ref))
         assert_no_leaks(prefill.url)
     assert_no_leaks(decode)
