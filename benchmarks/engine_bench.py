@@ -47,6 +47,7 @@ from benchmarks.common import (
 )
 from hicache import Engine, SamplingParams
 from hicache.config import EngineConfig
+from hicache.model.build import kernel_available
 from hicache.model.config import ModelConfig
 from hicache.model.kernels import quant
 
@@ -219,8 +220,10 @@ class Format:
     def kind_of(self, model: str):
         if self.quantization in ("int8", "int4"):
             return lambda name: "dense" if name == "norm" else self.quantization
-        # auto keeps the GGUF's types only with bf16 activations (hicache.model.build.resolve_quantization)
-        if self.quantization == "auto" and model == "smollm2" and self.dtype == "bfloat16":
+        # auto keeps the GGUF's types where a fast kernel takes them (hicache.model.build.resolve_quantization):
+        # aten's packed ones with bf16 activations, the native ones (kernels/native.py) with either dtype
+        fast = all(kernel_available(f, getattr(torch, self.dtype), torch.device("cpu"), fast=True) for f in quant.FORMATS)
+        if self.quantization == "auto" and model == "smollm2" and fast:
             from hicache.model.loading.gguf_loader import smollm2_path
 
             stored = gguf_kinds(smollm2_path())

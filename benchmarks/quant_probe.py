@@ -1,11 +1,12 @@
 """Feasibility probe for issue 16's "quantized weights, kept quantized" on this CPU.
 
 For smollm2's linear shapes it measures, per weight format (bf16 F.linear, int8 per-channel
-`aten._weight_int8pack_mm`, int4 group-32 `aten._weight_int4pack_mm_for_cpu`):
+`aten._weight_int8pack_mm`, int4 group-32 `aten._weight_int4pack_mm_for_cpu`, and hicache's native
+int8 / int4 kernels of hicache/model/kernels/native.py on the same codes):
 
-1. time per call at M = 1, 8, 32, 512 rows (dense = F.linear on a weight in the activation dtype) and the weight
-   bytes each call reads, against the
-   bandwidth of a 256 MB tensor copy (bytes moved = read + write);
+1. median time per call at M = 1, 8, 32, 512 rows (dense = F.linear on a weight in the activation dtype) and
+   the weight bytes each call reads, against the bandwidth of a 256 MB tensor copy (bytes moved = read +
+   write) and, at 512 rows, against a float32 2048x2048 matmul's FLOP/s, both measured in the same run;
 2. row invariance: whether each row of a 64-row reference call equals, bit for bit, the same row
    computed alone (M=1, every row) and inside calls of 1..16, 37 and 517 rows at offsets 0 and 37
    (reference call: 80 rows),
@@ -26,6 +27,9 @@ import time
 
 import torch
 import torch.nn.functional as F
+
+from hicache.model.kernels import native, ops
+from hicache.model.kernels.quant import QuantizedWeight
 
 # SmolLM2-135M (the GGUF that `--model smollm2` loads): hidden 576, 9 query heads and 3 KV heads of
 # 64, intermediate 1536, vocab 49152, 30 layers. (N, K) = (out_features, in_features).
@@ -124,6 +128,41 @@ class Int4Linear:
         return self.packed.numel() + self.sz.numel() * self.sz.element_size()
 
 
+class NativeInt8Linear(Int8Linear):
+    """hicache's native int8 kernel (hicache/model/kernels/native.py) on the same codes and scales."""
+
+    name = "int8 hicache native"
+
+    def __init__(self, w: torch.Tensor, act: torch.dtype, **codes) -> None:
+        super().__init__(w, act, **codes)
+        weight = QuantizedWeight(self.q, self.scales.float()[:, None], None, self.q.shape[1], 8, "probe")
+        self.linear = ops.Linear(weight, ops.LinearPlan("native-int8", 1), act)
+
+    def __call__(self, x):
+        return self.linear(x)
+
+    def weight_bytes(self):
+        return self.linear.weight_bytes
+
+
+class NativeInt4Linear(Int4Linear):
+    """hicache's native int4 kernel on the same codes, scales and zeros (its offset = zero - 8 * scale)."""
+
+    name = "int4 hicache native g32"
+
+    def __init__(self, w: torch.Tensor, act: torch.dtype, **codes) -> None:
+        super().__init__(w, act, **codes)
+        scale, zero = (self.sz[..., i].float().t().contiguous() for i in (0, 1))
+        weight = QuantizedWeight(self.q.to(torch.int8), scale, zero - 8 * scale, GROUP, 4, "probe")
+        self.linear = ops.Linear(weight, ops.LinearPlan("native-int4", 1), act)
+
+    def __call__(self, x):
+        return self.linear(x)
+
+    def weight_bytes(self):
+        return self.linear.weight_bytes
+
+
 def int4_available(act: torch.dtype) -> str:
     if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return "op not in this torch build"
@@ -138,14 +177,21 @@ def int4_available(act: torch.dtype) -> str:
 
 
 def time_call(fn, x, budget_s: float) -> float:
+    """The median time of one call (the median, not the mean: other jobs share this machine's cores)."""
     fn(x)  # warm up (and any one-time packing)
-    n, t0 = 0, time.perf_counter()
+    times, start = [], time.perf_counter()
     while True:
+        t0 = time.perf_counter()
         fn(x)
-        n += 1
-        el = time.perf_counter() - t0
-        if (el > budget_s and n >= 3) or el > 4 * budget_s:
-            return el / n
+        times.append(time.perf_counter() - t0)
+        if (t0 - start > budget_s and len(times) >= 3) or t0 - start > 4 * budget_s:
+            return sorted(times)[len(times) // 2]
+
+
+def fp32_flops() -> float:
+    """GFLOP/s of a float32 2048x2048 matmul (MKL, all threads): the machine's practical fp32 peak."""
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    return 2 * 2048**3 / time_call(lambda _: a @ b, None, 1.0) / 1e9
 
 
 def copy_bandwidth() -> float:
@@ -175,19 +221,19 @@ def probe_operands(kernel_cls, n, k, act, cancelling: bool, seed=0):
     if kernel_cls is Bf16Linear:
         w = torch.randn(n, k, generator=gen)
         wmax, make = 1.0, None
-    elif kernel_cls is Int8Linear:
+    elif issubclass(kernel_cls, Int8Linear):
         q = torch.randint(-127, 128, (n, k), generator=gen, dtype=torch.int8)
         # power-of-two scales (0.5, 1, 2): the integer and the real units of the partial sums agree
         scales = 2.0 ** torch.randint(-1, 2, (n,), generator=gen).float()
         wmax, w = 127, None
-        make = lambda q=q, s=scales: Int8Linear(torch.empty(n, k), act, q=q.clone(), scales=s)
+        make = lambda q=q, s=scales: kernel_cls(torch.empty(n, k), act, q=q.clone(), scales=s)
     else:
         q = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.int32)
         s = 2.0 ** torch.randint(-1, 2, (n,), generator=gen).float()
         scale = s[None, :].expand(k // GROUP, n).contiguous()  # one scale per channel, zero 0: both
         zero = torch.zeros(k // GROUP, n)  # cancelling columns dequantize to the same value
         wmax, w = 7, None
-        make = lambda q=q, sc=scale, z=zero: Int4Linear(torch.empty(n, k), act, q=q.clone(), scale=sc, zero=z)
+        make = lambda q=q, sc=scale, z=zero: kernel_cls(torch.empty(n, k), act, q=q.clone(), scale=sc, zero=z)
     if cancelling:
         # typical |output| of the random part, then x = 2^e so that the products are ~2^16 larger
         probe = (Bf16Linear(w, act) if w is not None else make())(x[:64].to(act)).float()
@@ -200,7 +246,7 @@ def probe_operands(kernel_cls, n, k, act, cancelling: bool, seed=0):
             x[:, lo], x[:, hi] = 2.0**e, -(2.0**e)
             if w is not None:
                 w[:, lo] = w[:, hi] = sign * 1.0
-            elif kernel_cls is Int8Linear:
+            elif issubclass(kernel_cls, Int8Linear):
                 q[:, lo] = q[:, hi] = (sign * 127).to(torch.int8)
             else:
                 q[:, lo] = q[:, hi] = (8 + sign * 7).to(torch.int32)  # dequantizes to +-7 * scale
@@ -262,6 +308,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="shorter timing budget")
     ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp32", "both"))
     ap.add_argument("--skip-invariance", action="store_true")
+    ap.add_argument("--skip-packed", action="store_true",
+                    help="leave out aten's packed kernels (with fp32 activations one 512-row lm_head call takes seconds)")
     args = ap.parse_args()
     acts = {"bf16": [torch.bfloat16], "fp32": [torch.float32], "both": [torch.bfloat16, torch.float32]}[args.dtype]
     budget = 0.1 if args.quick else 0.3
@@ -271,16 +319,21 @@ def main() -> None:
         f"threads {torch.get_num_threads()}  torch {torch.__version__}"
     )
     bw = copy_bandwidth()
-    print(f"tensor copy of 256 MB: {bw:.1f} GB/s (read + write bytes)\n")
+    peak = fp32_flops()
+    print(f"tensor copy of 256 MB: {bw:.1f} GB/s (read + write bytes); fp32 matmul 2048^2: {peak:.0f} GFLOP/s\n")
 
     for act in acts:
         aname = str(act).removeprefix("torch.")
-        kernels = [Bf16Linear, Int8Linear]
+        kernels = [Bf16Linear] + ([] if args.skip_packed else [Int8Linear])
         why = int4_available(act)
         if why:
             print(f"int4 with {aname} activations unavailable: {why}")
-        else:
+        elif not args.skip_packed:
             kernels.append(Int4Linear)
+        if native.library() is not None:
+            kernels += [NativeInt8Linear, NativeInt4Linear]
+        else:
+            print("hicache's native kernels unavailable (see the warning above)")
 
         print(f"== 1. time per call, activations {aname} (us; bw-limit = weight bytes / copy GB/s) ==")
         head = f"{'shape':18} {'kernel':38} {'w MB':>7} {'bw-limit':>9}" + "".join(
@@ -302,17 +355,24 @@ def main() -> None:
                     f"{sname:18} {cls.name:38} {wb / 1e6:7.2f} {wb / bw / 1e3:9.1f}"
                     + "".join(f"{t * 1e6:10.1f}" for t in times)
                 )
-        print("\nall linears of one forward step (30 layers + lm_head), ms; tok/s at M=1 = 1 / step time")
+        print("\nall linears of one forward step (30 layers + lm_head), ms; tok/s at M=1 = 1 / step time;")
+        print("GB/s M=1 = weight bytes / step time (x copy: against the copy's GB/s); GF M=512 = GFLOP/s at")
+        print("512 rows (x peak: against the fp32 2048^2 matmul); x dense: the dense kernel's time / this one's")
+        step_flops = 2 * sum(n * k * PER_STEP[sname] for sname, (n, k) in SHAPES.items()) * TIMED_ROWS[-1]
+        dense = step[Bf16Linear.name]
         print(
             f"{'kernel':38} {'w MB':>7} {'bw-limit':>9}"
             + "".join(f"{'M=' + str(m):>10}" for m in TIMED_ROWS)
-            + f"{'tok/s M=1':>11}"
+            + f"{'tok/s M=1':>11}{'GB/s M=1':>10}{'x copy':>8}{'GF M=512':>10}{'x peak':>8}"
+            + "".join(f"{'x dense ' + str(m):>11}" for m in TIMED_ROWS)
         )
         for name, ts in step.items():
+            gbs, gf = step_bytes[name] / ts[0] / 1e9, step_flops / ts[-1] / 1e9
             print(
                 f"{name:38} {step_bytes[name] / 1e6:7.1f} {step_bytes[name] / bw / 1e6:9.2f}"
                 + "".join(f"{t * 1e3:10.2f}" for t in ts)
-                + f"{1 / ts[0]:11.1f}"
+                + f"{1 / ts[0]:11.1f}{gbs:10.1f}{gbs / bw:8.2f}{gf:10.1f}{gf / peak:8.2f}"
+                + "".join(f"{d / t:11.2f}" for d, t in zip(dense, ts))
             )
 
         if not args.skip_invariance:

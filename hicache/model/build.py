@@ -31,17 +31,20 @@ logger = logging.getLogger(__name__)
 CHECKPOINT = "checkpoint"  # each weight in its checkpoint's own format: Q4_1 -> int4, Q8_0 -> int8, else dense
 
 
-def kernel_available(fmt: str, dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether some backend runs weights of format `fmt` with `dtype` activations on `device`."""
-    return any(b.weight_format == fmt and b.available(dtype, device) for b in ops.BACKENDS.values())
+def kernel_available(fmt: str, dtype: torch.dtype, device: torch.device, fast: bool = False) -> bool:
+    """Whether some backend runs weights of format `fmt` with `dtype` activations on `device` (`fast`:
+    and is faster there than a dense kernel)."""
+    return any(b.weight_format == fmt and b.available(dtype, device) and (b.fast_for(dtype) or not fast)
+               for b in ops.BACKENDS.values())  # fmt: skip
 
 
 def resolve_quantization(requested: str, loaded: LoadedModel, dtype: torch.dtype, device: torch.device) -> str:
     """What `--quantization` means for this checkpoint, dtype and device: none, int8, int4 or checkpoint.
 
-    auto keeps the checkpoint's quantized tensors quantized where the kernels are fast: on a CPU with
-    bfloat16 activations. With float32 activations (where bf16 is not native, e.g. AVX2-only CPUs) the
-    packed kernels measured 3-40x slower than a dense float32 matmul, so auto stays dense there."""
+    auto keeps the checkpoint's quantized tensors quantized where a kernel is fast (`fast_for`): aten's
+    packed kernels with bfloat16 activations, hicache's native kernels (kernels/native.py) with either
+    dtype. With float32 activations (where bf16 is not native, e.g. AVX2-only CPUs) the packed kernels
+    measured 3-40x slower than a dense float32 matmul, so without the native ones auto stays dense there."""
     if requested not in quant.QUANTIZATIONS:
         raise UserError(f"--quantization must be one of {', '.join(quant.QUANTIZATIONS)}, got {requested!r}")
     if requested == "none":
@@ -52,7 +55,7 @@ def resolve_quantization(requested: str, loaded: LoadedModel, dtype: torch.dtype
                             f"{str(dtype).removeprefix('torch.')} on {device.type} in this torch build")  # fmt: skip
         return requested
     formats = {w.kernel_format for w in loaded.quantized.values()}
-    if not formats or dtype != torch.bfloat16 or not all(kernel_available(f, dtype, device) for f in formats):
+    if not formats or not all(kernel_available(f, dtype, device, fast=True) for f in formats):
         return "none"
     return CHECKPOINT
 
@@ -109,12 +112,12 @@ class LinearFactory:
         if self.planner is not None:
             plan = self.planner.plan(tuple(prepared.shape), fmt)
         else:  # plain ops, for benchmarks of what invariance costs
-            plan = ops.PLAIN if fmt == "dense" else ops.LinearPlan(_first_backend(fmt), 1)
+            plan = ops.PLAIN if fmt == "dense" else ops.LinearPlan(_first_backend(fmt, self.dtype, self.device), 1)
         return ops.Linear(prepared, plan, self.dtype)
 
 
-def _first_backend(fmt: str) -> str:
-    return next(name for name, b in ops.BACKENDS.items() if b.weight_format == fmt)
+def _first_backend(fmt: str, dtype: torch.dtype, device: torch.device) -> str:
+    return next(name for name, b in ops.BACKENDS.items() if b.weight_format == fmt and b.available(dtype, device))
 
 
 def build_decoder(

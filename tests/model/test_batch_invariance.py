@@ -25,7 +25,7 @@ from hicache.model.kernels import key_blocks
 from hicache.model.kernels.invariance import feed, probe_inputs
 from hicache.model.loading.loader import load_model
 from hicache.parallel.parallel import ParallelContext
-from tests.model.test_quant import BF16_KERNELS
+from tests.model.test_quant import BF16_KERNELS, NATIVE_KERNELS
 
 VARIANT_ENV = "HICACHE_INVARIANCE_VARIANT"
 VARIANTS = {
@@ -46,7 +46,9 @@ def loaded(request):
 
 # (activation dtype, weight format): dense in both dtypes, and the weight-only quantized kernels
 # (hicache/model/kernels/quant.py) with bf16 activations: smollm2 in its checkpoint's formats (int4 layers,
-# int8 head: both kernels), tiny (dense weights) quantized to each.
+# int8 head: both kernels), tiny (dense weights) quantized to each. Where the native kernels are built
+# (kernels/native.py) `--quantization auto` also keeps the codes with float32 activations: smollm2 runs
+# that deployment too (its bf16 formats already run the same kernels on tiny's shapes).
 FORMATS = {"tiny": ("none", "int8", "int4"), "smollm2": ("none", CHECKPOINT)}
 
 
@@ -57,7 +59,7 @@ FORMATS = {"tiny": ("none", "int8", "int4"), "smollm2": ("none", CHECKPOINT)}
 DENSE_ONLY = os.environ.get(VARIANT_ENV) == "one-thread-mkl-cbwr"
 ACTIVATIONS_AND_WEIGHTS = ["float32", "bfloat16"] + (
     [] if DENSE_ONLY else ["bfloat16-int8", "bfloat16-int4", "bfloat16-checkpoint"]
-)
+) + ([] if DENSE_ONLY or not NATIVE_KERNELS else ["float32-checkpoint"])
 
 
 @pytest.fixture(scope="module", params=ACTIVATIONS_AND_WEIGHTS)
@@ -66,7 +68,7 @@ def model(request, loaded):
     fmt = fmt or "none"
     if fmt not in FORMATS[loaded.name]:
         pytest.skip(f"{loaded.name} is not run with {fmt} weights")
-    if fmt != "none" and not BF16_KERNELS:
+    if fmt != "none" and dtype == "bfloat16" and not BF16_KERNELS:
         pytest.skip("no int8/int4 kernels for bf16 activations in this torch build")
     if DENSE_ONLY and dtype == "bfloat16" and loaded.name != "tiny":
         pytest.skip("one thread: bf16 on tiny's shapes (smollm2's bf16 runs at this machine's thread count)")

@@ -15,6 +15,8 @@ from hicache.model.loading.loader import load_model
 
 CPU = torch.device("cpu")
 BF16_KERNELS = all(kernel_available(fmt, torch.bfloat16, CPU) for fmt in quant.FORMATS)
+# hicache's own kernels (kernels/native.py): fast with float32 activations too, so auto quantizes there.
+NATIVE_KERNELS = all(ops.BACKENDS[f"native-{fmt}"].available(torch.float32, CPU) for fmt in quant.FORMATS)
 needs_kernels = pytest.mark.skipif(not BF16_KERNELS, reason="no packed int4/int8 CPU kernels in this torch build")
 
 
@@ -127,7 +129,8 @@ def test_quantization_resolves_per_checkpoint_dtype_and_request(smollm2):
     tiny = load_model("tiny")
     bf16, fp32 = torch.bfloat16, torch.float32
     assert resolve_quantization("none", smollm2, bf16, CPU) == "none"
-    assert resolve_quantization("auto", smollm2, fp32, CPU) == "none"  # packed kernels are slow with fp32
+    # aten's packed kernels are slow with fp32 activations; the native ones are not
+    assert resolve_quantization("auto", smollm2, fp32, CPU) == (CHECKPOINT if NATIVE_KERNELS else "none")
     assert resolve_quantization("auto", tiny, bf16, CPU) == "none"  # nothing quantized in the checkpoint
     if BF16_KERNELS:
         assert resolve_quantization("auto", smollm2, bf16, CPU) == CHECKPOINT
@@ -145,5 +148,7 @@ def test_checkpoint_format_keeps_each_tensor_in_its_own(smollm2, tmp_path):
     head = factory(smollm2.quantized["model.embed_tokens.weight"])
     dense = factory(smollm2.weights["model.layers.0.mlp.down_proj.weight"])  # values without codes
     assert (layer.weight_format, head.weight_format, dense.weight_format) == ("int4", "int8", "dense")
-    # 4-bit codes two to a byte plus a bf16 scale and zero per 32 weights: 0.625 bytes a weight
-    assert layer.weight_bytes == 576 * 1536 * 5 // 8
+    # 4-bit codes two to a byte plus a scale and an offset per 32 weights: bf16 ones for aten's packed
+    # kernel (0.625 bytes a weight), float32 ones for the native kernel (0.75 bytes a weight)
+    eighths = 6 if layer.plan.backend == "native-int4" else 5
+    assert layer.weight_bytes == 576 * 1536 * eighths // 8

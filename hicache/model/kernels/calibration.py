@@ -8,7 +8,7 @@ reordered weight, then `F.linear`, each with the smallest granule in GRANULES th
 fixed TILE-row tiles. A quantized weight (int8/int4 codes) is planned on its format's kernel alone,
 with probe codes built the same way (`probe_quantized`): one kernel serves it at every row count.
 What was found is kept in a JSON file per platform fingerprint (torch build, CPU or GPU model, the ISA and
-reproducibility variables that steer MKL and oneDNN, thread count), so a restart does not measure again;
+reproducibility variables that steer MKL and oneDNN, thread count, the native kernels' version), so a restart does not measure again;
 the start-up self-check still verifies the assembled model.
 """
 
@@ -26,7 +26,8 @@ from dataclasses import asdict
 
 import torch
 
-from hicache.model.kernels import quant
+from hicache.model.kernels import native, quant
+from hicache.model.kernels.cache_dir import default_cache_dir
 from hicache.model.kernels.ops import BACKENDS, LinearPlan, shaped_call
 
 logger = logging.getLogger(__name__)
@@ -78,16 +79,10 @@ def platform_fingerprint(device: torch.device) -> str:
         "capability": torch.backends.cpu.get_cpu_capability() if device.type == "cpu" else "",
         "threads": torch.get_num_threads(),
         "env": {k: os.environ.get(k, "") for k in NUMERICS_ENV},
+        # Which native kernels exist: plans found without them (or with another version) are not reused.
+        "native": native.VERSION if device.type == "cpu" and native.library() is not None else 0,
     }
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def default_cache_dir() -> pathlib.Path:
-    """$HICACHE_CACHE_DIR, else $XDG_CACHE_HOME/hicache, else ~/.cache/hicache."""
-    if os.environ.get("HICACHE_CACHE_DIR"):
-        return pathlib.Path(os.environ["HICACHE_CACHE_DIR"])
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    return (pathlib.Path(xdg) if os.path.isabs(xdg) else pathlib.Path.home() / ".cache") / "hicache"
 
 
 PAIRS = 4  # cancelling pairs of large products per output (see probe_operands)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from hicache.model.kernels import key_blocks, quant
+from hicache.model.kernels import key_blocks, native, quant
 
 # Keys [E * length, Hkv, d] and values [E * length, Hkv, dv] of one read of a key-block plan.
 ReadBlock = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -71,9 +71,15 @@ class LinearBackend:
     def run(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def fast_for(self, dtype: torch.dtype) -> bool:
+        """Whether the kernel is faster than a dense one for activations of `dtype` (what
+        `--quantization auto` asks before keeping a checkpoint's codes)."""
+        return True
+
     def weight_bytes(self, prepared: Any) -> int:
         """Bytes a call reads for the weight (codes, scales and offsets included)."""
-        return prepared.numel() * prepared.element_size()
+        tensors = prepared if isinstance(prepared, tuple) else (prepared,)
+        return sum(t.numel() * t.element_size() for t in tensors)
 
 
 class OneDNNBackend(LinearBackend):
@@ -131,8 +137,8 @@ class _PackedBackend(LinearBackend):
             return False
         return True
 
-    def weight_bytes(self, prepared: Any) -> int:
-        return sum(t.numel() * t.element_size() for t in prepared)
+    def fast_for(self, dtype: torch.dtype) -> bool:
+        return dtype == torch.bfloat16
 
 
 class Int8PackBackend(_PackedBackend):
@@ -170,9 +176,63 @@ class Int4PackBackend(_PackedBackend):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, quant.INT4_GROUP, scales_and_zeros)
 
 
-BACKENDS: dict[str, LinearBackend] = {
-    b.name: b for b in (OneDNNBackend(), AtenBackend(), Int8PackBackend(), Int4PackBackend())
-}
+class _NativeBackend(LinearBackend):
+    """hicache's own weight-only quantized GEMMs (csrc/qgemm.cpp, built by native.py) for float32 and
+    bfloat16 activations, accumulating in float32; read each weight byte once per call at any row
+    count (a tile of the weight is dequantized into registers and met by every row of x).
+    Mechanism: row-invariant by construction, at every row count and thread count: each output is
+    one dot product over K in a fixed order (input k in SIMD lane k mod 8, one FMA per 8 inputs in
+    increasing k, the lanes summed by one fixed tree), whatever rows share the call; threads split
+    the outputs only. The calibration still measures it like any backend (granule 1 passes)."""
+
+    op = ""
+    PANEL = 8  # output rows the kernel stores together (csrc/qgemm.cpp)
+
+    def available(self, dtype: torch.dtype, device: torch.device) -> bool:
+        return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native.library() is not None
+
+    def accepts(self, shape: tuple[int, int]) -> bool:
+        n, k = shape
+        return n % self.PANEL == 0 and k % quant.INT4_GROUP == 0  # its panels, and its K loop's unit
+
+    def run(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
+        return getattr(native.library(), self.op)(x, *prepared)
+
+
+class NativeInt8Backend(_NativeBackend):
+    """Symmetric int8 codes [N, K] with one float32 scale per output row."""
+
+    name, weight_format, op = "native-int8", "int8", "int8_linear"
+
+    def prepare(self, weight: quant.QuantizedWeight, dtype: torch.dtype) -> Any:
+        return _panels(weight.codes, quant.INT4_GROUP), weight.scale[:, 0].float().contiguous()
+
+
+class NativeInt4Backend(_NativeBackend):
+    """4-bit codes two to a byte in GGUF Q4_1's order (byte j of a 32-input group: inputs j and j + 16),
+    a float32 scale and offset per group: value = code * scale + offset, bitwise quant.py's."""
+
+    name, weight_format, op = "native-int4", "int4", "int4_linear"
+
+    def prepare(self, weight: quant.QuantizedWeight, dtype: torch.dtype) -> Any:
+        n, k = weight.shape
+        halves = weight.codes.view(n, k // quant.INT4_GROUP, 2, quant.INT4_GROUP // 2).to(torch.uint8)
+        packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
+        return (_panels(packed, quant.INT4_GROUP // 2), _panels(weight.scale.float(), 1),
+                _panels(weight.offset.float(), 1))  # fmt: skip
+
+
+def _panels(per_row: torch.Tensor, group_width: int) -> torch.Tensor:
+    """[N, G * group_width] per output row -> [N/8, G, 8, group_width]: the native kernel's panels of 8
+    rows, so that a pass over a panel's groups reads one contiguous stream."""
+    n = per_row.shape[0]
+    rows = per_row.reshape(n // _NativeBackend.PANEL, _NativeBackend.PANEL, -1, group_width)
+    return rows.transpose(1, 2).contiguous()
+
+
+# Quantized formats list their native kernel first: candidate_plans tries backends in this order.
+_ALL = (OneDNNBackend(), AtenBackend(), NativeInt8Backend(), NativeInt4Backend(), Int8PackBackend(), Int4PackBackend())
+BACKENDS: dict[str, LinearBackend] = {b.name: b for b in _ALL}
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,102 @@
+"""hicache's native kernels: the weight-only quantized GEMMs of csrc/qgemm.cpp, compiled with the system
+C++ compiler through torch's cpp_extension and loaded as torch ops (`torch.ops.<LIBRARY>`).
+
+`make setup` builds them once (`python -m hicache.model.kernels.native --build`); an engine that finds no
+build compiles it on first use. A machine without AVX2 + FMA, a compiler or ninja gets one warning and
+the aten kernels instead: the native kernels are a speed-up, never a requirement. A build has one folder
+per kernel VERSION and torch build (`build_dir`), so an upgrade of either builds afresh instead of
+loading a stale library; within one, torch rebuilds when the source or the flags change.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import logging
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+import torch
+
+from hicache.model.kernels.cache_dir import default_cache_dir
+
+logger = logging.getLogger(__name__)
+
+# Bump on any change of csrc/qgemm.cpp's arithmetic: the version names the library and enters the
+# calibration's platform fingerprint, so plans and builds of another version are never reused.
+VERSION = 1
+LIBRARY = f"hicache_qgemm_v{VERSION}"
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "qgemm.cpp"
+# -ffp-contract=off: a multiply and an add stay two roundings (the dequantization is bitwise quant.py's).
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DHICACHE_QGEMM_LIBRARY={LIBRARY}"]
+REQUIRED_CPU_FLAGS = ("avx2", "fma")
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def build_dir() -> pathlib.Path:
+    """Beside the source in a clone or an editable install (so a test or a user that points the plan
+    cache elsewhere does not compile again), else under the kernels' cache directory."""
+    name = f"{LIBRARY}-torch{torch.__version__}"
+    return SOURCE.parent / "build" / name if os.access(SOURCE.parent, os.W_OK) else default_cache_dir() / "native" / name
+
+
+def build(verbose: bool = False) -> None:
+    """Compiles (when its sources or flags changed) and loads the library; raises on any failure."""
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in _cpu_flags()]
+    if missing:
+        raise RuntimeError(f"this CPU lacks {', '.join(missing)}")
+    # torch's build runs `ninja` from PATH; the `ninja` package puts it beside this interpreter, which
+    # a PATH without the venv's bin (a service, `.venv/bin/python` called directly) does not list.
+    here = os.path.dirname(sys.executable)
+    if here not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join(p for p in (os.environ.get("PATH"), here) if p)
+    from torch.utils import cpp_extension  # imported late: it is slow to import and only needed here
+
+    directory = build_dir()
+    directory.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=LIBRARY, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(directory),
+                       is_python_module=False, verbose=verbose)  # fmt: skip
+
+
+@functools.cache
+def library() -> Any:
+    """The loaded ops (`int8_linear`, `int4_linear`), built first if needed; None (after one warning)
+    where they cannot be built here."""
+    try:
+        build()
+    except Exception as exc:  # noqa: BLE001 - any build failure means "use the aten kernels"
+        logger.warning("native quantized kernels unavailable (%s); using aten's packed kernels instead",
+                       str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)  # fmt: skip
+        return None
+    return getattr(torch.ops, LIBRARY)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--build", action="store_true", help="compile the native kernels now (make setup)")
+    args = parser.parse_args()
+    if args.build:
+        start = time.perf_counter()
+        try:
+            build(verbose=False)
+        except Exception as exc:  # noqa: BLE001 - reported, and the engine falls back at run time
+            print(f"native kernels not built ({exc}); the engine will use aten's kernels", file=sys.stderr)
+            return
+        print(f"native kernels {LIBRARY} ready in {build_dir()} ({time.perf_counter() - start:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

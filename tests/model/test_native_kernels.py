@@ -1,0 +1,82 @@
+"""hicache's native weight-only quantized GEMMs (hicache/model/kernels/native.py, csrc/qgemm.cpp): they
+compute the dequantized weight's product to float32 rounding, a row's bits never depend on the call
+it is in (rows, position, thread count), the calibration picks them first, and plans measured without
+them are not reused."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from hicache.model.kernels import calibration, native, ops, quant
+
+CPU = torch.device("cpu")
+DTYPES = (torch.float32, torch.bfloat16)
+pytestmark = pytest.mark.skipif(native.library() is None, reason="native kernels not built on this machine")
+
+
+def _weight(fmt: str, n: int, k: int, seed: int) -> quant.QuantizedWeight:
+    values = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) * 0.05
+    return quant.as_format(values, fmt)
+
+
+def _linear(weight: quant.QuantizedWeight, dtype: torch.dtype) -> ops.Linear:
+    return ops.Linear(weight, ops.LinearPlan(f"native-{weight.format}", 1), dtype)
+
+
+@settings(max_examples=30, deadline=None)
+@given(fmt=st.sampled_from(quant.FORMATS), dtype=st.sampled_from(DTYPES), panels=st.integers(1, 40),
+       groups=st.integers(1, 24), rows=st.integers(1, 40), seed=st.integers(0, 2**16))  # fmt: skip
+def test_product_is_the_dequantized_weights_to_float32_rounding(fmt, dtype, panels, groups, rows, seed):
+    weight = _weight(fmt, 8 * panels, 32 * groups, seed)
+    x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    got = _linear(weight, dtype)(x)
+    assert got.dtype == dtype and got.shape == (rows, weight.shape[0])
+    dense = weight.dequantize().double()
+    exact = x.double() @ dense.t()
+    # float32 accumulation over K: a few units of rounding of the sum of |products|, and the output
+    # rounding of the activation dtype
+    bound = (x.double().abs() @ dense.abs().t()) * weight.shape[1] * 2.0**-24 + exact.abs() * torch.finfo(dtype).eps
+    assert bool(((got.double() - exact).abs() <= bound).all())
+
+
+@settings(max_examples=12, deadline=None)
+@given(fmt=st.sampled_from(quant.FORMATS), dtype=st.sampled_from(DTYPES), rows=st.integers(1, 37),
+       offset=st.integers(0, 26), shape=st.sampled_from([(64, 576), (192, 576), (24, 1536)]))  # fmt: skip
+def test_a_rows_bits_do_not_depend_on_its_call(fmt, dtype, rows, offset, shape):
+    # Operands on which any change of a dot product's summation order shows (calibration's probe).
+    weight, x = calibration.probe_quantized(*shape, 64, fmt, dtype, CPU)
+    linear = _linear(weight, dtype)
+    reference = linear(x[:64])
+    assert torch.equal(linear(x[offset : offset + rows]), reference[offset : offset + rows])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(linear(x[offset : offset + rows]), reference[offset : offset + rows])
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("fmt", quant.FORMATS)
+def test_the_probe_sees_another_summation_order(fmt):
+    """Negative control for the test above: on its operands, the same dequantized weights summed in
+    another order (a float32 matmul) give other bits, so equal bits there mean the same order."""
+    weight, x = calibration.probe_quantized(192, 576, 64, fmt, torch.float32, CPU)
+    native_bits = _linear(weight, torch.float32)(x)
+    other_order = x @ weight.dequantize().t()
+    rounding = (x.abs() @ weight.dequantize().abs().t()) * x.shape[1] * 2.0**-24  # the same sum, to rounding
+    assert bool(((native_bits - other_order).abs() <= rounding).all())
+    assert not torch.equal(native_bits, other_order)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_calibration_plans_quantized_weights_on_the_native_kernels_one_row_at_a_time(dtype, tmp_path):
+    planner = calibration.LinearPlanner(CPU, dtype, tmp_path)
+    for fmt in quant.FORMATS:
+        assert planner.plan((192, 576), fmt) == ops.LinearPlan(f"native-{fmt}", 1)
+
+
+def test_plans_measured_without_this_native_version_are_not_reused(monkeypatch):
+    before = calibration.platform_fingerprint(CPU)
+    monkeypatch.setattr(native, "VERSION", native.VERSION + 1)
+    assert calibration.platform_fingerprint(CPU) != before
