@@ -91,7 +91,7 @@ def load_engine_model(cfg: EngineConfig) -> LoadedModel:
     loaded = load_model(cfg.model, keep_codes=cfg.quantization != "none")
     resolved = resolve_quantization(cfg.quantization, loaded, cfg.resolved_dtype(), cfg.resolved_device())
     logger.info("weights of %s: quantization %s -> %s", loaded.name, cfg.quantization, resolved)
-    return with_weight_format(loaded, resolved)
+    return with_weight_format(loaded, resolved, cfg.resolved_device())
 
 
 class _SlowSteps:

@@ -20,7 +20,7 @@ from hicache.errors import UserError
 from hicache.model.config import LoadedModel
 from hicache.model.families.llama import LlamaModel, MakeLinear
 from hicache.model.families.registry import family_of
-from hicache.model.kernels import ops, quant
+from hicache.model.kernels import native, ops, quant
 from hicache.model.kernels.calibration import LinearPlanner, NoInvariantPlan
 from hicache.model.kernels.invariance import InvarianceReport, mechanisms, self_check
 from hicache.parallel.parallel import ParallelContext
@@ -60,11 +60,14 @@ def resolve_quantization(requested: str, loaded: LoadedModel, dtype: torch.dtype
     return CHECKPOINT
 
 
-def with_weight_format(loaded: LoadedModel, resolved: str) -> LoadedModel:
+def with_weight_format(loaded: LoadedModel, resolved: str, device: torch.device) -> LoadedModel:
     """`loaded` to be built in weight format `resolved`. Another format computes other KV, so it gets
-    another identity (storage keys and P/D peers are namespaced by it); dense keeps the file's."""
+    another identity (storage keys and P/D peers are namespaced by it); dense keeps the file's. So do
+    the quantized formats' two kernel families on a CPU: hicache's native kernels and aten's packed ones
+    (where the native build failed) round differently, and a server of each must not share KV."""
+    kernels = f":native-v{native.VERSION}" if device.type == "cpu" and native.library() is not None else ""
     identity = loaded.identity if resolved == "none" else hashlib.sha256(
-        f"{loaded.identity}:weights-{resolved}".encode()).hexdigest()  # fmt: skip
+        f"{loaded.identity}:weights-{resolved}{kernels}".encode()).hexdigest()  # fmt: skip
     return dataclasses.replace(loaded, identity=identity, extra={**loaded.extra, "weight_format": resolved})
 
 

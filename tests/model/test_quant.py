@@ -2,6 +2,8 @@
 them, re-quantization, the packed kernels against their own dequantized weights, and the calibration
 of their call shapes (which must see a reordering when there is one)."""
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -9,7 +11,7 @@ from hypothesis import strategies as st
 
 from hicache.errors import UserError
 from hicache.model.build import CHECKPOINT, LinearFactory, kernel_available, resolve_quantization, with_weight_format
-from hicache.model.kernels import ops, quant
+from hicache.model.kernels import native, ops, quant
 from hicache.model.kernels.calibration import LinearPlanner, plan_passes
 from hicache.model.loading.loader import load_model
 
@@ -137,8 +139,12 @@ def test_quantization_resolves_per_checkpoint_dtype_and_request(smollm2):
         assert resolve_quantization("int8", tiny, bf16, CPU) == "int8"
     with pytest.raises(UserError, match="--quantization"):
         resolve_quantization("fp8", smollm2, bf16, CPU)
-    identities = {with_weight_format(smollm2, r).identity for r in ("none", "int8", "int4", CHECKPOINT)}
-    assert len(identities) == 4 and with_weight_format(smollm2, "none").identity == smollm2.identity
+    identities = {with_weight_format(smollm2, r, CPU).identity for r in ("none", "int8", "int4", CHECKPOINT)}
+    assert len(identities) == 4 and with_weight_format(smollm2, "none", CPU).identity == smollm2.identity
+    # aten's packed kernels (where the native build failed) round otherwise: another identity, no shared KV
+    with mock.patch.object(native, "library", return_value=None):
+        without_native = with_weight_format(smollm2, "int8", CPU).identity
+    assert (without_native != with_weight_format(smollm2, "int8", CPU).identity) == NATIVE_KERNELS
 
 
 @needs_kernels
