@@ -38,6 +38,10 @@ VOCAB = 258  # tiny's: the simulator needs a model only for its vocabulary
 SEED_FIGURES = {"device only": "~30 %", "+ host + storage": "95 %, median TTFT < 3 s"}  # by label prefix
 
 
+def seed_figure(label: str) -> str:
+    return next((figure for prefix, figure in SEED_FIGURES.items() if label.startswith(prefix)), "")
+
+
 def write_trace(path: pathlib.Path, sessions: int, turns: int, think_s: float) -> tuple[int, int]:
     """The trace; (requests, prompt tokens)."""
     rng = np.random.default_rng(0)
@@ -52,8 +56,9 @@ def write_trace(path: pathlib.Path, sessions: int, turns: int, think_s: float) -
                 history += range(next_block, next_block + grown)
                 next_block += grown
                 at_ms += rng.uniform(0.5, 1.5) * think_s * 1000
-            rows.append({"timestamp": at_ms, "input_length": len(history) *
-                         MOONCAKE_BLOCK_TOKENS, "output_length": 256, "hash_ids": list(history), "session": session})  # fmt: skip
+            tokens = len(history) * MOONCAKE_BLOCK_TOKENS
+            rows.append({"timestamp": at_ms, "input_length": tokens, "output_length": 256, "hash_ids": list(history),
+                         "session": session})  # fmt: skip
     rows.sort(key=lambda r: r["timestamp"])
     with open(path, "w", encoding="utf-8") as f:
         for row in rows:
@@ -104,10 +109,11 @@ def main_bench() -> None:
             s = simulate(trace, args.device_tokens, host_gb, store, args.storage_gb, policy)
             wall_s = time.perf_counter() - started
             base = base or s["ttft_median_s"]
-            tiers = " / ".join(f"{100 * (s['hit_rate_by_tier'].get(t) or 0):.1f}%" for t in ("device", "host", "storage"))
+            by_tier = (s["hit_rate_by_tier"].get(t) or 0 for t in ("device", "host", "storage"))
+            tiers = " / ".join(f"{100 * rate:.1f}%" for rate in by_tier)
             print(f"| {label} | {100 * s['hit_rate']:.1f}% ({tiers}) | {100 * s['ideal_hit_rate']:.1f}% "
                   f"| {s['ttft_median_s']:.2f} s | {s['ttft_mean_s']:.2f} s | {s['ttft_median_s'] / base:.2f}x "
-                  f"| {next((v for k, v in SEED_FIGURES.items() if label.startswith(k)), '')} | {wall_s:.0f} s |", flush=True)  # fmt: skip
+                  f"| {seed_figure(label)} | {wall_s:.0f} s |", flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

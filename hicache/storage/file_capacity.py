@@ -4,8 +4,8 @@ The directory itself is the index. An object's last use is its mtime: a put writ
 capped store touches it (`os.utime`), so it works on file systems mounted noatime and across several
 servers sharing one directory. A retention hint (docs/DESIGN.md, "retention hints") is a time credit: a
 retained page counts as used at the end of its retention, an mtime in the future, so the pass takes it
-after every page used before then; no use moves an mtime back, so a read does not take the credit away. The backend keeps a running estimate of the bytes stored (a scan at
-start-up plus its own puts); when the estimate passes the cap, one eviction pass scans the directory
+after every page used before then; no use moves an mtime back, so a read does not take the credit away.
+The backend keeps a running estimate of the bytes stored (a scan at start-up plus its own puts); when the estimate passes the cap, one eviction pass scans the directory
 (the true total, other writers' objects included), then deletes the least recently used objects until
 the total is under LOW_WATERMARK of the cap. Objects are immutable and content-addressed, so deleting
 one only ever turns a later read into a miss.

@@ -72,7 +72,8 @@ def model(request, loaded):
         pytest.skip("no int8/int4 kernels for bf16 activations in this torch build")
     if DENSE_ONLY and dtype == "bfloat16" and loaded.name != "tiny":
         pytest.skip("one thread: bf16 on tiny's shapes (smollm2's bf16 runs at this machine's thread count)")
-    m = build_decoder(with_weight_format(loaded, fmt, torch.device("cpu")), ParallelContext(), getattr(torch, dtype), torch.device("cpu"))
+    cpu = torch.device("cpu")
+    m = build_decoder(with_weight_format(loaded, fmt, cpu), ParallelContext(), getattr(torch, dtype), cpu)
     assert m.invariance.verified, m.invariance.detail
     return m
 
