@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from hicache.model.kernels import quant
 from hicache.model.kernels.cache_dir import default_cache_dir
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ SOURCE = pathlib.Path(__file__).parent / "csrc" / "qgemm.cpp"
 # -ffp-contract=off: a multiply and an add stay two roundings (the dequantization is bitwise quant.py's).
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DHICACHE_QGEMM_LIBRARY={LIBRARY}"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
+PANEL = 8  # output rows the kernel stores together (csrc/qgemm.cpp)
 
 
 def _cpu_flags() -> set[str]:
@@ -82,6 +84,32 @@ def library() -> Any:
                        str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__)  # fmt: skip
         return None
     return getattr(torch.ops, LIBRARY)
+
+
+# ---- the kernel's weight layout (csrc/qgemm.cpp's header) ------------------------------------------
+
+
+def int8_operands(weight: quant.QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8_linear's weight operands: codes in panels, and the float32 scale of each output row."""
+    return _panels(weight.codes, quant.INT4_GROUP), weight.scale[:, 0].float().contiguous()
+
+
+def int4_operands(weight: quant.QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4_linear's: codes two to a byte in GGUF Q4_1's order (byte j of a 32-input group holds inputs
+    j and j + 16), and a float32 scale and offset per group, each in panels."""
+    n, k = weight.shape
+    halves = weight.codes.view(n, k // quant.INT4_GROUP, 2, quant.INT4_GROUP // 2).to(torch.uint8)
+    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
+    assert weight.offset is not None  # the int4 format is asymmetric
+    return (_panels(packed, quant.INT4_GROUP // 2), _panels(weight.scale.float(), 1),
+            _panels(weight.offset.float(), 1))  # fmt: skip
+
+
+def _panels(per_row: torch.Tensor, group_width: int) -> torch.Tensor:
+    """[N, G * group_width] per output row -> [N/8, G, 8, group_width]: panels of 8 rows, so that a pass
+    over a panel's groups reads one contiguous stream."""
+    rows = per_row.reshape(per_row.shape[0] // PANEL, PANEL, -1, group_width)
+    return rows.transpose(1, 2).contiguous()
 
 
 def main() -> None:

@@ -186,14 +186,13 @@ class _NativeBackend(LinearBackend):
     the outputs only. The calibration still measures it like any backend (granule 1 passes)."""
 
     op = ""
-    PANEL = 8  # output rows the kernel stores together (csrc/qgemm.cpp)
 
     def available(self, dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native.library() is not None
 
     def accepts(self, shape: tuple[int, int]) -> bool:
         n, k = shape
-        return n % self.PANEL == 0 and k % quant.INT4_GROUP == 0  # its panels, and its K loop's unit
+        return n % native.PANEL == 0 and k % quant.INT4_GROUP == 0  # its panels, and its K loop's unit
 
     def run(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
         return getattr(native.library(), self.op)(x, *prepared)
@@ -205,7 +204,7 @@ class NativeInt8Backend(_NativeBackend):
     name, weight_format, op = "native-int8", "int8", "int8_linear"
 
     def prepare(self, weight: quant.QuantizedWeight, dtype: torch.dtype) -> Any:
-        return _panels(weight.codes, quant.INT4_GROUP), weight.scale[:, 0].float().contiguous()
+        return native.int8_operands(weight)
 
 
 class NativeInt4Backend(_NativeBackend):
@@ -215,19 +214,7 @@ class NativeInt4Backend(_NativeBackend):
     name, weight_format, op = "native-int4", "int4", "int4_linear"
 
     def prepare(self, weight: quant.QuantizedWeight, dtype: torch.dtype) -> Any:
-        n, k = weight.shape
-        halves = weight.codes.view(n, k // quant.INT4_GROUP, 2, quant.INT4_GROUP // 2).to(torch.uint8)
-        packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
-        return (_panels(packed, quant.INT4_GROUP // 2), _panels(weight.scale.float(), 1),
-                _panels(weight.offset.float(), 1))  # fmt: skip
-
-
-def _panels(per_row: torch.Tensor, group_width: int) -> torch.Tensor:
-    """[N, G * group_width] per output row -> [N/8, G, 8, group_width]: the native kernel's panels of 8
-    rows, so that a pass over a panel's groups reads one contiguous stream."""
-    n = per_row.shape[0]
-    rows = per_row.reshape(n // _NativeBackend.PANEL, _NativeBackend.PANEL, -1, group_width)
-    return rows.transpose(1, 2).contiguous()
+        return native.int4_operands(weight)
 
 
 # Quantized formats list their native kernel first: candidate_plans tries backends in this order.
