@@ -132,13 +132,13 @@ class StoragePuts:
                 chain.append(up)
                 up = up.parent
             above += reversed(chain)
-        retention, now = self.tree.retention, time.time()
-        uses: list[tuple[list[bytes], float | None]] = [
-            ([d for node in above if not retention.remaining(node) for d in chain_hashes(node, self.page_size)], None)
-        ]
-        for node in above + nodes:
-            if left := retention.remaining(node):
+        now, plain = time.time(), []
+        uses: list[tuple[list[bytes], float | None]] = [(plain, None)]
+        for node, leant_on in [(node, True) for node in above] + [(node, False) for node in nodes]:
+            if left := self.tree.retention.remaining(node):  # once a node: a put walks a whole history
                 uses.append((chain_hashes(node, self.page_size), now + min(left, UNTIL_EVICTED_S)))
+            elif leant_on:
+                plain += chain_hashes(node, self.page_size)
         return uses
 
     def _report_evicted(self) -> None:

@@ -12,6 +12,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import TypeVar
 
 from hicache.storage.backend import Blob, StorageBackend, StorageUnavailable
@@ -82,10 +83,14 @@ class VerifiedStore:
     def keys(self, page_hashes: Sequence[bytes]) -> list[str]:
         return [self.namespace.object_key(h) for h in page_hashes]
 
+    @cached_property
+    def _key_tails(self) -> frozenset[str]:
+        """What follows the page hash in each of a page's keys (the namespace's, and a unified cell's)."""
+        return frozenset(key[2 * HASH_BYTES :] for key in self.keys([bytes(HASH_BYTES)]))
+
     def pages_of(self, keys: Sequence[str]) -> list[bytes]:
         """The page hashes of those `keys` that are this store's objects (others' are dropped)."""
-        tails = {key[2 * HASH_BYTES :] for key in self.keys([bytes(HASH_BYTES)])}  # a key after its page hash
-        return [bytes.fromhex(key[: 2 * HASH_BYTES]) for key in keys if key[2 * HASH_BYTES :] in tails]
+        return [bytes.fromhex(key[: 2 * HASH_BYTES]) for key in keys if key[2 * HASH_BYTES :] in self._key_tails]
 
     def exists_prefix(self, page_hashes: Sequence[bytes]) -> int:
         """How many leading pages the store holds (0 when it is unreachable). Existence is not validity:
