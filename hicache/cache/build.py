@@ -157,9 +157,9 @@ def storage_geometry(model: ModelConfig, row_numel: int | None = None) -> KVGeom
 
 def check_unified(cfg: EngineConfig, model: ModelConfig) -> None:
     """Every rank of this topology must own whole cells of the grid (refused here, naming the boundary,
-    before any rank starts). A speculative draft's part has a grid of its own (stores.py,
-    unified_part_store), which it owns whole: speculation with this scheme runs on one rank (the
-    configuration refuses more)."""
+    before any rank starts). A speculative draft's part has a grid of its own, over the whole draft's
+    layers and KV heads (stores.py, unified_part_store), cut by heads only where the draft splits over TP
+    as the target does."""
     cache = cfg.hicache
     grid = unified_namespace(cache, storage_geometry(model), "check", "check", cfg.page_size).grid
     tp, pp = cfg.parallel.tp_size, cfg.parallel.pp_size

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 
 from hicache.config import HiCacheConfig
+from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_pool import PagePart
 from hicache.storage import Namespace, StorageBackend, UnifiedStore, VerifiedStore
@@ -86,22 +87,31 @@ def part_store(target: VerifiedStore, part: PagePart) -> VerifiedStore:
 
 
 def unified_part_store(target: UnifiedStore, part: PagePart) -> UnifiedStore:
-    """Under the unified scheme (speculation with it runs on one rank), a page's other part (a draft's state) is a
-    UnifiedStore of its own namespace: the part's model, dtype and name, the target's page size, and a
-    grid of its own layers (one layer range) and heads (its host pool's head groups; a row that is not
-    K/V heads, e.g. a sidecar draft's, is one latent-like row). Its digest differs from the target's in
-    the part name at least, so no object name of one is the other's."""
+    """Under the unified scheme, a page's other part (a draft's state) is a UnifiedStore of its own
+    namespace: the part's model, dtype and name, the target's page size, and a grid of its own layers (one
+    layer range) and its model's KV heads (its host pool's head groups; a row that is not K/V heads, e.g.
+    a sidecar draft's, is one latent-like row). Its digest differs from the target's in the part name at
+    least, so no object name of one is the other's. On several ranks (`part.shard`) the grid is the
+    whole draft's, every rank names its cells alike, and a rank holding a copy another writes
+    (`replica`) only reads: a store written at TP2 or PP2 serves TP1 and back, as the target's does."""
     layers = len(part.layers)
     shape = part.host.unified  # (groups, heads per group, head_dim) of a page_unified K/V pool
+    shard = part.shard
     if shape is None:
-        geometry, per = KVGeometry(layers, 1, part.host.row, latent=True), 0
+        if shard is not None and len(shard.heads) != shard.num_kv_heads:
+            raise UserError(
+                f"the speculative draft {part.identity}'s rows are not K/V heads alone and it is sharded over TP: "
+                "--hicache-storage-key-scheme unified cannot name its cells by heads; use rank-suffix keys"
+            )
+        geometry, per, heads = KVGeometry(layers, 1, part.host.row, latent=True), 0, range(1)
     else:
         groups, per, dim = shape
-        geometry = KVGeometry(layers, groups * per, dim)
+        geometry = KVGeometry(layers, shard.num_kv_heads if shard else groups * per, dim)
+        heads = shard.heads if shard else range(groups * per)
     ns = UnifiedNamespace(part.identity or target.unified.model, part.dtype_name, target.unified.page_size,
                           Grid(geometry, layers, per), schema_version=KV_SCHEMA_VERSION, part=part.name)  # fmt: skip
-    shard = Shard(range(layers), range(geometry.num_kv_heads))
-    store = UnifiedStore(target.backend, ns, shard, part.host.dtype.itemsize, writer=target.writer)
+    writer = target.writer and not (shard and shard.replica)
+    store = UnifiedStore(target.backend, ns, Shard(range(layers), heads), part.host.dtype.itemsize, writer=writer)
     if store.payload_bytes != part.payload_bytes:
         raise ValueError(f"{part.name} part of {part.payload_bytes} bytes a page, its grid's is {store.payload_bytes}")
     logger.info("unified storage layout, %s part: namespace %s", part.name, ns.digest)

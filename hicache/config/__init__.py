@@ -233,18 +233,6 @@ class DisaggConfig(FromArgs):
         return self.disaggregation_mode != "null"
 
 
-def _check_speculative_topology(cfg: "EngineConfig") -> None:
-    """Speculation runs at any TP, PP and CP size (hicache/spec/build.py says where the draft runs and
-    refuses the drafts and targets it cannot shard alike); what is not built yet is refused naming it."""
-    unified = cfg.hicache.hicache_storage_key_scheme == "unified" and cfg.hicache.hicache_storage_backend
-    if unified and cfg.parallel.world_size > 1:
-        raise UserError(
-            "--speculative-algorithm with --hicache-storage-key-scheme unified on more than one rank is not "
-            "supported yet: the draft's stored part has no grid over ranks (TP and CP shards would share object "
-            "names, PP stages would write the same objects)"
-        )
-
-
 def _check_disagg(cfg: "EngineConfig") -> None:
     """What the role implies for the cache flags: a decode server keeps a tree only when asked to."""
     d = cfg.disagg
@@ -336,8 +324,6 @@ class EngineConfig(FromArgs):
         if self.debug.debug_storage_fail_rate > 0 and self.debug.debug_storage_fail_rank >= world:
             rank = self.debug.debug_storage_fail_rank
             raise UserError(f"--debug-storage-fail-rank {rank} is not a rank (0..{world - 1})")
-        if self.speculative.enabled:
-            _check_speculative_topology(self)
         _check_disagg(self)
 
     @property

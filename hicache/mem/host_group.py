@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from hicache.mem.allocator import PageAllocator
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.mem.host_pool import HostKVPool, PagePart
+from hicache.mem.host_pool import HostKVPool, PagePart, PartShard
 
 DRAFT_PART = "draft"
 
@@ -35,6 +35,7 @@ class DraftPools:
     layout: str  # "packed" or "sidecar"
     identity: str
     skip_restore: bool = False  # --debug-skip-draft-restore: loads move the target's layers only
+    shard: PartShard | None = None  # this rank's copy of the draft within the whole (None: one rank)
 
 
 def draft_event_layer(draft_layer: int, target_layers: int) -> int:
@@ -62,7 +63,7 @@ class HostPoolGroup:
         head_partition: int = 0,
     ) -> None:
         """`head_partition`: the target's KV heads per group of a page_unified layout (a packed draft's
-        rows share it; a sidecar draft's own pool keeps its heads in one group)."""
+        rows share it; a sidecar draft's own pool has one head a group)."""
         lt, ld = target.num_layers, draft.pool.num_layers
         if draft.layout == "packed":
             shared = HostKVPool(target, num_pages, layout, num_layers=lt + ld, head_partition=head_partition)
@@ -71,7 +72,9 @@ class HostPoolGroup:
         elif draft.layout == "sidecar":
             own = HostKVPool(target, num_pages, layout, head_partition=head_partition)
             self._target = _Member(target, own, 0)
-            self._draft = _Member(draft.pool, HostKVPool(draft.pool, num_pages, layout, allocator=own.allocator), 0)
+            # One head a group: the draft's cells are then the same at every TP size (page_unified).
+            own_draft = HostKVPool(draft.pool, num_pages, layout, allocator=own.allocator, head_partition=1)
+            self._draft = _Member(draft.pool, own_draft, 0)
         else:
             raise ValueError(f"unknown draft layout {draft.layout!r}")
         self.draft_layout = draft.layout
@@ -82,7 +85,7 @@ class HostPoolGroup:
         self.parts = [
             PagePart("", self._target.host, range(lt)),
             PagePart(DRAFT_PART, self._draft.host, range(self._draft.first_layer, self._draft.first_layer + ld),
-                     draft.identity),
+                     draft.identity, draft.shard),
         ]  # fmt: skip
 
     @property

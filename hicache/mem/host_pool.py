@@ -202,6 +202,18 @@ class HostKVPool:
 
 
 @dataclass(frozen=True)
+class PartShard:
+    """Where one rank's copy of a part sits in its model's whole state, for a layout whose object names
+    are the same on every rank (the unified key scheme): the model's KV heads this rank holds of its
+    `num_kv_heads`, and whether another rank writes the same bytes (`replica`: a pipeline stage after the
+    first holding the same whole draft, a TP rank holding a copy of a draft that does not split)."""
+
+    heads: range
+    num_kv_heads: int
+    replica: bool = False
+
+
+@dataclass(frozen=True)
 class PagePart:
     """The unit of storage: layers `layers` of one host pool, one object per page. `name` is "" for the
     target's part (its keys are those of a cache without a draft) and "draft" for the draft's."""
@@ -210,6 +222,7 @@ class PagePart:
     host: HostKVPool
     layers: range
     identity: str | None = None  # the model whose state this is; None: the cache's target model
+    shard: PartShard | None = None  # None: this rank holds the whole part and writes it
 
     @property
     def payload_bytes(self) -> int:

@@ -23,6 +23,7 @@ from hicache.config import EngineConfig
 from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_group import DraftPools
+from hicache.mem.host_pool import PartShard
 from hicache.model.build import build_decoder
 from hicache.model.config import LoadedModel
 from hicache.model.families.registry import family_of
@@ -48,6 +49,15 @@ def draft_context(pctx: ParallelContext, draft: LoadedModel) -> ParallelContext:
     c, tp = draft.config, stage.tp_size
     splits = c.num_kv_heads % tp == 0 and c.intermediate_size % tp == 0
     return stage if splits and not family_of(draft).decoder.replicated_over_tp else ParallelContext()
+
+
+def draft_shard(pctx: ParallelContext, context: ParallelContext, heads: range, num_kv_heads: int) -> PartShard:
+    """This rank's copy of the draft within the whole: its KV heads, and whether another rank writes the
+    same bytes. Every stage holds the whole draft (the first writes it), and a draft that does not split
+    over TP is whole on each TP rank (the first writes it); CP ranks hold other pages, so none is a
+    replica of another."""
+    replica = pctx.pp_rank > 0 or (context.tp_size == 1 and pctx.tp_rank > 0)
+    return PartShard(heads, num_kv_heads, replica)
 
 
 def build_draft(cfg: EngineConfig, target: LoadedModel, target_pool: DeviceKVPool, pctx: ParallelContext) -> Draft:
@@ -82,7 +92,8 @@ def build_draft(cfg: EngineConfig, target: LoadedModel, target_pool: DeviceKVPoo
         f"sharded over TP{context.tp_size}" if context.tp_size > 1 else "whole on this rank",
         spec.speculative_num_draft_tokens,
     )  # fmt: skip
-    pools = DraftPools(pool, layout, loaded.identity, skip_restore=cfg.debug.debug_skip_draft_restore)
+    pools = DraftPools(pool, layout, loaded.identity, cfg.debug.debug_skip_draft_restore,
+                       draft_shard(pctx, context, range(*model.kv_head_range), loaded.config.num_kv_heads))  # fmt: skip
     return Draft(ModelRunner(model, pool), pools)
 
 

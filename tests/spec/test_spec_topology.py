@@ -18,15 +18,20 @@ import torch
 
 from hicache import Engine
 from hicache.cache.stats import PrefetchLoss
+from hicache.cache.stores import part_store, unified_namespace
 from hicache.config import DebugConfig, EngineConfig, HiCacheConfig, ParallelConfig
 from hicache.debug.consensus_checker import ENV_ENABLE, ENV_LOG_DIR, check_logs, load_logs
 from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
+from hicache.mem.host_group import DRAFT_PART
+from hicache.mem.host_pool import HostKVPool, PagePart, PartShard
 from hicache.mem.kv_layout import KVLayout
 from hicache.model.loading.draft import load_draft
 from hicache.model.loading.loader import load_model
 from hicache.parallel.parallel import ParallelContext
 from hicache.spec.build import build_draft, draft_context
+from hicache.storage import FileBackend, UnifiedStore
+from hicache.storage.unified import KVGeometry, Shard
 from tests.conversations import run_turns
 from tests.parallel.workload import tier_totals as hits
 from tests.parallel.workload import tokens
@@ -121,13 +126,6 @@ def test_without_the_drafts_restore_the_draft_recomputes_on_every_stage(
         assert_clean(engine)
 
 
-def test_the_unified_key_scheme_on_several_ranks_is_refused_naming_it():
-    unified = HiCacheConfig(enable_hierarchical_cache=True, hicache_storage_backend="file",
-                            hicache_storage_key_scheme="unified")  # fmt: skip
-    with pytest.raises(UserError, match="unified on more than one rank is not supported yet"):
-        EngineConfig(speculative=spec("tiny-draft-packed"), parallel=ParallelConfig(pp_size=2), hicache=unified)
-
-
 def test_a_target_with_page_sharded_kv_is_refused():
     """An MLA target at TP2 shards its pages over the TP ranks (here rank 0's pool of such pages); the
     draft's pool, indexed by the same pages, does not shard that way."""
@@ -153,3 +151,13 @@ def test_the_draft_runs_on_its_stage_sharded_like_the_target_or_whole():
     # A draft whose KV would be page-sharded over TP (an MLA model) runs whole on each rank instead.
     whole = draft_context(ParallelContext(tp_size=2, tp_rank=1), load_draft("tiny-mla", tiny))
     assert whole == ParallelContext()
+
+
+def test_a_draft_split_over_tp_whose_rows_are_not_heads_is_refused_under_unified_keys(tmp_path):
+    """An MLA-like row (here: one latent row a token) split over TP has no head to cut its cells by."""
+    draft = DeviceKVPool(KVLayout.mla(32, 16), 1, 8, 16, torch.float32, torch.device("cpu"))
+    part = PagePart(DRAFT_PART, HostKVPool(draft, 8, "page_unified"), range(1), "some-draft", PartShard(range(1), 2))
+    namespace = unified_namespace(HiCacheConfig(), KVGeometry(1, 2, 32), "tiny", "float32", 16)
+    store = UnifiedStore(FileBackend(str(tmp_path)), namespace, Shard(range(1), range(1)), 4)
+    with pytest.raises(UserError, match="some-draft's rows are not K/V heads alone and it is sharded over TP"):
+        part_store(store, part)

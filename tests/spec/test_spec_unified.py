@@ -14,6 +14,7 @@ import pytest
 
 from hicache import Engine
 from hicache.cache.stats import PrefetchLoss
+from hicache.config import ParallelConfig
 from tests.conversations import run_turns
 from tests.parallel.workload import tier_totals as hits
 from tests.parallel.workload import tokens
@@ -26,9 +27,10 @@ def unified(tmp_path):
     return tiers(tmp_path, hicache_storage_key_scheme="unified", hicache_storage_layer_partition=2)
 
 
-def run(cfg, draft: str | None, turns: int = TURNS):
+def run(cfg, draft: str | None, turns: int = TURNS, parallel: ParallelConfig | None = None):
     kw = {"speculative": spec(draft)} if draft else {}
-    engine = Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, **kw)
+    engine = Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, parallel=parallel or ParallelConfig(),
+                    **kw)  # fmt: skip
     with engine:
         out = run_turns(engine, CONVS, turns, NEW)
         stats, spec_stats = engine.cache_stats().storage, engine.spec_stats() if draft else None
@@ -69,4 +71,30 @@ def test_a_unified_store_without_the_drafts_pages_cuts_the_hit(reference, cache_
     # Every stored page lacks its draft part: no storage hit is used, and each cut page is counted.
     assert hits(turns)["storage"] == 0
     assert stats.prefetch.lost[PrefetchLoss.DRAFT_MISSING] > 0
+    assert spec_stats.draft_recomputed_tokens == 0
+
+
+# (writer, reader) topologies: the draft split over TP (its cells cut by heads), the draft whole on both
+# pipeline stages (the first writes it, the second reads the same objects), and its pages sharded over CP
+# like the target's (each written by its owner).
+ACROSS = {"tp1-to-tp2-packed": (ParallelConfig(), ParallelConfig(tp_size=2), "tiny-draft-packed"),
+          "pp2-to-tp1-sidecar": (ParallelConfig(pp_size=2), ParallelConfig(), "tiny-draft-sidecar"),
+          "cp2-to-tp1-packed": (ParallelConfig(cp_size=2), ParallelConfig(), "tiny-draft-packed")}  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("pair", ACROSS)
+def test_a_unified_store_serves_the_draft_across_topologies(reference, cache_off_acceptance, tmp_path, pair):
+    """The draft's part is named by cells of the whole draft, so a store written at one topology restores
+    both models at another: storage hits, no page cut for a missing draft part, nothing recomputed."""
+    writer, reader, draft = ACROSS[pair]
+    cfg = unified(tmp_path)
+    turns, stats, _ = run(cfg, draft, parallel=writer)
+    assert tokens(turns) == reference and acceptance(turns) == cache_off_acceptance[draft]
+    assert stats.store.puts > 0
+    turns, stats, spec_stats = run(cfg, draft, parallel=reader)
+    assert tokens(turns) == reference
+    assert hits(turns)["storage"] > 0
+    assert acceptance(turns) == cache_off_acceptance[draft]
+    assert stats.prefetch.lost[PrefetchLoss.DRAFT_MISSING] == 0 and stats.store.corrupt == 0
     assert spec_stats.draft_recomputed_tokens == 0
