@@ -15,9 +15,10 @@ unified store refuses a topology whose boundaries cut one of its cells.
 
 With speculative decoding a transfer also moves the draft's rows (docs/DESIGN.md, "Speculation x P/D"):
 every pipeline stage holds all of the draft's layers (its TP rank's share of them), so each decode rank
-takes them whole, once, from one prefill rank of its own TP rank (`draft_source`), after that rank's
-target cells (`cuts`). A pair of two TP sizes with a draft is refused, and so is a draft with page-sharded
-KV on either side.
+takes them whole, once, from the prefill ranks of its own TP rank on one stage (`draft_sources`), after
+their target cells (`cuts`): one rank, or under CP each of the stage's CP ranks for the pages it owns
+(the draft's pages are sharded like the target's), checked like the target's cells. A pair of two TP sizes
+with a draft is refused, and so is a draft beside KV pages sharded over TP (MLA).
 
 Page ownership is the third cut (docs/DESIGN.md, "P/D across topologies"). Under context parallelism
 (and for MLA at TP > 1) a rank holds the cells of its (PP, TP) shard for only the pages it owns (page q
@@ -118,17 +119,19 @@ def cut(hs: Handshake, cells: Shard) -> Cut:
     return Cut(local, tuple(_merged(columns)), offset)
 
 
-def draft_source(prefill: Handshake, decode: Handshake) -> int:
-    """The rank index of `prefill`'s server that sends `decode`'s rank the draft's rows: of decode's TP rank,
+def draft_sources(prefill: Handshake, decode: Handshake) -> list[int]:
+    """The rank indices of `prefill`'s server that send `decode`'s rank the draft's rows: of decode's TP rank,
     on decode's own stage when both have one PP size (a pair that moves the target's KV too), else on the
-    last stage (any stage computes the same rows; the last is the one with the target's last hidden states)."""
+    last stage (any stage computes the same rows; the last is the one with the target's last hidden states);
+    every CP rank there, each for the pages it owns, as for the target's cells (one rank without CP)."""
     stage = decode.pp_rank if prefill.pp_size == decode.pp_size else prefill.pp_size - 1
-    return Mesh(pp=prefill.pp_size, tp=prefill.tp_size).rank_of(pp=stage, tp=decode.tp_rank)
+    mesh = _mesh(prefill)
+    return [mesh.rank_of(pp=stage, cp=cp, tp=decode.tp_rank) for cp in range(prefill.cp_size)]
 
 
 def sends_draft(prefill: Handshake, decode: Handshake) -> bool:
     """Whether `prefill`'s rank sends `decode`'s rank the draft's rows."""
-    return bool(prefill.draft_layers) and rank(prefill) == draft_source(prefill, decode)
+    return bool(prefill.draft_layers) and rank(prefill) in draft_sources(prefill, decode)
 
 
 def cuts(hs: Handshake, cells: Shard, draft: bool) -> tuple[Cut, ...]:
@@ -173,7 +176,7 @@ def _draft_misaligned(prefill: Handshake, decode: Handshake, p_name: str, d_name
     """Why some decode rank cannot take the draft's rows whole from one prefill rank (None: each can)."""
     if not prefill.draft_layers:
         return None
-    if max(prefill.page_shards, decode.page_shards) > 1:
+    if any(hs.page_shards > hs.cp_size for hs in (prefill, decode)):  # pages sharded over TP too
         return SHARDED_DRAFT
     if prefill.tp_size != decode.tp_size:
         return (
@@ -182,7 +185,7 @@ def _draft_misaligned(prefill: Handshake, decode: Handshake, p_name: str, d_name
             "pair servers of one TP size"
         )
     for d_rank in everyone(decode):
-        if draft_source(prefill, d_rank) not in peers(d_rank, prefill):
+        if any(source not in peers(d_rank, prefill) for source in draft_sources(prefill, d_rank)):
             return (
                 f"{d_name} rank tp{d_rank.tp_rank}/pp{d_rank.pp_rank} shares no layers with {p_name}'s last stage, "
                 f"which would send it the draft's rows: pair a decode server of one pipeline stage or {prefill.pp_size}"
@@ -191,8 +194,8 @@ def _draft_misaligned(prefill: Handshake, decode: Handshake, p_name: str, d_name
 
 
 SHARDED_DRAFT = (
-    "speculative decoding with P/D and page-sharded KV (--cp-size > 1, or an MLA model at --tp-size > 1) is "
-    "not supported yet: the draft's rows move whole from one prefill rank, which holds only its own pages"
+    "speculative decoding with P/D and KV pages sharded over TP (an MLA model at --tp-size > 1) is not "
+    "supported yet: the draft's pages are not sharded that way"
 )
 
 

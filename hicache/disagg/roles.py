@@ -7,8 +7,9 @@ self-check failed: moving KV computed in one batch shape to be extended in anoth
 invariance protects. A decode server keeps a radix tree only with `--disaggregation-decode-enable-radix-cache`.
 The role's description (`info`) is what `/disagg/info` shows and `hicache router` checks at start-up.
 With speculative decoding both servers run the same draft, and a transfer moves its state with the
-target's (docs/DESIGN.md, "Speculation x P/D"), except with page-sharded KV (CP, or MLA at TP > 1), where
-each rank sends only the pages it owns (cells.py) and the draft's rows would not be whole: refused.
+target's (docs/DESIGN.md, "Speculation x P/D"); under CP each rank sends the draft's rows of the pages
+it owns, as the target's (cells.py). KV pages sharded over TP (MLA) with a draft are refused: the draft's
+pages are not sharded that way.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 from typing import Any
 
 from hicache.config import EngineConfig
-from hicache.disagg import cells
 from hicache.disagg.decode_role import DecodeRole
 from hicache.disagg.handshake import Handshake, SpeculativeDraft
 from hicache.disagg.kv_rows import chunk_tokens
@@ -51,8 +51,6 @@ def pd_role(
         return None
     spec = None
     if draft is not None:
-        if runner.pool.sharded:
-            raise UserError(f"--disaggregation-mode {d.disaggregation_mode}: {cells.SHARDED_DRAFT}")
         name = cfg.speculative.speculative_draft_model or ""
         spec = SpeculativeDraft(name, draft.identity, draft.pool, moved=not draft.skip_restore)
     handshake = Handshake.of(identity, runner.model, runner.pool, pctx, spec)
@@ -71,8 +69,9 @@ def pd_role(
             handshake, d.disaggregation_bootstrap_host, port, d.disaggregation_transfer_timeout, chunk, delay
         )
         bootstrap = (d.disaggregation_bootstrap_host, d.disaggregation_bootstrap_port)
-        sends_draft = pctx.pp_rank == pctx.pp_size - 1  # the last stage's ranks send the draft (cells.py)
-        return PrefillRole(transfer, pctx, handshake, bootstrap, moved if sends_draft else None)
+        # Every stage may send the draft's rows: to a decode stage of its own when both servers have one PP
+        # size, else the last stage does (cells.draft_sources).
+        return PrefillRole(transfer, pctx, handshake, bootstrap, moved)
     receiving = ZmqDecodeBackend(runner.pool, handshake, d.disaggregation_transfer_timeout, moved)
     return DecodeRole(receiving, pctx, handshake)
 

@@ -103,23 +103,30 @@ def test_a_head_boundary_inside_a_row_not_split_by_heads_is_refused_by_name():
 
 
 @settings(max_examples=100, deadline=None)
-@given(st.integers(1, 4), st.sampled_from([1, 2]), st.integers(1, 4), st.integers(1, 4))
-def test_each_decode_rank_takes_the_drafts_rows_once_from_a_peer_or_the_pair_is_refused(num_layers, tp, p_pp, d_pp):
-    """Every stage holds the whole draft (its TP share): each decode rank takes it from exactly one
-    prefill rank of its TP rank that sends it target cells anyway, both sides agreeing which."""
+@given(st.integers(1, 4), st.sampled_from([1, 2]), st.integers(1, 4), st.integers(1, 4), st.sampled_from([1, 2]),
+       st.sampled_from([1, 2]))  # fmt: skip
+def test_each_decode_rank_takes_the_drafts_rows_once_from_a_peer_or_the_pair_is_refused(
+    num_layers, tp, p_pp, d_pp, p_cp, d_cp
+):
+    """Every stage holds the whole draft (its TP share): each decode rank takes it from the prefill ranks of
+    its TP rank on one stage that send it target cells anyway (under CP each of that stage's CP ranks, for
+    the pages it owns, as for the target's cells), both sides agreeing which."""
     layers = max(num_layers, p_pp, d_pp)
-    prefill, decode = (dataclasses.replace(server(layers, 2, tp, pp), draft="d", draft_layers=1,
-                                           draft_kv_layout=(("k", (1, HEAD_DIM)),)) for pp in (p_pp, d_pp))  # fmt: skip
+    prefill, decode = (dataclasses.replace(server(layers, 2, tp, pp, cp), draft="d", draft_layers=1,
+                                           draft_kv_layout=(("k", (1, HEAD_DIM)),))
+                       for pp, cp in ((p_pp, p_cp), (d_pp, d_cp)))  # fmt: skip
     problem = cells.misaligned(prefill, decode)
     if problem is not None:
         assert "shares no layers with prefill's last stage" in problem and 1 < p_pp != d_pp
         return
     for d in cells.everyone(decode):
-        senders = [p for p in cells.peers(d, prefill) if cells.sends_draft(cells.everyone(prefill)[p], d)]
-        assert len(senders) == 1 and cells.everyone(prefill)[senders[0]].tp_rank == d.tp_rank
+        senders = [cells.everyone(prefill)[p] for p in cells.peers(d, prefill)
+                   if cells.sends_draft(cells.everyone(prefill)[p], d)]  # fmt: skip
+        assert sorted(s.cp_rank for s in senders) == list(range(p_cp))
+        assert {(s.pp_rank, s.tp_rank) for s in senders} == {(senders[0].pp_rank, d.tp_rank)}
     other_tp = dataclasses.replace(server(4, 2, 3 - tp, 1), draft="d", draft_layers=1)
     assert "between two TP sizes" in (cells.misaligned(prefill, other_tp) or "")
-    # A page-sharded side holds only its own pages: no one rank has the draft's rows whole.
-    cp2 = dataclasses.replace(server(layers, 2, tp, p_pp, cp=2), draft="d", draft_layers=1,
+    # Pages sharded over TP (an MLA model's): the draft's pages are not, so no rank set sends them alike.
+    mla = dataclasses.replace(server(layers, 2, tp, p_pp), page_shards=2, draft="d", draft_layers=1,
                               draft_kv_layout=(("k", (1, HEAD_DIM)),))  # fmt: skip
-    assert cells.misaligned(cp2, decode) == cells.misaligned(prefill, cp2) == cells.SHARDED_DRAFT
+    assert cells.misaligned(mla, decode) == cells.misaligned(prefill, mla) == cells.SHARDED_DRAFT

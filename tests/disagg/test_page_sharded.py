@@ -4,15 +4,12 @@ latent pages over its TP ranks, as CP does: its prefill feeds a TP1 decode. A CP
 rank, the pages it owns, from a CP2 prefill and from a TP1 one. Turn after turn, the tokens and logprobs
 equal a single-rank cache-off server's, and only the suffix after decode's prefix crosses. To keep at
 most four rank processes at once, the CP2 decode's reference answers before the CP2 prefill starts.
-Speculation with page-sharded KV and P/D is refused at start-up."""
+With a speculative draft: tests/spec/test_spec_pd.py."""
 
 from __future__ import annotations
 
 import pathlib
-import subprocess
-import sys
 
-from hicache.disagg import cells
 from tests.disagg.deployment import (
     DECODE_REUSE,
     check_turns,
@@ -25,7 +22,7 @@ from tests.disagg.deployment import (
     started,
 )
 from tests.disagg.pd import free_ports
-from tests.server.server_harness import REPO, assert_no_leaks
+from tests.server.server_harness import assert_no_leaks
 
 
 def recorded(logs: pathlib.Path, prompts: list[tuple[int, list[int]]]) -> dict[tuple[int, ...], object]:
@@ -66,13 +63,3 @@ def test_a_cp2_decode_takes_its_own_pages_from_a_cp2_and_a_tp1_prefill(tmp_path)
                     check_turns(front.url, prefill.url, decode.url, prompts, lambda p: want[tuple(p)])
                 assert_no_leaks(prefill.url)
         assert_no_leaks(decode.url)
-
-
-def test_speculation_with_page_sharded_kv_is_refused_at_start_up_in_one_line():
-    """Each rank holds only its own pages, so no prefill rank has the draft's rows whole to send."""
-    cmd = [sys.executable, "-m", "hicache", "serve", "--model", "tiny", "--port", "0", "--cp-size", "2",
-           "--speculative-algorithm", "draft", "--speculative-draft-model", "tiny-draft-packed",
-           "--disaggregation-mode", "decode"]  # fmt: skip
-    done = subprocess.run(cmd, check=False, cwd=REPO, capture_output=True, text=True, timeout=120)
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.splitlines()[-1] == f"hicache: error: --disaggregation-mode decode: {cells.SHARDED_DRAFT}"

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from hicache import Engine, SamplingParams
-from hicache.config import DebugConfig, DisaggConfig, EngineConfig, HiCacheConfig
+from hicache.config import DebugConfig, DisaggConfig, EngineConfig, HiCacheConfig, ParallelConfig
 from hicache.disagg.handshake import Handshake
 from hicache.engine.engine import GenerationResult
 from hicache.model.loading.loader import load_model
@@ -50,10 +50,15 @@ class PDFront:
         return results
 
 
-def pd_engines(draft: str, debug: DebugConfig) -> tuple[Engine, Engine, int]:
-    port = free_ports(1)
+def pd_engines(
+    draft: str, debug: DebugConfig, prefill_parallel: ParallelConfig | None = None,
+    decode_parallel: ParallelConfig | None = None,
+) -> tuple[Engine, Engine, int]:  # fmt: skip
+    prefill_parallel, decode_parallel = prefill_parallel or ParallelConfig(), decode_parallel or ParallelConfig()
+    port = free_ports(prefill_parallel.world_size)
     d = DisaggConfig(disaggregation_mode="prefill", disaggregation_bootstrap_port=port)
-    prefill = Engine(EngineConfig(model="tiny", disagg=d, speculative=spec(draft), debug=debug))
+    prefill = Engine(EngineConfig(model="tiny", disagg=d, speculative=spec(draft), debug=debug,
+                                  parallel=prefill_parallel))  # fmt: skip
     # Decode's device pool holds about a third of the working set: later turns come back from its host tier.
     decode = Engine(
         EngineConfig(
@@ -63,6 +68,7 @@ def pd_engines(draft: str, debug: DebugConfig) -> tuple[Engine, Engine, int]:
             disagg=DisaggConfig(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True),
             speculative=spec(draft),
             debug=debug,
+            parallel=decode_parallel,
         )
     )
     return prefill, decode, port
@@ -122,6 +128,41 @@ def test_without_the_draft_rows_the_heads_acceptance_changes_and_outputs_stay(re
         assert tokens(first) == reference[:1]  # the target verifies every token
         assert acceptance(first) != acceptance(with_rows)
         assert row_bytes(decode) == row_bytes_without_draft(decode), "only the target's rows cross"
+
+
+# Page-sharded KV on either side: each CP rank of prefill sends the draft's rows of the pages it owns with
+# the target's, and a CP rank of decode keeps those of its own pages (its draft pool shards like its target's).
+# Two pipelines of one size: each prefill stage sends its decode stage the draft's rows with its layers.
+PAIRS = {"cp2-to-tp1": (ParallelConfig(cp_size=2), ParallelConfig()),
+         "tp1-to-cp2": (ParallelConfig(), ParallelConfig(cp_size=2)),
+         "pp2-to-pp2": (ParallelConfig(pp_size=2), ParallelConfig(pp_size=2))}  # fmt: skip
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("topologies", PAIRS)
+def test_pd_across_topologies_moves_the_drafts_rows_from_their_holders(
+    reference, cache_off_acceptance, topologies
+):
+    draft = "tiny-draft-packed"
+    prefill_parallel, decode_parallel = PAIRS[topologies]
+    prefill, decode, port = pd_engines(draft, DebugConfig(), prefill_parallel, decode_parallel)
+    with prefill, decode:
+        front = PDFront(PDPair(prefill, decode, port))
+        turns = run_turns(front, CONVS, TURNS, NEW)
+        assert tokens(turns) == reference
+        assert acceptance(turns) == cache_off_acceptance[draft]
+        assert decode.spec_stats().draft_recomputed_tokens == 0, "decode took the draft's rows, not recomputed"
+        pairs = [pair for turn in front.turns for pair in turn]
+        assert all(p.transferred_tokens == p.prefill.prompt_tokens - p.decode_prefix_tokens for p in pairs)
+        assert any(p.decode_prefix_tokens for p in front.turns[-1]), "later turns reuse decode's prefix"
+        sent, transferred = prefill.disagg_stats().sent_bytes, sum(p.transferred_tokens for p in pairs)
+        assert sent == decode.disagg_stats().received_bytes
+        if prefill_parallel.pp_size == 1:  # one row shape on every rank: each page once, from its owner, except
+            # that an unsharded prefill sends every decode CP rank every page, each keeping its own (docs/DESIGN.md,
+            # "P/D across topologies")
+            assert sent == transferred * row_bytes(prefill) * decode_parallel.cp_size
+        assert_clean(decode)
+        assert_clean(prefill)
 
 
 @pytest.mark.parametrize("draft", [MTP, "tiny-draft-packed"])
