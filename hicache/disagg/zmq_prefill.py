@@ -2,16 +2,14 @@
 
 Each prefill rank binds one ROUTER socket at bootstrap host:port + rank; the decode ranks that share
 KV with it (cells.py) connect DEALERs to it, ask once for its server's topology (HELLO) and send each
-request's metadata (wire.py). A rank's request waits for the metadata of every decode rank it owes
-cells, which may arrive before the request does (the router sends both halves at once): it waits in
-`_early` until the request arrives, or until the transfer timeout. Sending is done on the I/O thread,
-in messages of about kv_rows.CHUNK_BYTES (`chunk_tokens`), each read out of the request's locked device
-pages just before it goes and sent to every decode peer in turn; the next message is queued behind what
-arrived meanwhile, so an abort (from decode or the scheduler) stops it at the next message. Frames go
-to ZeroMQ without a copy and tracked: a transfer reads its next chunk only once at most one earlier
-chunk is still queued, so the host memory it holds is at most two chunks whatever the prompt's length
-(`peak_staged_bytes`; docs/DESIGN.md, "P/D streaming"). ROUTER_MANDATORY makes a send to a decode that
-went away an error instead of a silent drop.
+request's metadata (wire.py), which may arrive before the request (the router sends both halves at
+once): it waits in `_early` until the request arrives or the transfer times out. Sending runs on the
+I/O thread, in messages of about kv_rows.CHUNK_BYTES (`chunk_tokens`), each read out of the request's
+locked device pages just before it goes and sent to every decode peer in turn; the next is queued
+behind what arrived meanwhile, so an abort stops it at the next message, and a chunk that cannot be
+read fails its transfer, decode told. Frames go to ZeroMQ uncopied and tracked: a transfer reads its
+next chunk once at most one earlier chunk is still queued, so it holds at most two chunks of host memory
+(`peak_staged_bytes`; DESIGN.md, "P/D streaming"). ROUTER_MANDATORY: a send to a gone decode is an error.
 """
 
 from __future__ import annotations
@@ -287,6 +285,11 @@ class ZmqPrefillBackend:
         sent = False
         try:
             sent = self._send_rows(state, kv, start, end)
+        except Exception as exc:  # a fault reading or cutting the rows: fail this transfer, tell decode now
+            logger.exception("room %d: reading rows [%d, %d) failed", state.room, start, end)
+            with self.lock:
+                if state.status is KVPoll.TRANSFERRING:  # not already ended (an abort, a peer gone)
+                    self._fail(state, f"prefill failed to read rows [{start}, {end}): {exc!r}")
         finally:
             if not sent or end == kv.end:
                 state.reading = False  # nothing reads the request's pages any more: they may go

@@ -17,6 +17,7 @@ import pytest
 from hicache import Engine, SamplingParams
 from hicache.cache.api import RestoreState
 from hicache.config import DebugConfig, DisaggConfig, EngineConfig
+from hicache.disagg.kv_rows import PoolRows
 from tests.disagg.pd import PDPair, decode_engine, free_ports, prefill_engine, scheduler_of
 
 PAGE = 16
@@ -281,3 +282,24 @@ def test_a_prefill_that_computes_longer_than_the_transfer_timeout_still_lands(en
     finally:
         slow.shutdown()
         waiting.shutdown()
+
+
+def test_a_transfer_that_cannot_read_its_rows_fails_its_request_at_once(engines, monkeypatch):
+    """A fault reading a chunk out of prefill's pages (here injected into `PoolRows.read`) ends that
+    transfer and tells decode why, instead of leaving decode to wait out its transfer timeout; nothing
+    leaks, and the next request is served."""
+    pd, ref = engines["reuse"], engines["ref"]
+    prompt = random.Random(17).choices(range(32, 127), k=100)
+
+    def fail(self, start: int, end: int):
+        raise RuntimeError("injected read fault")
+
+    monkeypatch.setattr(PoolRows, "read", fail)
+    (turn,) = pd.run([prompt], PARAMS)
+    assert turn.decode.error is not None and "prefill failed to read rows [0, 100)" in turn.decode.error
+    assert "injected read fault" in turn.decode.error
+    monkeypatch.undo()
+    assert_no_leaks(pd.prefill, pd.decode)
+    (turn,) = pd.run([prompt], PARAMS)
+    assert turn.decode.error is None, turn.decode.error
+    assert turn.decode.token_ids == ref.generate([prompt], PARAMS)[0].token_ids
