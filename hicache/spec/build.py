@@ -10,7 +10,7 @@ stage, sharded over the stage's TP ranks like the target where its KV heads and 
 host rows then have the target's shape, so it can pack), whole on each TP rank where they do not; under
 CP its pages are sharded like the target's (the same logical pages, the same owners). An MTP head under
 PP reads the target's final hidden states, which the last stage sends back to the others
-(hicache/spec/decoder.py); under CP it is refused, as every draft with per-token state.
+(hicache/spec/decoder.py), and under CP reads each row's predecessor from the rank that owns it (mtp.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Speculative decoding on several ranks (docs/DESIGN.md, "Speculative decoding on every topology"): at TP2
 (the draft sharded like the target, so its host rows pack with the target's), at PP2 (the draft whole
-on both stages, a sidecar), at CP2 (the draft's pages sharded like the target's) and at TP2xCP2, with a
+on both stages, a sidecar), at CP2 (the draft's pages sharded like the target's) and at TP2xCP2 with an
+MTP head (the seed's section 1.4 shape), with a
 host and a storage tier, greedy outputs equal the single-rank cache-off target's token for token,
 acceptance equals the single-rank speculative run's exactly, the draft's state comes back with every
 host and storage hit, and the consensus checker finds every rank's acceptance equal (and, on the same
@@ -40,9 +41,9 @@ from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, as
 TOPOLOGIES = {"tp2-packed": (ParallelConfig(tp_size=2), "tiny-draft-packed"),
               "pp2-sidecar": (ParallelConfig(pp_size=2), "tiny-draft-sidecar"),
               "cp2-packed": (ParallelConfig(cp_size=2), "tiny-draft-packed"),
-              # The seed's section 1.4 shape (TP4/CP4 + MTP + host cache) at the 4 processes CI has, with the
-              # separate draft (an MTP head reads its predecessor's row: refused under CP).
-              "tp2cp2-packed": (ParallelConfig(tp_size=2, cp_size=2), "tiny-draft-packed"),
+              # The seed's section 1.4 shape (TP4/CP4 + MTP + host cache) at the 4 processes CI has: the MTP
+              # head's pages sharded like the target's, each row reading its predecessor from the owner.
+              "tp2cp2-mtp": (ParallelConfig(tp_size=2, cp_size=2), "tiny-mtp"),
               "tp2-mtp": (ParallelConfig(tp_size=2), "tiny-mtp"),
               # The head on both stages, reading the target's hidden states the last stage sends back.
               "pp2-mtp": (ParallelConfig(pp_size=2), "tiny-mtp")}  # fmt: skip

@@ -167,12 +167,14 @@ class GatheredAttention:
             pool.write_rows(layer, meta.owned, step_kv)
 
             def read(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+                # Whole pool rows, as `expand` unpacks them: state a model keeps beside its KV (an MTP
+                # head's hidden state) follows attention's columns, which lead the row.
                 where = meta.reads[i]
-                rows = step_kv.new_zeros(where.size, step_kv.shape[1])
+                rows = step_kv.new_zeros(where.size, pool.layout.row_numel)
                 if where.prefix_src.numel():
                     assert gathered is not None
                     rows[where.prefix_dst] = gathered.index_select(0, where.prefix_src)
-                rows[where.step_dst] = step_kv.index_select(0, where.step_src)
+                rows[where.step_dst, : step_kv.shape[1]] = step_kv.index_select(0, where.step_src)
                 return expand(rows)
 
             return ops.block_attention(q, meta.plan, read, self.scale)

@@ -171,3 +171,20 @@ class PrefixGather:
         self._stop = True
         for event in self.released:
             event.set()
+
+
+def rows_from_owners(pool: DeviceKVPool, layer: int, slots: torch.Tensor, group: Any) -> torch.Tensor:
+    """Packed rows [len(slots), row] of layer `layer` at `slots` of a page-sharded pool, whichever rank
+    holds each: every rank reads the rows it owns (zeros in place of the others'), the group all-gathers
+    them, and each row is taken from its owner's part, a copy, never a sum, so its bits are the owner's.
+    For a model whose row reads another token's (an MTP head's predecessor, which may sit on a page of
+    another rank); every rank of `group` calls it with the same slots."""
+    where = pool.owned(slots)
+    if where.index is None:
+        return pool.read_rows(layer, slots)
+    mine = torch.zeros(len(slots), pool.layout.row_numel, dtype=pool.dtype, device=pool.device)
+    mine[where.index.to(pool.device)] = pool.buffers[layer].index_select(0, where.rows)
+    parts = [torch.empty_like(mine) for _ in range(pool.placement.shards)]
+    dist.all_gather(parts, mine, group=group)
+    owners = pool.placement.owners(slots).to(pool.device)
+    return torch.stack(parts)[owners, torch.arange(len(slots), device=pool.device)]

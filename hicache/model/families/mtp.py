@@ -11,8 +11,9 @@ The target's hidden state of each token lives in the head's pool row, beside its
 `hidden`): the target writes it for every row it computes (`store_target_hidden`, through
 `ForwardBatch.hidden_sink`; under PP the last stage's, sent to every stage's copy of the head by
 hicache/spec/decoder.py), and the head reads its predecessor's. So it is backed up, stored and
-restored with the head's KV, like `shift.py`'s state; a row reads another token's row, so its pages
-cannot be sharded over CP ranks.
+restored with the head's KV, like `shift.py`'s state. A row reads another token's row, which under CP
+may be on a page of another rank: the head reads its predecessors from their owners
+(`kv_gather.rows_from_owners`), so its pages shard like the target's.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVComponent, KVLayout
+from hicache.model.attention.kv_gather import rows_from_owners
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
 from hicache.model.families.llama import LlamaModel, MakeLinear
@@ -37,7 +39,7 @@ class MTPHeadModel(LlamaModel):
     """`LlamaModel` of one layer behind the MTP input projection (weights `mtp.enorm` [H], `mtp.hnorm` [H]
     and `mtp.eh_proj` [H, 2H], the embedding first), with the target's hidden state in its pool row."""
 
-    page_shardable = False  # a row reads its predecessor's hidden state, which CP may hold on another rank
+    page_shardable = True  # a row's predecessor may be on another CP rank's page: read from its owner
     reads_target_hidden = True
 
     def __init__(
@@ -75,6 +77,8 @@ class MTPHeadModel(LlamaModel):
         return super().forward(batch, pool, self.eh_proj(x))
 
     def _predecessors(self, batch: ForwardBatch, pool: DeviceKVPool) -> torch.Tensor:
-        """Per row, the target's hidden state of the token before it, read from the pool."""
+        """Per row, the target's hidden state of the token before it, read from the pool: under CP from
+        whichever rank owns its page (every rank computes every row's input projection)."""
         prev, keep = batch.predecessors(self.dtype)
-        return pool.read(0, prev)[HIDDEN] * keep
+        group = self.pctx.group(self.kv_sharding.axis) if self.kv_sharding.axis else None
+        return pool.layout.unpack(rows_from_owners(pool, 0, prev, group))[HIDDEN] * keep
