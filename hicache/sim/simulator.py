@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Callable
 from math import inf
-from typing import Callable
 
 import torch
 

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from hicache import Engine, SamplingParams
+from hicache.cli import main
 from hicache.config import DisaggConfig, EngineConfig, HiCacheConfig
 from hicache.sim.cost import load_cost_model
 from hicache.sim.pd import PDSimulator
@@ -97,3 +98,23 @@ def test_decode_reuse_moves_fewer_bytes_over_the_simulated_nic():
         moved[name] = simulator.bytes_moved()["prefill->decode (NIC)"]
         assert moved[name] == kv_bytes * sum(r.transferred_tokens for r in records)
     assert moved["on"] < moved["off"] == kv_bytes * sum(map(len, PROMPTS)), moved
+
+
+def test_simulate_pd_decode_runs_a_pair_from_the_command_line(capsys):
+    """`--pd-decode FLAGS`: the command's flags are prefill's, FLAGS decode's. With decode reuse on, a second
+    turn's prefix is decode's own: exactly those tokens cross no more, against the same trace without it."""
+    argv = ["simulate", "--model", "tiny", "--gsp-num-groups", "1", "--gsp-prompts-per-group", "2", "--gsp-num-turns",
+            "2", "--gsp-system-prompt-len", "256", "--gsp-question-len", "64", "--gsp-output-len", "16"]  # fmt: skip
+    transferred, prefix = {}, {}
+    for reuse in ("", "--disaggregation-decode-enable-radix-cache"):
+        assert main([*argv, f"--pd-decode={reuse}"]) == 0
+        out = capsys.readouterr().out
+        rows = {cells[0]: cells[1] for cells in (line.strip("| ").split(" | ") for line in out.splitlines()
+                if line.startswith("| "))}  # fmt: skip
+        assert rows["requests completed"] == "4", out
+        transferred[reuse] = int(rows["P/D: prompt tokens transferred"])
+        line = next(line for line in out.splitlines() if line.startswith("decode's own prefix"))
+        prefix[reuse] = int(line.split(": ")[1].split(" tokens")[0].replace(",", ""))
+    off, on = "", "--disaggregation-decode-enable-radix-cache"
+    assert prefix[off] == 0 < prefix[on], prefix
+    assert transferred[off] - transferred[on] == prefix[on], (transferred, prefix)
