@@ -140,7 +140,8 @@ def add_simulate_command(sub: argparse._SubParsersAction) -> None:
                      "real engine briefly (the --cost-model preset gives the rest) and write them as a cost model")
     sim.add_argument("--pd-decode", metavar="FLAGS", help="simulate a P/D pair: this command's engine flags are the "
                      "prefill server's, FLAGS the decode server's (`hicache serve` flags: --pd-decode=\"--flag ...\"); "
-                     "each gets its --disaggregation-mode; the KV transfer is costed on the cost model's [nic]")  # fmt: skip
+                     "each gets its --disaggregation-mode; the KV transfer is costed on the cost model's "
+                     "[nic]")  # fmt: skip
     sim.add_argument("--label", help="the run's name in the table (default: the cost model's)")
     add_workload_args(p)
     p.set_defaults(func=cmd_simulate)

@@ -58,7 +58,8 @@ class VirtualKVLink:
         """The suffix of `tokens` onto the NIC, sent at prefill's time."""
         nbytes = tokens * self.kv_bytes_per_token
         self.bytes_moved += nbytes
-        self._free_at = max(self._free_at, self.clocks["prefill"].now) + self.nic.latency_s + nbytes / self.nic.bandwidth
+        start = max(self._free_at, self.clocks["prefill"].now)
+        self._free_at = start + self.nic.latency_s + nbytes / self.nic.bandwidth
         room.landed_at = self._free_at
 
     def next_event(self, side: str) -> float:
