@@ -115,7 +115,7 @@ def real_pd_run(hc: HiCacheConfig, disagg: DisaggConfig, trace: list[list[int]])
 def simulated_pd_run(
     hc: HiCacheConfig, disagg: DisaggConfig, trace: list[list[int]], cost: CostModel
 ) -> list[PDResult]:
-    simulator = PDSimulator(*pd_configs(hc, disagg, 0), cost)
+    simulator = PDSimulator(*pd_configs(hc, disagg, DisaggConfig().disaggregation_bootstrap_port), cost)  # unused
     try:
         records = simulator.run(requests(trace))
     finally:
