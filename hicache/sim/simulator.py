@@ -114,7 +114,10 @@ class Simulator:
             "host->device": VirtualLink("host->device", self.clock, cost.host_to_device.bandwidth,
                                         cost.host_to_device.latency_s, page_bytes),
         }  # fmt: skip
-        pool = DeviceKVPool(KVLayout.mha(1, 1), 1, cfg.num_pages, cfg.page_size, torch.float32, torch.device("cpu"))
+        # CP ranks shard the pages (docs/DESIGN.md, "CP page sharding"): every rank keeps the same logical tree
+        # and decides alike, so rank 0's pool, its owner classes and its tiers make every rank's decisions.
+        pool = DeviceKVPool(KVLayout.mha(1, 1), 1, cfg.num_pages, cfg.page_size, torch.float32, torch.device("cpu"),
+                            shards=cfg.parallel.cp_size, gather_pages=cfg.cp_gather_pages)  # fmt: skip
         hc = cfg.hicache
         if hc.enable_hierarchical_cache:
             if hc.hicache_storage_max_bytes:  # bytes of the modelled KV: the same pages of the simulator's
