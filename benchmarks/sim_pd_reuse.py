@@ -65,7 +65,8 @@ def arm(args: argparse.Namespace, reuse: bool) -> tuple[dict, PDSimulator, float
     host = HiCacheConfig(enable_hierarchical_cache=True, hicache_size=args.prefill_host_gb)
     common = {"model": "tiny", "page_size": 64, "max_total_tokens": args.device_tokens, "chunked_prefill_size": 8192,
               "max_running_requests": 64}  # fmt: skip
-    prefill = EngineConfig(**common, hicache=host, disagg=DisaggConfig(disaggregation_mode="prefill"))  # type: ignore[arg-type]
+    prefill_disagg = DisaggConfig(disaggregation_mode="prefill")
+    prefill = EngineConfig(**common, hicache=host, disagg=prefill_disagg)  # type: ignore[arg-type]
     decode_disagg = DisaggConfig(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=reuse)
     decode_hc = dataclasses.replace(host, hicache_size=args.decode_host_gb) if reuse else HiCacheConfig()
     decode = EngineConfig(**common, hicache=decode_hc, disagg=decode_disagg)  # type: ignore[arg-type]
@@ -118,12 +119,13 @@ def main_bench() -> None:
         unit = (lambda n: f"{n / 2**40:.2f} TiB") if key == "kv_bytes_transferred" else (lambda n: f"{n / 1e6:.1f} M")
         print(f"| {name} | {unit(a)} | {unit(b)} | {100 * (b - a) / a:+.1f}% | |")
     for label, (s, simulator, wall_s) in (("off", results[False]), ("on", results[True])):
-        prefix = simulator.decode_prefix_by_tier
-        ttfts = sorted(s["ttfts"])
-        print(f"\ndecode reuse {label}: prefill hit rate {100 * s['hit_rate']:.1f}% (ideal {100 * s['ideal_hit_rate']:.1f}%); "
-              f"decode's own prefix {sum(prefix.values()) / 1e6:.1f} M tokens ({', '.join(f'{t} {n / 1e6:.1f} M' for t, n in prefix.items())}); "
-              f"TTFT quartiles {statistics.quantiles(ttfts, n=4)}; bytes {simulator.bytes_moved()}; "
-              f"{s['completed']} requests, {s['duration_s']:.0f} s virtual in {wall_s:.0f} s wall")  # fmt: skip
+        prefix = ", ".join(f"{tier} {n / 1e6:.1f} M" for tier, n in simulator.decode_prefix_by_tier.items())
+        quartiles = " / ".join(f"{q:.3f}" for q in statistics.quantiles(s["ttfts"], n=4))
+        moved = ", ".join(f"{link} {n / 2**40:.2f} TiB" for link, n in simulator.bytes_moved().items())
+        print(f"\ndecode reuse {label}: prefill hit rate {100 * s['hit_rate']:.1f}% (ideal "
+              f"{100 * s['ideal_hit_rate']:.1f}%); decode's own prefix: {prefix or 'none'}; TTFT quartiles "
+              f"{quartiles} s; moved: {moved}; {s['completed']} requests, {s['duration_s']:.0f} s virtual in "
+              f"{wall_s:.0f} s wall")  # fmt: skip
 
 
 if __name__ == "__main__":
