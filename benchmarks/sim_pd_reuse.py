@@ -13,8 +13,11 @@ conversation runs at once, each turn sent when the conversation's previous one e
 trace and the same prefill server (its own host tier on, as the seed's): decode without a tree (the
 baseline, in the same run) and decode with its tree and a host tier of `--decode-host-gb`. The preset is
 `h100x8-llama70b` (Llama-70B's KV, 320 KiB a token; the seed's GLM-5.2-FP8 on B300s is not a preset) with
-its `[nic]` (RDMA, 320 GB/s); each server's device pool is `--device-tokens`. The prediction is the preset's
-(public spec sheets), not a GPU's measurement: the seed's figures are beside it, for shape.
+its `[nic]` (RDMA, 320 GB/s); each server's device pool is `--device-tokens`. `--compute-scale S` multiplies
+the preset's GEMM and attention FLOP/s by S (a what-if, not a spec sheet: the seed's FP8 B300 node
+prefills several times faster than bf16 H100s, which changes whether prefill's queue or the transfer sets
+the TTFT). The prediction is the preset's (public spec sheets), not a GPU's measurement: the seed's figures
+are beside it, for shape.
 """
 
 from __future__ import annotations
@@ -70,7 +73,11 @@ def arm(args: argparse.Namespace, reuse: bool) -> tuple[dict, PDSimulator, float
     decode_disagg = DisaggConfig(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=reuse)
     decode_hc = dataclasses.replace(host, hicache_size=args.decode_host_gb) if reuse else HiCacheConfig()
     decode = EngineConfig(**common, hicache=decode_hc, disagg=decode_disagg)  # type: ignore[arg-type]
-    simulator = PDSimulator(prefill, decode, load_cost_model("h100x8-llama70b"),
+    cost = load_cost_model("h100x8-llama70b")
+    c = cost.compute
+    scale = args.compute_scale
+    scaled = dataclasses.replace(c, flops=c.flops * scale, attention_flops=c.attention_flops * scale)
+    simulator = PDSimulator(prefill, decode, dataclasses.replace(cost, compute=scaled),
                             label="decode reuse on" if reuse else "decode reuse off")  # fmt: skip
     started = time.perf_counter()
     try:
@@ -97,9 +104,11 @@ def main_bench() -> None:
     parser.add_argument("--device-tokens", type=int, default=1_835_008)  # 560 GiB of Llama-70B KV
     parser.add_argument("--prefill-host-gb", type=float, default=2000.0)
     parser.add_argument("--decode-host-gb", type=float, default=2000.0)
+    parser.add_argument("--compute-scale", type=float, default=1.0)
     args = parser.parse_args()
     last = args.system + args.turns * args.question + (args.turns - 1) * args.output
-    print(f"{args.groups * args.per_group} conversations x {args.turns} turns, last context {last:,} tokens\n")
+    print(f"{args.groups * args.per_group} conversations x {args.turns} turns, last context {last:,} tokens; "
+          f"compute x {args.compute_scale:g}\n")  # fmt: skip
     results = {reuse: arm(args, reuse) for reuse in (False, True)}
     (off, _, _), (on, _, _) = results[False], results[True]
     print("| | decode reuse off | decode reuse on (device + host) | change | the seed |")
