@@ -36,7 +36,8 @@ from hicache.sim.pd import PDSimulator
 from hicache.sim.trace import TraceRequest
 
 VOCAB = 258  # tiny's: the simulator needs a model only for its vocabulary
-SEED = {"median": (0.681, 0.271), "mean": (2.07, 1.54)}  # TTFT seconds, reuse off -> on
+# TTFT seconds, reuse off -> on, and the change the seed states (from its unrounded times)
+SEED = {"median": (0.681, 0.271, -60.3), "mean": (2.07, 1.54, -25.4)}
 
 
 def _tokens(seed: tuple[int, ...], n: int) -> list[int]:
@@ -115,9 +116,9 @@ def main_bench() -> None:
     print("| --- | ---: | ---: | ---: | ---: |")
     for stat, key in (("median", "ttft_median_s"), ("mean", "ttft_mean_s")):
         a, b = off[key], on[key]
-        seed_a, seed_b = SEED[stat]
+        seed_a, seed_b, seed_change = SEED[stat]
         print(f"| TTFT {stat} | {a:.3f} s | {b:.3f} s | {100 * (b - a) / a:+.1f}% "
-              f"| {100 * (seed_b - seed_a) / seed_a:+.1f}% ({seed_a} -> {seed_b} s) |")  # fmt: skip
+              f"| {seed_change:+.1f}% ({seed_a} -> {seed_b} s) |")  # fmt: skip
     a, b = off["ttft_p99_s"], on["ttft_p99_s"]
     print(f"| TTFT p99 | {a:.3f} s | {b:.3f} s | {100 * (b - a) / a:+.1f}% | |")
     a, b = off["output_throughput"], on["output_throughput"]
