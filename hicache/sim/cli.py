@@ -15,7 +15,6 @@ used only for its tokenizer, to build a generated workload's prompts and draw to
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import pathlib
 import platform
@@ -47,8 +46,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         trace = from_workload(build_workload(workload_from_args(args), tokenizer), tokenizer)
     label = args.label or cost.name
     if args.pd_decode is not None:
-        prefill, decode = pd_configs(cfg, args.pd_decode)
-        simulator: Simulator | PDSimulator = PDSimulator(prefill, decode, cost, label=label)
+        simulator: Simulator | PDSimulator = PDSimulator(cfg, decode_config(cfg, args.pd_decode), cost, label=label)
         servers = {"prefill": simulator.prefill, "decode": simulator.decode}
     else:
         simulator = Simulator(cfg, cost, label=label)
@@ -78,15 +76,14 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
-def pd_configs(cfg: EngineConfig, decode_flags: str) -> tuple[EngineConfig, EngineConfig]:
-    """A P/D pair's (prefill, decode) configurations: `cfg` as the prefill server, `decode_flags` (`hicache
-    serve`'s flags) the decode server, each with its `--disaggregation-mode`."""
+def decode_config(prefill: EngineConfig, decode_flags: str) -> EngineConfig:
+    """The decode server of a P/D pair: `decode_flags` (`hicache serve`'s flags), the prefill server's model
+    unless they name one."""
     parser = argparse.ArgumentParser(prog="hicache simulate --pd-decode", add_help=False)
     add_engine_args(parser)
-    # The prefill server's model unless the flags name one; the role last, as no flag may change it.
-    flags = ["--model", cfg.model, *shlex.split(decode_flags), "--disaggregation-mode", "decode"]
-    decode = EngineConfig.from_args(parser.parse_args(flags))
-    return dataclasses.replace(cfg, disagg=dataclasses.replace(cfg.disagg, disaggregation_mode="prefill")), decode
+    # The role last: no flag may change it, and decode's own flags are valid only with it.
+    flags = ["--model", prefill.model, *shlex.split(decode_flags), "--disaggregation-mode", "decode"]
+    return EngineConfig.from_args(parser.parse_args(flags))
 
 
 def write_calibration(cfg: EngineConfig, base, path: str) -> int:  # noqa: ANN001 - a CostModel

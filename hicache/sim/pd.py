@@ -47,6 +47,10 @@ def simulated_handshake(pool: DeviceKVPool) -> Handshake:
     )  # fmt: skip
 
 
+def _in_role(cfg: EngineConfig, mode: str) -> EngineConfig:
+    return dataclasses.replace(cfg, disagg=dataclasses.replace(cfg.disagg, disaggregation_mode=mode))
+
+
 @dataclasses.dataclass
 class _Pair:
     """One request's two halves and its client record."""
@@ -58,12 +62,14 @@ class _Pair:
 
 
 class PDSimulator:
-    """A prefill server of `prefill_cfg` and a decode server of `decode_cfg` (each with its
-    `--disaggregation-mode`), costed by `cost` (its `[nic]` for the KV transfer)."""
+    """A prefill server of `prefill_cfg` and a decode server of `decode_cfg` (each given its
+    `--disaggregation-mode` here, which decides whether decode keeps a tree), costed by `cost` (its `[nic]`
+    for the KV transfer)."""
 
     def __init__(
         self, prefill_cfg: EngineConfig, decode_cfg: EngineConfig, cost: CostModel, label: str = "simulated P/D"
     ) -> None:
+        prefill_cfg, decode_cfg = _in_role(prefill_cfg, "prefill"), _in_role(decode_cfg, "decode")
         self.label = label
         clocks = VirtualClock(), VirtualClock()
         self.kv_link = VirtualKVLink(cost.nic, cost.kv_bytes_per_token, *clocks)
