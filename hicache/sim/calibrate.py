@@ -90,7 +90,7 @@ def to_toml(cost: CostModel, note: str) -> str:
     """The cost model as a file `load_cost_model` reads back."""
     lines = [f"# {line}" for line in note.splitlines()]
     lines += [f'name = "{cost.name}"', f"kv_bytes_per_token = {cost.kv_bytes_per_token}"]
-    for section in ("compute", "host_to_device", "device_to_host", "storage"):
+    for section in ("compute", "host_to_device", "device_to_host", "storage", "nic"):
         table = getattr(cost, section)
         lines += ["", f"[{section}]"] + [f"{f.name} = {getattr(table, f.name)!r}" for f in dataclasses.fields(table)]
     return "\n".join(lines) + "\n"

@@ -5,6 +5,8 @@ in virtual time, costed by a cost model; prints `hicache bench`'s table for it.
         --cost-model epyc-2core-tiny --dataset generated-shared-prefix --gsp-num-turns 4
     hicache simulate --cost-model h100x8-llama70b --trace mooncake.jsonl --max-total-tokens 1048576 --page-size 64
     hicache simulate --model tiny --calibrate here.toml   # then: hicache simulate --cost-model here.toml ...
+    hicache simulate --model tiny --enable-hierarchical-cache \
+        --pd-decode="--disaggregation-decode-enable-radix-cache --enable-hierarchical-cache" ...   # a P/D pair
 
 The engine flags are `hicache serve`'s: they configure the simulated cache and scheduler (the model is
 used only for its tokenizer, to build a generated workload's prompts and draw token ids).
@@ -16,6 +18,7 @@ import argparse
 import os
 import pathlib
 import platform
+import shlex
 import time
 
 from hicache.bench.cli import add_workload_args, workload_from_args
@@ -28,6 +31,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     from hicache.bench.report import markdown_table, per_round_table
     from hicache.bench.workload import build_workload, load_tokenizer
     from hicache.sim.cost import load_cost_model
+    from hicache.sim.pd import PDSimulator
     from hicache.sim.simulator import Simulator
     from hicache.sim.trace import from_workload, read_mooncake
 
@@ -40,23 +44,46 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         trace = read_mooncake(args.trace, tokenizer.vocab_size)
     else:
         trace = from_workload(build_workload(workload_from_args(args), tokenizer), tokenizer)
-    simulator = Simulator(cfg, cost, label=args.label or cost.name)
+    label = args.label or cost.name
+    if args.pd_decode is not None:
+        simulator: Simulator | PDSimulator = PDSimulator(cfg, decode_config(cfg, args.pd_decode), cost, label=label)
+        servers = {"prefill": simulator.prefill, "decode": simulator.decode}
+    else:
+        simulator = Simulator(cfg, cost, label=label)
+        servers = {"": simulator}
     started = time.perf_counter()
     try:
         records = simulator.run(trace)
     finally:
         simulator.shutdown()
     wall_s = time.perf_counter() - started
-    summary = summarize(simulator.label, records, simulator.clock.now, {})
+    virtual_s = max(server.clock.now for server in servers.values())
+    extra = {"kv_bytes_transferred": simulator.kv_link.bytes_moved} if isinstance(simulator, PDSimulator) else {}
+    summary = summarize(simulator.label, records, virtual_s, extra)
     print(markdown_table([summary]))
     print()
     print(per_round_table([summary]))
     print()
     print(bytes_table(simulator.bytes_moved()))
-    print()
-    print(occupancy_table(simulator.occupancy))
-    print(f"\n{len(records)} requests, {simulator.clock.now:.2f} s of virtual time simulated in {wall_s:.1f} s")
+    for name, server in servers.items():
+        print(f"\n{name} server:" if name else "")
+        print(occupancy_table(server.occupancy))
+    if isinstance(simulator, PDSimulator):
+        prefix = simulator.decode_prefix_by_tier
+        print(f"\ndecode's own prefix (not transferred): {sum(prefix.values()):,} tokens "
+              f"({', '.join(f'{tier} {n:,}' for tier, n in prefix.items())})")  # fmt: skip
+    print(f"\n{len(records)} requests, {virtual_s:.2f} s of virtual time simulated in {wall_s:.1f} s")
     return 0
+
+
+def decode_config(prefill: EngineConfig, decode_flags: str) -> EngineConfig:
+    """The decode server of a P/D pair: `decode_flags` (`hicache serve`'s flags), the prefill server's model
+    unless they name one."""
+    parser = argparse.ArgumentParser(prog="hicache simulate --pd-decode", add_help=False)
+    add_engine_args(parser)
+    # The role last: no flag may change it, and decode's own flags are valid only with it.
+    flags = ["--model", prefill.model, *shlex.split(decode_flags), "--disaggregation-mode", "decode"]
+    return EngineConfig.from_args(parser.parse_args(flags))
 
 
 def write_calibration(cfg: EngineConfig, base, path: str) -> int:  # noqa: ANN001 - a CostModel
@@ -108,6 +135,10 @@ def add_simulate_command(sub: argparse._SubParsersAction) -> None:
                      "instead of a generated workload")  # fmt: skip
     sim.add_argument("--calibrate", metavar="TOML", help="measure this machine's compute figures by running the "
                      "real engine briefly (the --cost-model preset gives the rest) and write them as a cost model")
+    sim.add_argument("--pd-decode", metavar="FLAGS", help="simulate a P/D pair: this command's engine flags are the "
+                     "prefill server's, FLAGS the decode server's (`hicache serve` flags: --pd-decode=\"--flag ...\"); "
+                     "each gets its --disaggregation-mode; the KV transfer is costed on the cost model's "
+                     "[nic]")  # fmt: skip
     sim.add_argument("--label", help="the run's name in the table (default: the cost model's)")
     add_workload_args(p)
     p.set_defaults(func=cmd_simulate)

@@ -6,7 +6,8 @@ A step costs `step_overhead_s`, plus for every token computed `flops_per_token /
 request `decode_s_per_request` and its KV read at `memory_bandwidth`. A copy costs `latency_s + bytes /
 bandwidth` on its link, bytes being pages x page size x `kv_bytes_per_token`; storage calls share one
 link (the storage tier's one worker): an existence query costs `latency_s`, a read or a put `latency_s`
-plus its bytes at `read_bandwidth` or `write_bandwidth`.
+plus its bytes at `read_bandwidth` or `write_bandwidth`. A P/D pair's KV transfer costs `latency_s + bytes /
+bandwidth` on `[nic]`, bytes being the suffix's tokens x `kv_bytes_per_token`.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ class CostModel:
     host_to_device: Link
     device_to_host: Link
     storage: Storage
+    nic: Link  # a P/D pair's KV transfer, prefill to decode (hicache/sim/pd.py)
 
     def step_s(self, items: list[tuple[int, int]], decoding: list[int]) -> float:
         """A step computing tokens [start, end) of each of `items`, and one token each of requests
@@ -90,6 +92,7 @@ def load_cost_model(name_or_path: str) -> CostModel:
         host_to_device=_section(Link, data, path, "host_to_device"),
         device_to_host=_section(Link, data, path, "device_to_host"),
         storage=_section(Storage, data, path, "storage"),
+        nic=_section(Link, data, path, "nic"),
     )
 
 

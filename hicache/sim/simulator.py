@@ -14,19 +14,23 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Callable
+from math import inf
 
 import torch
 
 from hicache.bench.metrics import IdealCache, RequestRecord
 from hicache.cache import Worker, device_cache, hierarchical_cache
 from hicache.config import EngineConfig, HiCacheConfig
+from hicache.disagg.roles import radix_enabled
 from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
 from hicache.parallel.consensus import Consensus
 from hicache.parallel.parallel import ParallelContext
 from hicache.scheduler.model_runner import StepOutput, WorkItem
-from hicache.scheduler.request import Request, SamplingParams
+from hicache.scheduler.request import Bootstrap, Request, SamplingParams
+from hicache.scheduler.role import Role
 from hicache.scheduler.scheduler import Scheduler, check_request_fits
 from hicache.sim.cost import CostModel
 from hicache.sim.links import StorageLink, VirtualClock, VirtualLink
@@ -76,6 +80,14 @@ class CostedCompute:
         return self.answers[req.rid][len(req.output_ids)]
 
 
+@dataclasses.dataclass(frozen=True)
+class PoolOnly:
+    """What the scheduler's parts read of a model runner here: its pool (a P/D role reads and writes a
+    request's rows there). There is no model: `CostedCompute` computes."""
+
+    pool: DeviceKVPool
+
+
 @dataclasses.dataclass
 class _Live:
     trace: TraceRequest
@@ -84,11 +96,17 @@ class _Live:
 
 
 class Simulator:
-    def __init__(self, cfg: EngineConfig, cost: CostModel, label: str = "simulated") -> None:
+    """One simulated server. `clock`: its own virtual time (a P/D pair's two servers each keep theirs:
+    hicache/sim/pd.py); `role`: its P/D role part, made from its pool (None: a server doing everything)."""
+
+    def __init__(
+        self, cfg: EngineConfig, cost: CostModel, label: str = "simulated", clock: VirtualClock | None = None,
+        role: Callable[[DeviceKVPool], Role] | None = None,
+    ) -> None:  # fmt: skip
         self.cfg = cfg
         self.cost = cost
         self.label = label
-        self.clock = VirtualClock()
+        self.clock = clock if clock is not None else VirtualClock()
         page_bytes = cost.kv_bytes_per_token * cfg.page_size
         self.links = {
             "device->host": VirtualLink("device->host", self.clock, cost.device_to_host.bandwidth,
@@ -96,7 +114,10 @@ class Simulator:
             "host->device": VirtualLink("host->device", self.clock, cost.host_to_device.bandwidth,
                                         cost.host_to_device.latency_s, page_bytes),
         }  # fmt: skip
-        pool = DeviceKVPool(KVLayout.mha(1, 1), 1, cfg.num_pages, cfg.page_size, torch.float32, torch.device("cpu"))
+        # CP ranks shard the pages (docs/DESIGN.md, "CP page sharding"): every rank keeps the same logical tree
+        # and decides alike, so rank 0's pool, its owner classes and its tiers make every rank's decisions.
+        pool = DeviceKVPool(KVLayout.mha(1, 1), 1, cfg.num_pages, cfg.page_size, torch.float32, torch.device("cpu"),
+                            shards=cfg.parallel.cp_size, gather_pages=cfg.cp_gather_pages)  # fmt: skip
         hc = cfg.hicache
         if hc.enable_hierarchical_cache:
             if hc.hicache_storage_max_bytes:  # bytes of the modelled KV: the same pages of the simulator's
@@ -109,12 +130,13 @@ class Simulator:
             consensus = Consensus(ParallelContext())  # one rank: agreement is the identity
             self.cache = hierarchical_cache(pool, hc, consensus, "simulated", make_worker=self._link,
                                             clock=lambda: self.clock.now)  # fmt: skip
-        else:
-            self.cache = device_cache(pool, radix=not cfg.disable_radix_cache)
+        else:  # a P/D decode server keeps a tree only when asked to, as the engine's (roles.radix_enabled)
+            self.cache = device_cache(pool, radix=radix_enabled(cfg))
         load_link = self.links["host->device"] if hc.enable_hierarchical_cache else None
         self.compute = CostedCompute(cost, self.clock, load_link)
-        # No model runner and no tokenizer: the compute answers with trace tokens, which ignore EOS.
-        self.scheduler = Scheduler(cfg, None, self.cache, None, SIMULATED_CONTEXT, compute=self.compute)  # type: ignore
+        # No model and no tokenizer: the compute answers with trace tokens, which ignore EOS.
+        self.scheduler = Scheduler(cfg, PoolOnly(pool), self.cache, None, SIMULATED_CONTEXT,  # type: ignore[arg-type]
+                                   compute=self.compute, role=role(pool) if role is not None else None)  # fmt: skip
         # (virtual time, tokens each tier holds, cached or in use), whenever the time moved on
         self.occupancy: list[tuple[float, dict[str, int]]] = []
 
@@ -148,24 +170,29 @@ class Simulator:
                     entry.record.cached_tokens = sum(event.cached_tokens_by_tier.values())
                 if event.finish_reason is not None:
                     self._finish(live.pop(event.rid), ideal, follower, trace, arrivals)
-            self._sample_occupancy()
+            self.sample_occupancy()
             if self.compute.steps == steps and self.scheduler.has_work:
                 self._wait(arrivals)
         for link in self.links.values():
             link.finish_all()
         return records
 
+    def submit(self, prompt: list[int], output_ids: tuple[int, ...], bootstrap: Bootstrap | None = None) -> Request:
+        """A request of `prompt` into the scheduler, answered by `output_ids`."""
+        check_request_fits(self.cfg, SIMULATED_CONTEXT, len(prompt), len(output_ids))
+        params = SamplingParams(max_new_tokens=len(output_ids), ignore_eos=True)
+        request = Request(prompt, params, len(output_ids), bootstrap=bootstrap)
+        self.compute.answers[request.rid] = output_ids
+        self.scheduler.add(request)
+        return request
+
     def _arrive(self, item: TraceRequest, ideal: IdealCache) -> _Live:
         prompt = item.prompt()
-        check_request_fits(self.cfg, SIMULATED_CONTEXT, len(prompt), len(item.output_ids))
-        params = SamplingParams(max_new_tokens=len(item.output_ids), ignore_eos=True)
-        request = Request(prompt, params, len(item.output_ids))
-        self.compute.answers[request.rid] = item.output_ids
+        request = self.submit(prompt, item.output_ids)
         record = RequestRecord(
             self.label, item.conv_id, item.group, item.round, self.clock.now, len(prompt), len(prompt),
             ideal_cached_tokens=ideal.on_send(prompt),
         )  # fmt: skip
-        self.scheduler.add(request)
         return _Live(item, request, record)
 
     def _finish(self, entry: _Live, ideal: IdealCache, follower: dict, trace: list, arrivals: list) -> None:
@@ -177,17 +204,21 @@ class Simulator:
         if after is not None:
             heapq.heappush(arrivals, (self.clock.now + trace[after].arrival_s, after))
 
-    def _sample_occupancy(self) -> None:
+    def sample_occupancy(self) -> None:
         if not self.occupancy or self.occupancy[-1][0] < self.clock.now:
             self.occupancy.append((self.clock.now, {tier: used for tier, (used, _) in self.cache.usage().items()}))
 
     def _wait(self, arrivals: list) -> None:
         """Nothing could run (admission waits for a copy to unlock pages): on to the next event."""
-        times = [t for t in (link.next_completion for link in self.links.values()) if t is not None]
-        times += [arrivals[0][0]] if arrivals else []
-        if not times:
+        times = [self.next_completion] + ([arrivals[0][0]] if arrivals else [])
+        if min(times) == inf:
             raise RuntimeError("the simulator stalled: requests wait and nothing is in flight or to arrive")
         self.clock.advance_to(min(times))
+
+    @property
+    def next_completion(self) -> float:
+        """When the next copy or storage call in flight ends (infinity: none is)."""
+        return min((t for t in (link.next_completion for link in self.links.values()) if t is not None), default=inf)
 
     def bytes_moved(self) -> dict[str, int]:
         return {direction: n for link in self.links.values() for direction, n in link.moved().items()}
