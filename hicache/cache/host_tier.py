@@ -271,7 +271,7 @@ class HostTier:
         finished: list[TreeNode] = []
         for op in backup_ops:
             finished.extend(self._finish_backup(op))
-        self.pool.allocator.free(self.ledger.release(load_ops))  # quarantined pages whose copies stopped
+        self.pool.free(self.ledger.release(load_ops))  # quarantined pages whose copies stopped
         return finished
 
     def drain(self) -> list[list[TreeNode]]:
@@ -281,7 +281,7 @@ class HostTier:
         while len(self.backups) or len(self.loads):
             finished.extend(self._finish_backup(op) for op in self.backups.drain())
             self.loads.drain()
-        self.pool.allocator.free(self.ledger.release())
+        self.pool.free(self.ledger.release())
         return finished
 
     # ---- host -> device loads ------------------------------------------------------------------
