@@ -93,8 +93,12 @@ class DeviceTier:
         res = self.tree.insert(tokens, pages, namespace, rotation, retention)
         if res.refused:
             return Inserted(list(pages), res.last_node, [], refused=True)
-        duplicates = [mine for mine, theirs in zip(pages, res.pages) if mine != theirs]
-        self.pool.free(duplicates)
+        pairs = [(mine, theirs) for mine, theirs in zip(pages, res.pages) if mine != theirs]
+        if self.sliding is not None and pairs:
+            # The tree's page may be a tombstone this request's page (the same tokens' KV) fills: a request that
+            # recomputed them, its hit shrunk, reads its window from them after this.
+            self.sliding.pages.adopt([theirs for _, theirs in pairs], [mine for mine, _ in pairs])
+        self.pool.free([mine for mine, _ in pairs])
         return Inserted(list(res.pages), res.last_node, res.new_nodes)
 
     def free(self, pages: list[int]) -> None:

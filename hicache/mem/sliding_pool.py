@@ -67,6 +67,18 @@ class SlidingPages:
         self._set(index[held].tolist(), [-1] * len(freed))
         return len(freed)
 
+    def adopt(self, pages: Sequence[int], donors: Sequence[int]) -> None:
+        """Pages of `pages` whose window KV was freed take the sliding page of the same tokens' page in
+        `donors` (computed again, so the same bits), where that one holds one."""
+        if not pages:
+            return
+        mine, theirs = torch.tensor(list(donors), dtype=torch.int64), torch.tensor(list(pages), dtype=torch.int64)
+        moves = (self._map[theirs] < 0) & (self._map[mine] >= 0)
+        if bool(moves.any()):
+            given = self._map[mine[moves]].tolist()
+            self._set(theirs[moves].tolist(), given)
+            self._set(mine[moves].tolist(), [-1] * len(given))
+
     def _set(self, pages: Sequence[int], sliding: Sequence[int]) -> None:
         index, values = torch.tensor(pages, dtype=torch.int64), torch.tensor(sliding, dtype=torch.int64)
         self._map[index] = values
