@@ -2,15 +2,16 @@
 cache off and on, measured in the same run: what a multi-turn workload's cached prefixes save a hybrid,
 what a decode step pays for the recurrent scan, and what a cached prefix holds in device memory.
 
-    .venv/bin/python benchmarks/hybrid_bench.py [--convs 4] [--system 1024] [--question 64] [--turns 4] [--new 16]
+    .venv/bin/python benchmarks/hybrid_bench.py [--convs 4] [--system 1024] [--question 64] [--turns 4] [--new 16] [--memory-only]
 
 Workload: `--convs` conversations in two groups sharing a `--system`-token system prompt, each turn adding
 a `--question`-token question to the whole history (token ids, not text), all conversations' turns
 submitted together; greedy, `--new` tokens a turn. Per arm: hit rate (cached / prompt tokens over turns
 2..), mean TTFT over turns 2.. and its ratio to the same model's cache-off arm, and decode ms per token
 (latency - TTFT over the tokens after the first). Arms run one after another, so load from other jobs
-is not shared alike: the ratios within a model are what to read. Memory: the pool's bytes per token and
-those of a cached 32K-token prefix, computed from each model's pool row.
+is not shared alike: the ratios within a model are what to read. Memory: the pool's bytes per token, and
+the device bytes a 32K-token prefix holds while its request runs and once cached (measured, `--memory-only`
+for that alone).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
 from benchmarks.common import cpu_name  # noqa: E402
 from hicache import Engine, SamplingParams  # noqa: E402
-from hicache.model.families.hybrid import SLIDING  # noqa: E402
 
 PREFIX = 32768
 
@@ -57,22 +57,27 @@ def run_arm(model: str, cache: bool, args) -> dict[str, float]:
 
 def memory() -> None:
     for name in ("tiny", "tiny-hybrid"):
-        with Engine(model=name, max_total_tokens=4096) as engine:
+        with Engine(model=name, max_total_tokens=PREFIX + 256) as engine:
             pool = engine._runtime.scheduler.runner.pool
-            model = engine._runtime.scheduler.runner.model
-        per_token = pool.bytes_per_token
-        whole = PREFIX * per_token / 2**20
-        line = f"{name}: row {pool.layout.describe()}, {per_token} B/token, 32K prefix {whole:.1f} MiB"
-        if name == "tiny-hybrid":
-            element = pool.buffers[0].element_size()
-            state = model.linear_layout.row_numel  # over the K and V columns of the linear layer's rows
-            kv = pool.layout.span("v")[0] + pool.layout.span("v")[1]
-            sliding = model.layer_types.count(SLIDING)
-            window = model.cfg.sliding_window + pool.page_size  # the window's pages, a partial one at each end
-            kept_if_freed = (PREFIX * per_token - sliding * (PREFIX - window) * kv * element) / 2**20
-            line += (f"; the recurrent layer's columns {state} of {pool.layout.row_numel} per row; "
-                     f"if sliding layers kept only the window tail (not built): {kept_if_freed:.1f} MiB")  # fmt: skip
-        print(line)
+            running, cached = engine.call_in_loop(lambda: cached_prefix_bytes(engine._runtime.scheduler.cache))
+        print(f"{name}: row {pool.layout.describe()}, {pool.bytes_per_token} B/token, {pool.num_layers} layers, "
+              f"sliding layers {sorted(pool.sliding_layers)}; a {PREFIX}-token prefix on the device: "
+              f"{running / 2**20:.1f} MiB while its request holds it, {cached / 2**20:.1f} MiB cached after it")
+
+
+def cached_prefix_bytes(cache) -> tuple[int, int]:
+    """Device bytes (measured: the pool's resident bytes) of a PREFIX-token prompt while its request holds
+    its pages, every layer's KV of every token, and once the request ended and the tree caches it. Run on
+    the scheduler thread through the cache API; no forward pass, since the bytes held do not depend on the
+    values (the pages are allocated and cached exactly as a served request's are)."""
+    tokens = [random.Random(2).randrange(32, 127) for _ in range(PREFIX)]
+    handle = cache.open(-1, tokens, "")
+    assert cache.admit(handle, -(-PREFIX // handle.page_size)).admitted
+    cache.extend(handle, PREFIX)
+    handle.advance(PREFIX)
+    running = cache.resident_bytes()["device"]
+    cache.release(handle, tokens)
+    return running, cache.resident_bytes()["device"]
 
 
 def main() -> None:
@@ -82,8 +87,12 @@ def main() -> None:
     parser.add_argument("--question", type=int, default=64)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--new", type=int, default=16)
+    parser.add_argument("--memory-only", action="store_true")
     args = parser.parse_args()
     print(f"CPU: {cpu_name()}; {vars(args)}")
+    if args.memory_only:
+        memory()
+        return
     print("| model | cache | hit rate (turns 2..) | mean TTFT (turns 2..) | vs cache off | decode ms/token |")
     print("| --- | --- | --- | --- | --- | --- |")
     for model in ("tiny", "tiny-hybrid"):
