@@ -217,6 +217,9 @@ class PrefixCache:
         sliding = self.device.sliding
         if sliding is not None:
             found = self.tree.match_prefix(tokens, handle.namespace)
+            if (reload := sliding.reload_from(found)) is not None:
+                self.device.free(self.tree.detach_device([reload]))
+                found = self.tree.match_prefix(tokens, handle.namespace)
             tokens = handle.packed_prompt.view(sliding.valid_pages(found) * self.page_size)
         return self.tree.match_prefix(tokens, handle.namespace, count_hit=True, retention=handle.retention)
 

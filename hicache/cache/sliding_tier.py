@@ -14,7 +14,8 @@ only where a request can still need them; a page without them is a tombstone for
   full eviction of the device tier frees both).
 - The match rule (`valid_pages`): a hit of k pages is served only if the pages its first new token's window
   reaches (the last `window_pages` before k) hold their window KV (host pages always do); else it shrinks
-  to the longest k where that holds. Recomputing the window instead would need each sliding layer's input
+  to the longest k where that holds. With a host tier, a backed-up node there first leaves the device
+  (`reload_from`), so the hit goes on through the host part and a load back restores the window. Recomputing the window instead would need each sliding layer's input
   over the window, which needs the window before it: W more tokens per sliding layer, not W.
 """
 
@@ -60,6 +61,21 @@ class SlidingWindowTier:
             self.shrunk_hits += 1
             self.shrunk_pages += len(held) - end
         return end
+
+    def reload_from(self, match: MatchResult) -> TreeNode | None:
+        """With a host tier: the first node of `match`'s device part holding a page whose window KV was freed
+        among the last window before the device part's end, where that node is backed up (its host copy
+        has whole rows: taken off the device with what follows it, a load back restores the window)."""
+        if not self.host_backed:
+            return None
+        end, first = len(match.device_pages), 0
+        for node in self.tree.path_to_root(match.last_device_node):
+            pages = node.device_pages or []
+            lo = max(first, end - self.window_pages)
+            if lo < first + len(pages) and not all(self.pages.held(pages[lo - first :])):
+                return node if node.backed_up and node.lock_ref == 0 else None
+            first += len(pages)
+        return None
 
     # ---- freeing -------------------------------------------------------------------------------
 
