@@ -2,7 +2,8 @@
 cache off and on, measured in the same run: what a multi-turn workload's cached prefixes save a hybrid,
 what a decode step pays for the recurrent scan, and what a cached prefix holds in device memory.
 
-    .venv/bin/python benchmarks/hybrid_bench.py [--convs 4] [--system 1024] [--question 64] [--turns 4] [--new 16] [--memory-only]
+    .venv/bin/python benchmarks/hybrid_bench.py [--convs 4] [--system 1024] [--question 64] [--turns 4] [--new 16]
+        [--memory-only] [--swa-ratios 1 0.25 0.125]
 
 Workload: `--convs` conversations in two groups sharing a `--system`-token system prompt, each turn adding
 a `--question`-token question to the whole history (token ids, not text), all conversations' turns
@@ -27,6 +28,7 @@ from benchmarks.common import cpu_name  # noqa: E402
 from hicache import Engine, SamplingParams  # noqa: E402
 
 PREFIX = 32768
+POOL = 16384  # the workload arms' device pool, in tokens (16-token pages)
 
 
 def workload(convs: int, system: int, seed: int = 0) -> list[list[int]]:
@@ -35,12 +37,13 @@ def workload(convs: int, system: int, seed: int = 0) -> list[list[int]]:
     return [list(systems[c % 2]) for c in range(convs)]
 
 
-def run_arm(model: str, cache: bool, args) -> dict[str, float]:
+def run_arm(model: str, cache: bool, args, ratio: float = 1.0) -> dict[str, float]:
     histories, rng = workload(args.convs, args.system), random.Random(1)
     params = SamplingParams(max_new_tokens=args.new, ignore_eos=True)
     cached = prompt = 0
     ttfts, decode_ms = [], []
-    with Engine(model=model, disable_radix_cache=not cache, max_total_tokens=16384) as engine:
+    with Engine(model=model, disable_radix_cache=not cache, max_total_tokens=POOL,
+                swa_full_tokens_ratio=ratio) as engine:  # fmt: skip
         for turn in range(args.turns):
             for h in histories:
                 h.extend(rng.randrange(32, 127) for _ in range(args.question))
@@ -51,8 +54,25 @@ def run_arm(model: str, cache: bool, args) -> dict[str, float]:
                 if turn:
                     cached, prompt = cached + r.cached_tokens, prompt + r.prompt_tokens
                     ttfts.append(r.ttft_s)
+        sliding = engine.call_in_loop(lambda: engine._runtime.scheduler.cache.device.sliding) if cache else None
+    counts = {} if sliding is None else {
+        "shrunk_hits": sliding.shrunk_hits, "shrunk_pages": sliding.shrunk_pages, "evicted": sliding.evicted,
+        "freed_at_release": sliding.freed_at_release,
+    }  # fmt: skip
     return {"hit_rate": cached / prompt, "ttft_ms": 1000 * statistics.mean(ttfts),
-            "decode_ms": statistics.median(decode_ms)}  # fmt: skip
+            "decode_ms": statistics.median(decode_ms), **counts}  # fmt: skip
+
+
+def sliding_arms(args) -> None:
+    """tiny-hybrid with its cache on, one arm per sliding-window pool size (`--swa-ratios`): what the
+    sliding pool's eviction and the match rule cost the workload's hits."""
+    print("| --swa-full-tokens-ratio | sliding pages | hit rate (turns 2..) | mean TTFT (turns 2..) | shrunk hits "
+          "(pages lost) | sliding pages evicted | freed at release |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for ratio in args.swa_ratios:
+        arm = run_arm("tiny-hybrid", True, args, ratio)
+        print(f"| {ratio} | {int(POOL // 16 * ratio)} | {arm['hit_rate']:.0%} | {arm['ttft_ms']:.1f} ms | "
+              f"{arm['shrunk_hits']} ({arm['shrunk_pages']}) | {arm['evicted']} | {arm['freed_at_release']} |")
 
 
 def memory() -> None:
@@ -88,10 +108,14 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--new", type=int, default=16)
     parser.add_argument("--memory-only", action="store_true")
+    parser.add_argument("--swa-ratios", type=float, nargs="*", help="only tiny-hybrid, one arm per sliding pool")
     args = parser.parse_args()
     print(f"CPU: {cpu_name()}; {vars(args)}")
     if args.memory_only:
         memory()
+        return
+    if args.swa_ratios:
+        sliding_arms(args)
         return
     print("| model | cache | hit rate (turns 2..) | mean TTFT (turns 2..) | vs cache off | decode ms/token |")
     print("| --- | --- | --- | --- | --- | --- |")

@@ -15,13 +15,14 @@ only where a request can still need them; a page without them is a tombstone for
 - The match rule (`valid_pages`): a hit of k pages is served only if the pages its first new token's window
   reaches (the last `window_pages` before k) hold their window KV (host pages always do); else it shrinks
   to the longest k where that holds. With a host tier, a backed-up node there first leaves the device
-  (`reload_from`), so the hit goes on through the host part and a load back restores the window. Recomputing the window instead would need each sliding layer's input
-  over the window, which needs the window before it: W more tokens per sliding layer, not W.
+  (`reload_from`), so the hit goes on through the host part and a load back restores the window.
+  Recomputing the window instead would need each sliding layer's input over the window, which needs the
+  window before it: W more tokens per sliding layer, not W.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from hicache.cache.radix import RadixTree, TreeNode
 from hicache.cache.tree_node import MatchResult

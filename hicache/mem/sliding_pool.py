@@ -12,7 +12,7 @@ sequence's start (masked) reads there; the cache's match rule makes sure no visi
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -16,11 +16,13 @@ from tests.disagg.pd import PDPair, free_ports
 PAGE = 16
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 QUESTION = 30
-
-
 # Pools as large as the defaults, then sliding-window pools of 16 pages, where two requests' windows do not
 # fit together and the cached windows are evicted (docs/DESIGN.md, "Hybrid models").
-@pytest.mark.parametrize("pools", [{}, {"max_total_tokens": 1024, "swa_full_tokens_ratio": 0.25}], ids=["wide", "small"])
+SMALL = {"max_total_tokens": 1024, "swa_full_tokens_ratio": 0.25}
+
+
+
+@pytest.mark.parametrize("pools", [{}, SMALL], ids=["wide", "small"])
 def test_a_hybrid_through_a_pd_pair_with_decode_reuse_equals_cache_off(pools):
     port = free_ports(1)
     sends = DisaggConfig(disaggregation_mode="prefill", disaggregation_bootstrap_port=port)
