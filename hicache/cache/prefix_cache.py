@@ -145,6 +145,8 @@ class PrefixCache:
         handle.enter(KVState.READY)
         prefix = handle.kv_len
         handle.advance(len(handle.prompt))
+        if self.device.sliding is not None:
+            self.device.sliding.landed(handle.pages, prefix, len(handle.prompt))
         if handle.draft_len == prefix and not self.skip_draft_restore:  # the outside KV had the draft's rows
             handle.advance_draft(len(handle.prompt))
         if handle.lock is not None and self.lower is not None:

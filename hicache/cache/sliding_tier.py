@@ -93,6 +93,13 @@ class SlidingWindowTier:
                 self.freed_at_release += self.pages.release(pages[lo - first : hi - first])
             first += len(pages)
 
+    def landed(self, pages: list[int], start: int, end: int) -> None:
+        """Rows of tokens [start, end) of a request's `pages` came from another server (a P/D prefill's), whose
+        window KV is sure only for the last window before `end` (the window its own hit rule kept): the
+        rest of those pages give their sliding pages back, tombstones from the start."""
+        keep_from = max(start, end - (self.pages.window - 1)) // self.pages.page_size
+        self.freed_at_release += self.pages.release(pages[start // self.pages.page_size : keep_from])
+
     def freeable_pages(self) -> int:
         """Sliding pages the tree holds in unlocked nodes (a walk of the tree: only asked under pressure)."""
         return sum(sum(self.pages.held(n.device_pages or [])) for n in self.tree.nodes() if n.lock_ref == 0)

@@ -21,7 +21,6 @@ QUESTION = 30
 SMALL = {"max_total_tokens": 1024, "swa_full_tokens_ratio": 0.25}
 
 
-
 @pytest.mark.parametrize("pools", [{}, SMALL], ids=["wide", "small"])
 def test_a_hybrid_through_a_pd_pair_with_decode_reuse_equals_cache_off(pools):
     port = free_ports(1)
