@@ -181,7 +181,7 @@ class PrefixCache:
         if self.lower is not None and (fetched := self.lower.fetched(handle)):
             handle.from_storage = fetched
         fetched = handle.from_storage
-        match = self._match(handle, tokens)
+        match, lost = self._match(handle, tokens)
         handle.enter(KVState.MATCHED)
         self.tree.lock(match.last_node)  # also keeps a host-resident continuation from host eviction
         handle.enter(KVState.LOCKED)
@@ -192,6 +192,8 @@ class PrefixCache:
             self.tree.unlock(match.last_node)
             handle.enter(KVState.WAITING)
             return None
+        if self.device.sliding is not None:
+            self.device.sliding.admitted(lost)
         handle.enter(KVState.RESERVED)
         handle.table.append(match.device_pages)  # a waiting handle holds no page
         # Without a lower tier no node is host-only, so nothing loads.
@@ -213,17 +215,21 @@ class PrefixCache:
         handle.committed_len = handle.kv_len  # those pages are the tree's
         return Reserved(cached, deepest, load)
 
-    def _match(self, handle: KVHandle, tokens: Tokens) -> MatchResult:
-        """The cached prefix of `tokens`, counted as a hit; with sliding-window layers, only as far as the
-        window KV before its end is there (sliding_tier.py: the match looks first, then takes that much)."""
-        sliding = self.device.sliding
+    def _match(self, handle: KVHandle, tokens: Tokens) -> tuple[MatchResult, int]:
+        """The cached prefix of `tokens`, counted as a hit, and the pages it lost: with sliding-window layers,
+        it goes only as far as the window KV before its end is there (sliding_tier.py: the match looks
+        first, then takes that much)."""
+        sliding, lost = self.device.sliding, 0
         if sliding is not None:
             found = self.tree.match_prefix(tokens, handle.namespace)
             if (reload := sliding.reload_from(found)) is not None:
                 self.device.free(self.tree.detach_device([reload]))
                 found = self.tree.match_prefix(tokens, handle.namespace)
-            tokens = handle.packed_prompt.view(sliding.valid_pages(found) * self.page_size)
-        return self.tree.match_prefix(tokens, handle.namespace, count_hit=True, retention=handle.retention)
+            valid = sliding.valid_pages(found)
+            lost = len(found.device_pages) + len(found.host_pages) - valid
+            tokens = handle.packed_prompt.view(valid * self.page_size)
+        match = self.tree.match_prefix(tokens, handle.namespace, count_hit=True, retention=handle.retention)
+        return match, lost
 
     @property
     def reserved_pages(self) -> int:

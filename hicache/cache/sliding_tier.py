@@ -49,7 +49,7 @@ class SlidingWindowTier:
     # ---- the match rule ------------------------------------------------------------------------
 
     def valid_pages(self, match: MatchResult) -> int:
-        """The longest prefix of `match` (in pages) whose window KV is all there (counted as shrunk)."""
+        """The longest prefix of `match` (in pages) whose window KV is all there."""
         held = self.pages.held(match.device_pages) + [True] * len(match.host_pages)
         end = len(held)
         while end > 0:
@@ -58,10 +58,14 @@ class SlidingWindowTier:
             if not missing:
                 break
             end = missing[-1]  # every end after it still reaches it
-        if end < len(held):
-            self.shrunk_hits += 1
-            self.shrunk_pages += len(held) - end
         return end
+
+    def admitted(self, lost_pages: int) -> None:
+        """A request was admitted with a hit `lost_pages` shorter than the cached prefix (counted once, not
+        at every admission a waiting request tries)."""
+        if lost_pages:
+            self.shrunk_hits += 1
+            self.shrunk_pages += lost_pages
 
     def reload_from(self, match: MatchResult) -> TreeNode | None:
         """With a host tier: the first node of `match`'s device part holding a page whose window KV was freed
