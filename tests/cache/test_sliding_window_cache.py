@@ -34,10 +34,16 @@ def sliding_tier(engine: Engine):
 
 
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["device", "host"])
-def test_conversations_longer_than_windows_under_sliding_eviction_equal_cache_off(reference, hierarchical):
-    """The device tier alone frees each finished request's pages outside its window; with host memory below
-    it, the window KV of backed-up nodes goes under pressure (host copies keep whole rows)."""
-    host = HiCacheConfig(enable_hierarchical_cache=hierarchical, hicache_ratio=4.0)
+def test_conversations_longer_than_windows_under_sliding_eviction_equal_cache_off(reference, hierarchical,
+                                                                                   tmp_path):  # fmt: skip
+    """The device tier alone frees each finished request's pages outside its window; with host memory and
+    file storage below it, the window KV of backed-up nodes goes under pressure (host copies and stored
+    pages keep whole rows), and a new server on the same store answers alike from storage."""
+    host = HiCacheConfig(
+        enable_hierarchical_cache=hierarchical, hicache_ratio=4.0,
+        hicache_storage_backend="file" if hierarchical else None, hicache_storage_dir=str(tmp_path / "store"),
+        hicache_storage_prefetch_threshold=64,
+    )  # fmt: skip
     with Engine(model="tiny-hybrid", hicache=host, **SMALL) as engine:
         turns = run_turns(engine, CONVS, TURNS, NEW)
         assert tokens(turns) == reference
@@ -52,6 +58,11 @@ def test_conversations_longer_than_windows_under_sliding_eviction_equal_cache_of
         assert engine.flush_cache()
         assert engine.leak_report() == []
         assert sliding.pages.used_pages == 0
+    if hierarchical:
+        with Engine(model="tiny-hybrid", hicache=host, **SMALL) as engine:
+            turns = run_turns(engine, CONVS, TURNS, NEW)
+            assert tokens(turns) == reference
+            assert hits_by_tier(turns).get("storage", 0) > 0, hits_by_tier(turns)
 
 
 def test_a_hit_shrinks_to_where_the_window_kv_is_held():
