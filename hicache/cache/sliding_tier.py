@@ -16,6 +16,8 @@ only where a request can still need them; a page without them is a tombstone for
   reaches (the last `window_pages` before k) hold their window KV (host pages always do); else it shrinks
   to the longest k where that holds. With a host tier, a backed-up node there first leaves the device
   (`reload_from`), so the hit goes on through the host part and a load back restores the window.
+  Host and storage pages hold whole rows: a node with a page whose window KV was freed before it was
+  backed up (a P/D decode server's received pages before the last window) gets no host copy.
   Recomputing the window instead would need each sliding layer's input over the window, which needs the
   window before it: W more tokens per sliding layer, not W.
 """

@@ -83,6 +83,10 @@ class DeviceKVPool:
         if self.sliding is not None:
             self.sliding.release(pages)
 
+    def whole_rows(self, pages: list[int]) -> bool:
+        """Whether every page of `pages` holds every layer's rows (a sliding layer's: its window KV)."""
+        return self.sliding is None or all(self.sliding.held(pages))
+
     def layer_rows(self, layer: int, rows: torch.Tensor) -> torch.Tensor:
         """Where (local) rows `rows` are in layer `layer`'s buffer: themselves, or a sliding layer's rows."""
         if self.sliding is not None and layer in self.sliding_layers:
