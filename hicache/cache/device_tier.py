@@ -5,7 +5,8 @@ short), inserts computed pages into the tree (returning a duplicate when another
 same tokens first), and reports what it holds. The tree itself is shared with the host tier, whose
 pages live in the same nodes; so is the page budget (page_budget.py) over its pool and tree, which says
 which owner class each page comes from when pages are sharded: eviction then repeats until every class
-asked for has room.
+asked for has room. A hybrid model's sliding-window pages (sliding_tier.py) go with the device pages:
+every page allocated gets one, every page freed gives its own back.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable, Sequence
 from hicache.cache.page_budget import PageBudget
 from hicache.cache.radix import PagesFn, RadixTree, TreeNode
 from hicache.cache.retention import NO_RETENTION, Retention
+from hicache.cache.sliding_tier import SlidingWindowTier
 from hicache.debug.consensus_checker import consensus_checked
 from hicache.mem.device_pool import DeviceKVPool
 
@@ -34,16 +36,19 @@ class Inserted:
 class DeviceTier:
     def __init__(self, pool: DeviceKVPool, on_host_free: PagesFn | None = None, evict: bool = True) -> None:
         """`on_host_free`: where host pages of removed nodes go (the host pool, with a host tier).
-        `evict`: False when nothing is cached (radix cache off), so allocation never evicts."""
+        `evict`: False when nothing is cached (radix cache off), so allocation never evicts. With a host
+        tier (`on_host_free`), a node's window KV is freed only once it is backed up."""
         self.pool = pool
         self.allocator = pool.allocator
         self.page_size = pool.page_size
         self.tree = RadixTree(
-            self.page_size, on_device_free=self.allocator.free, on_host_free=on_host_free,
+            self.page_size, on_device_free=pool.free, on_host_free=on_host_free,
             num_classes=self.allocator.num_classes,
         )  # fmt: skip
         self.budget = PageBudget(pool, self.tree)
         self._evict = evict
+        sliding = pool.sliding
+        self.sliding = SlidingWindowTier(sliding, self.tree, on_host_free is not None) if sliding is not None else None
 
     def available_pages(self) -> int:
         """Pages an allocation can get: free ones plus what eviction can free."""
@@ -67,7 +72,14 @@ class DeviceTier:
         pages = self.allocator.alloc(n, classes)
         if pages is None:
             raise RuntimeError("KV reservation invariant broken: an admitted request could not allocate")
+        if self.sliding is not None:
+            self.sliding.make_room(n, lambda short: self.tree.evict(short, keep_if=keep_if))
+            self.sliding.pages.attach(pages)
         return pages
+
+    def sliding_room(self, n: int, promised: int) -> bool:
+        """Whether n more pages' window KV fits besides `promised` pages' (always, without a sliding pool)."""
+        return self.sliding is None or self.sliding.room(n, promised)
 
     @consensus_checked(params=("rotation",), results={"refused": "result.refused"})
     def insert(
@@ -81,12 +93,16 @@ class DeviceTier:
         res = self.tree.insert(tokens, pages, namespace, rotation, retention)
         if res.refused:
             return Inserted(list(pages), res.last_node, [], refused=True)
-        duplicates = [mine for mine, theirs in zip(pages, res.pages) if mine != theirs]
-        self.allocator.free(duplicates)
+        pairs = [(mine, theirs) for mine, theirs in zip(pages, res.pages) if mine != theirs]
+        if self.sliding is not None and pairs:
+            # The tree's page may be a tombstone this request's page (the same tokens' KV) fills: a request that
+            # recomputed them, its hit shrunk, reads its window from them after this.
+            self.sliding.pages.adopt([theirs for _, theirs in pairs], [mine for mine, _ in pairs])
+        self.pool.free([mine for mine, _ in pairs])
         return Inserted(list(res.pages), res.last_node, res.new_nodes)
 
     def free(self, pages: list[int]) -> None:
-        self.allocator.free(pages)
+        self.pool.free(pages)
 
     def evict_all(self) -> None:
         self.tree.evict(self.tree.total_pages)
@@ -96,6 +112,8 @@ class DeviceTier:
         a = self.allocator
         if a.free_pages != a.num_pages:
             problems.append(f"{a.num_pages - a.free_pages} device pages not freed")
+        if self.sliding is not None and self.sliding.pages.used_pages:
+            problems.append(f"{self.sliding.pages.used_pages} sliding-window pages not freed")
         if self.tree.locked_nodes():
             problems.append(f"locked nodes: {self.tree.locked_nodes()}")
         return problems

@@ -183,8 +183,9 @@ class HostTier:
     # ---- device -> host backups ----------------------------------------------------------------
 
     def backup(self, node: TreeNode) -> None:
-        """Start copying a device node to the host (nothing if it has a host copy or no device pages)."""
-        if node.host_pages is not None or node.device_pages is None:
+        """Start copying a device node to the host (nothing if it has a host copy or no device pages, or if
+        a page lost its window KV: host pages hold whole rows, hicache/cache/sliding_tier.py)."""
+        if node.host_pages is not None or node.device_pages is None or not self.pool.whole_rows(node.device_pages):
             return
         host_pages = self.alloc(len(node.device_pages), self.budget.classes_of(node.device_pages))
         if host_pages is None:
@@ -220,6 +221,8 @@ class HostTier:
     def write_back(self, node: TreeNode) -> bool:
         """For a node leaving the device without a host copy: True if it was copied to the host now."""
         if not self.policy.backs_up_on_evict or node.host_pages is not None:
+            return False
+        if not self.pool.whole_rows(node.device_pages or []):
             return False
         device_pages = list(node.device_pages or [])
         host_pages = self.alloc(len(device_pages), self.budget.classes_of(device_pages))
@@ -271,7 +274,7 @@ class HostTier:
         finished: list[TreeNode] = []
         for op in backup_ops:
             finished.extend(self._finish_backup(op))
-        self.pool.allocator.free(self.ledger.release(load_ops))  # quarantined pages whose copies stopped
+        self.pool.free(self.ledger.release(load_ops))  # quarantined pages whose copies stopped
         return finished
 
     def drain(self) -> list[list[TreeNode]]:
@@ -281,7 +284,7 @@ class HostTier:
         while len(self.backups) or len(self.loads):
             finished.extend(self._finish_backup(op) for op in self.backups.drain())
             self.loads.drain()
-        self.pool.allocator.free(self.ledger.release())
+        self.pool.free(self.ledger.release())
         return finished
 
     # ---- host -> device loads ------------------------------------------------------------------

@@ -87,7 +87,7 @@ class LowerTiers:
         # Not only the failed loads' pages come back: below their nodes hang those of loads that landed
         # in the same step, which cannot be served under a prefix that was never written either.
         taken = self.tree.detach_device(failed.holders)
-        self.host.pool.allocator.free(self.host.ledger.hold_still_copying(failed, taken))
+        self.host.pool.free(self.host.ledger.hold_still_copying(failed, taken))
         self.host.stats.load_failed_requests += requests
 
     # ---- maintenance ---------------------------------------------------------------------------

@@ -27,7 +27,7 @@ from hicache.cache.device_tier import DeviceTier
 from hicache.cache.failed_loads import FailedLoads, IssuedLoad
 from hicache.cache.lower_tiers import LowerTiers
 from hicache.cache.page_keys import Tokens
-from hicache.cache.radix import TreeNode
+from hicache.cache.radix import MatchResult, TreeNode
 from hicache.cache.restores import Restores
 from hicache.cache.retention import NO_RETENTION, Retention
 from hicache.cache.stats import CacheStats
@@ -145,6 +145,8 @@ class PrefixCache:
         handle.enter(KVState.READY)
         prefix = handle.kv_len
         handle.advance(len(handle.prompt))
+        if self.device.sliding is not None:
+            self.device.sliding.landed(handle.pages, prefix, len(handle.prompt))
         if handle.draft_len == prefix and not self.skip_draft_restore:  # the outside KV had the draft's rows
             handle.advance_draft(len(handle.prompt))
         if handle.lock is not None and self.lower is not None:
@@ -179,16 +181,19 @@ class PrefixCache:
         if self.lower is not None and (fetched := self.lower.fetched(handle)):
             handle.from_storage = fetched
         fetched = handle.from_storage
-        match = self.tree.match_prefix(tokens, handle.namespace, count_hit=True, retention=handle.retention)
+        match, lost = self._match(handle, tokens)
         handle.enter(KVState.MATCHED)
         self.tree.lock(match.last_node)  # also keeps a host-resident continuation from host eviction
         handle.enter(KVState.LOCKED)
         handle.rotation = match.rotation if match.rotation is not None else self.budget.new_rotation()
         need = total_pages - len(match.device_pages)
-        if not self.budget.room(handle.rotation, len(match.device_pages), need):
+        room = self.budget.room(handle.rotation, len(match.device_pages), need)
+        if not room or not self.device.sliding_room(need, self.budget.reserved_pages):
             self.tree.unlock(match.last_node)
             handle.enter(KVState.WAITING)
             return None
+        if self.device.sliding is not None:
+            self.device.sliding.admitted(lost)
         handle.enter(KVState.RESERVED)
         handle.table.append(match.device_pages)  # a waiting handle holds no page
         # Without a lower tier no node is host-only, so nothing loads.
@@ -209,6 +214,22 @@ class PrefixCache:
         handle.kv_len = len(handle.pages) * self.page_size
         handle.committed_len = handle.kv_len  # those pages are the tree's
         return Reserved(cached, deepest, load)
+
+    def _match(self, handle: KVHandle, tokens: Tokens) -> tuple[MatchResult, int]:
+        """The cached prefix of `tokens`, counted as a hit, and the pages it lost: with sliding-window layers,
+        it goes only as far as the window KV before its end is there (sliding_tier.py: the match looks
+        first, then takes that much)."""
+        sliding, lost = self.device.sliding, 0
+        if sliding is not None:
+            found = self.tree.match_prefix(tokens, handle.namespace)
+            if (reload := sliding.reload_from(found)) is not None:
+                self.device.free(self.tree.detach_device([reload]))
+                found = self.tree.match_prefix(tokens, handle.namespace)
+            valid = sliding.valid_pages(found)
+            lost = len(found.device_pages) + len(found.host_pages) - valid
+            tokens = handle.packed_prompt.view(valid * self.page_size)
+        match = self.tree.match_prefix(tokens, handle.namespace, count_hit=True, retention=handle.retention)
+        return match, lost
 
     @property
     def reserved_pages(self) -> int:
@@ -297,8 +318,10 @@ class PrefixCache:
             if handle.lock is not None:
                 self.cache_prefix(handle, tokens[: handle.kv_len])
                 self.tree.unlock(handle.lock)
-                handle.lock = None
                 kept = handle.committed_len // self.page_size  # the tree's: its full pages, unless refused
+                if self.device.sliding is not None:  # its own pages' window KV no request reaches any more
+                    self.device.sliding.trim(handle.lock, handle.cached.total // self.page_size, kept)
+                handle.lock = None
             self._promise(handle, handle.reserved_pages, -1)
             self.budget.hold(handle.rotation, kept, len(handle.pages) - kept, -1)
             self.device.free(handle.pages[kept:])

@@ -275,6 +275,10 @@ class EngineConfig(FromArgs):
     model: str = "tiny"
     page_size: int = 16
     max_total_tokens: int = 32768
+    # A hybrid model's sliding-window layers' pool, as a share of the full pool's pages (SGLang's flag). At
+    # 1.0 any request the full pool admits fits; below, a request also needs its pages' window KV to fit
+    # (a running request holds its whole sequence's), and the cached prefixes' windows are evicted sooner.
+    swa_full_tokens_ratio: float = 1.0
     chunked_prefill_size: int = 2048
     max_running_requests: int = 64
     context_length: int | None = None
@@ -306,6 +310,8 @@ class EngineConfig(FromArgs):
         for name in ("max_total_tokens", "chunked_prefill_size", "max_running_requests", "default_max_new_tokens"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise UserError(f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         if self.max_total_tokens < self.page_size:
             raise UserError(f"--max-total-tokens {self.max_total_tokens} is smaller than one page ({self.page_size})")
         if self.context_length is not None and self.context_length <= 0:
@@ -329,6 +335,11 @@ class EngineConfig(FromArgs):
     @property
     def num_pages(self) -> int:
         return self.max_total_tokens // self.page_size
+
+    @property
+    def sliding_pages(self) -> int:
+        """Pages of a hybrid model's sliding-window pool (hicache/mem/sliding_pool.py)."""
+        return max(1, int(self.num_pages * self.swa_full_tokens_ratio))
 
     @property
     def cp_gather_pages(self) -> int | None:

@@ -21,6 +21,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (a power of two)")
     g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="device KV pool capacity in tokens")
     g.add_argument(
+        "--swa-full-tokens-ratio",
+        type=float,
+        default=d.swa_full_tokens_ratio,
+        help="a hybrid model's sliding-window KV pool, as a share of --max-total-tokens",
+    )
+    g.add_argument(
         "--chunked-prefill-size",
         type=int,
         default=d.chunked_prefill_size,

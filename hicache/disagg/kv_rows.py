@@ -13,7 +13,7 @@ pool reads only the pages it owns (`PoolRows.held`), and one lands only the rows
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -56,7 +56,8 @@ class PoolRows:
         first = start // p
         slots = self.pool.allocator.slots(self.pages[first : -(-end // p)])[start - first * p : end - first * p]
         slots = self.pool.owned(slots).rows.to(self.pool.device)
-        return [buffer.index_select(0, slots).cpu() for buffer in self.buffers]
+        # A sliding-window layer's rows are its own pages' (device_pool.py); the draft's layers follow the pool's.
+        return [buffer.index_select(0, self.pool.layer_rows(i, slots)).cpu() for i, buffer in enumerate(self.buffers)]
 
 
 def chunk_tokens(pool_page_size: int, row_bytes: int) -> int:
@@ -89,12 +90,13 @@ def tokens_of(pages: Sequence[int], start: int, end: int, page_size: int) -> tor
 
 def land(
     buffers: Sequence[torch.Tensor], slots: torch.Tensor, frames: Sequence[memoryview | bytes], cuts: Sequence[Cut],
-    where: OwnedSlots | None = None,
+    where: OwnedSlots | None = None, layer_rows: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
 ) -> int:  # fmt: skip
     """Write one message's rows of `cuts`' cells (one frame per layer, in their order) into `slots` of
     `buffers` (a pool's layers, a draft's after them); returns the bytes written. With `where` (a sharded
-    pool's `owned(slots)`) only the rows this rank holds land, at its local rows. Raises ValueError if the
-    frames do not fit (a peer that cut other cells)."""
+    pool's `owned(slots)`) only the rows this rank holds land, at its local rows; `layer_rows` (a pool's):
+    where those rows are in each layer's buffer (a sliding-window layer's own rows). Raises ValueError if
+    the frames do not fit (a peer that cut other cells)."""
     layers = [(layer, cut) for cut in cuts for layer in cut.layers]
     if len(frames) != len(layers):
         raise ValueError(f"{len(frames)} layer frames for cells of {len(layers)} layers")
@@ -111,6 +113,8 @@ def land(
             target = slots
             if where is not None and where.index is not None:
                 rows, target = rows.index_select(0, where.index.to(rows.device)), where.rows
+            if layer_rows is not None:
+                target = layer_rows(layer, target)
             if cut.whole_rows:
                 buffer.index_copy_(0, target, rows)
             else:

@@ -322,7 +322,8 @@ class ZmqDecodeBackend:
                 raise ValueError(f"pages {sorted(twice)} came from two prefill ranks: each page has one owner")
             seen.update(held)
             slots = state.slots[tokens_of(held, start, end, p) - base]
-        self.moved_bytes += land(self.buffers, slots, payload, source.cuts, self.pool.owned(slots))
+        self.moved_bytes += land(self.buffers, slots, payload, source.cuts, self.pool.owned(slots),
+                                 self.pool.layer_rows)
         source.next = end
         state.status = KVPoll.TRANSFERRING
         state.deadline = time.monotonic() + self.timeout_s

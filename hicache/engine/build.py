@@ -56,6 +56,8 @@ def check_hybrid(cfg: EngineConfig, loaded: LoadedModel) -> None:
     KV are tested to keep the cache invariant: one rank, the device, host and storage tiers, a P/D pair
     (docs/DESIGN.md, "hybrid models"). Elsewhere it is refused before any rank starts, naming what is not built."""
     if loaded.family != hybrid.FAMILY:
+        if cfg.swa_full_tokens_ratio != 1:
+            raise UserError(f"--swa-full-tokens-ratio sizes a sliding-window pool: model {loaded.name} has none")
         return
     missing = [what for what, asked in (
         ("--tp-size > 1", cfg.parallel.tp_size > 1), ("--pp-size > 1", cfg.parallel.pp_size > 1),
@@ -115,8 +117,10 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
     check_invariance(cfg, model.invariance)
     sharding = model.kv_sharding  # each rank's pool holds its own pages of the logical pool
     gathered = cfg.cp_gather_pages if sharding.size > 1 else None
+    sliding = model.sliding_layers if isinstance(model, hybrid.HybridModel) else frozenset()
+    window = model.cfg.sliding_window if isinstance(model, hybrid.HybridModel) else 0
     pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device,
-                        sharding.size, sharding.rank, gathered)  # fmt: skip
+                        sharding.size, sharding.rank, gathered, sliding, cfg.sliding_pages, window)  # fmt: skip
     draft = build_draft(cfg, loaded, pool, pctx) if cfg.speculative.enabled else None
     checker = ConsensusChecker(pctx)
     pools = draft.pools if draft else None

@@ -128,10 +128,11 @@ class HostKVPool:
         (this rank's pairs)."""
         d, h = self._own_pairs(device_pages, host_pages)
         for layer in range(device.num_layers):
+            rows = device.layer_pages(layer, d)
             if self.unified is not None:
-                self._pack(first_layer + layer, h, device.pages_of_layer(layer), d)
+                self._pack(first_layer + layer, h, device.pages_of_layer(layer), rows)
                 continue
-            self._copy(self._host_pages_of_layer(first_layer + layer), h, device.pages_of_layer(layer), d)
+            self._copy(self._host_pages_of_layer(first_layer + layer), h, device.pages_of_layer(layer), rows)
 
     def load_layer(
         self, device: DeviceKVPool, layer: int, host_pages: list[int], device_pages: list[int], first_layer: int = 0
@@ -139,6 +140,7 @@ class HostKVPool:
         """Copy one layer of whole pages host -> device (host layer `first_layer + layer`; this rank's
         pairs)."""
         d, h = self._own_pairs(device_pages, host_pages)
+        d = device.layer_pages(layer, d)
         if self.unified is not None:
             self._unpack(first_layer + layer, h, device.pages_of_layer(layer), d)
             return

@@ -69,6 +69,11 @@ def check_request_fits(cfg: EngineConfig, context_length: int, prompt_len: int, 
             raise RequestTooLargeError(
                 f"{what} needs {need} KV pages but the pool has {cfg.num_pages} (raise --max-total-tokens)"
             )
+        if need > cfg.sliding_pages:  # a running request holds its sliding-window KV too (set for hybrids only)
+            raise RequestTooLargeError(
+                f"{what} needs {need} KV pages but the sliding-window pool has {cfg.sliding_pages} "
+                "(raise --swa-full-tokens-ratio or --max-total-tokens)"
+            )
         return
     # With CP each rank holds only its owner class of the request's pages, and admission counts class
     # by class (hicache/cache/page_budget.py): the tightest class must fit one rank's pool, not the total.

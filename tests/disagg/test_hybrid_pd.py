@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from hicache import Engine, SamplingParams
 from hicache.config import DisaggConfig, EngineConfig, HiCacheConfig
 from tests.disagg.pd import PDPair, free_ports
@@ -14,14 +16,18 @@ from tests.disagg.pd import PDPair, free_ports
 PAGE = 16
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 QUESTION = 30
+# Pools as large as the defaults, then sliding-window pools of 16 pages, where two requests' windows do not
+# fit together and the cached windows are evicted (docs/DESIGN.md, "Hybrid models").
+SMALL = {"max_total_tokens": 1024, "swa_full_tokens_ratio": 0.25}
 
 
-def test_a_hybrid_through_a_pd_pair_with_decode_reuse_equals_cache_off():
+@pytest.mark.parametrize("pools", [{}, SMALL], ids=["wide", "small"])
+def test_a_hybrid_through_a_pd_pair_with_decode_reuse_equals_cache_off(pools):
     port = free_ports(1)
     sends = DisaggConfig(disaggregation_mode="prefill", disaggregation_bootstrap_port=port)
-    prefill = Engine(EngineConfig(model="tiny-hybrid", disagg=sends))
+    prefill = Engine(EngineConfig(model="tiny-hybrid", disagg=sends, **pools))
     decode = Engine(EngineConfig(
-        model="tiny-hybrid",
+        model="tiny-hybrid", **pools,
         hicache=HiCacheConfig(enable_hierarchical_cache=True, hicache_load_back_threshold=16),
         disagg=DisaggConfig(disaggregation_mode="decode", disaggregation_decode_enable_radix_cache=True),
     ))  # fmt: skip
@@ -41,6 +47,8 @@ def test_a_hybrid_through_a_pd_pair_with_decode_reuse_equals_cache_off():
             for history, got in zip(histories, turns):
                 history.extend(got.decode.token_ids)
                 history.extend(rng.randrange(32, 127) for _ in range(QUESTION))
+        # Host copies are of whole rows: pages whose window KV decode dropped on arrival are not copied.
+        assert decode.cache_stats().workers.transfer_failures == 0
     finally:
         for engine in (prefill, decode, reference):
             engine.shutdown()

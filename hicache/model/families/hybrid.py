@@ -20,8 +20,9 @@ decode step as a prefill chunk, a cache hit (which ends on a page boundary) as a
 pages. Every input of the scan comes from the pool, and the snapshot is rounded to the pool's dtype in
 every run alike, so the scan sees the same bits whether the prefix was computed or served from a cache.
 
-Sliding-window layers keep their K and V for every token, like full attention (the simplest correct
-version: the cache frees nothing outside the window yet).
+Sliding-window layers keep their K and V in a pool of their own pages, mapped from the full pages
+(hicache/mem/sliding_pool.py; the pool translates their slots), which the cache frees outside the window
+(hicache/cache/sliding_tier.py).
 
 The window attention and the scan are the fixed-order ops of hicache/model/kernels/ordered.py; the
 projections go through the batch-invariant linears like every other family's.
@@ -202,6 +203,11 @@ class HybridModel(LlamaModel):
         if LINEAR in self.layer_types and beyond > 0:
             self.kv_layout = KVLayout(self.kv_layout.components + (KVComponent("linear_rest", (beyond,)),))
         self._step: tuple[torch.Tensor, ScanPlan | None, tuple[torch.Tensor, torch.Tensor] | None] | None = None
+
+    @property
+    def sliding_layers(self) -> frozenset[int]:
+        """This rank's sliding-window layers (local indices): their rows live in a pool of their own."""
+        return frozenset(i for i, kind in enumerate(self.layer_types) if kind == SLIDING)
 
     def _build_layer(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, cast, linear) -> DecoderLayer:
         assert isinstance(cfg, HybridConfig)
