@@ -9,7 +9,7 @@ locked device pages just before it goes and sent to every decode peer in turn; t
 behind what arrived meanwhile, so an abort stops it at the next message, and a chunk that cannot be
 read fails its transfer, decode told. Frames go to ZeroMQ uncopied and tracked: a transfer reads its
 next chunk once at most one earlier chunk is still queued, so it holds at most two chunks of host memory
-(`peak_staged_bytes`; DESIGN.md, "P/D streaming"). ROUTER_MANDATORY: a send to a gone decode is an error.
+(docs/DESIGN.md, "P/D streaming"). ROUTER_MANDATORY: a send to a decode that is gone is an error.
 """
 
 from __future__ import annotations
