@@ -19,10 +19,11 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from hicache.model.kernels import key_blocks, native, quant
+from hicache.model.kernels import key_blocks, native, native_attention, quant
 
-# Keys [E * length, Hkv, d] and values [E * length, Hkv, dv] of one read of a key-block plan.
-ReadBlock = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+# Keys [E * length, Hkv, d] and values [E * length, Hkv, dv] of one read of a key-block plan; or keys
+# [N, Hkv, d], values [N, Hkv, dv] and the read's rows of them [E * length] (a pool's layer, in place).
+ReadBlock = Callable[[int], tuple[torch.Tensor, ...]]
 
 # oneDNN keeps one primitive per distinct GEMM shape (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep a
 # computation cache beside it (LRU_CACHE_CAPACITY), 1024 entries each by default: with prompts of every
@@ -330,12 +331,18 @@ def block_attention(
 
 
 def _attend_call(
-    q: torch.Tensor, call: key_blocks.BlockCall, kv: tuple[torch.Tensor, torch.Tensor], length: int, scale: float
+    q: torch.Tensor, call: key_blocks.BlockCall, kv: tuple[torch.Tensor, ...], length: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One call of a key-block plan over its read `kv` (entries of `length` keys): the output [m, H, dv]
     and log-sum-exp [m, H] of its rows `call.dest`."""
+    k, v = kv[0], kv[1]
+    if native_attention.takes(q, k, v):
+        index = kv[2] if len(kv) == 3 else torch.arange(k.shape[0], device=q.device)
+        return native_attention.attend_call(q, call, k, v, index, length, scale)
+    if len(kv) == 3:
+        k, v = k.index_select(0, kv[2]), v.index_select(0, kv[2])
     (E, n), H, d = call.rows.shape, q.shape[1], q.shape[2]
-    k, v = (t.unflatten(0, (E, length))[:, : call.keys].transpose(1, 2) for t in kv)
+    k, v = (t.unflatten(0, (E, length))[:, : call.keys].transpose(1, 2) for t in (k, v))
     rows = q.index_select(0, call.rows.view(-1)).view(E, n, H, d).transpose(1, 2).contiguous()
     out, lse = _block_kernel(rows, k, v, call.additive_mask(q.dtype), scale)
     out, lse = out.transpose(1, 2).reshape(E * n, H, -1), lse.transpose(1, 2).reshape(E * n, H)
