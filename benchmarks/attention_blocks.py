@@ -61,6 +61,13 @@ def measure(context: int, batch: int, threads: int) -> dict:
         parts = layout.unpack(rows)
         return parts["k"], parts["v"]
 
+    try:  # the model's own expand, where the tree has it: the backend may then read the pool in place
+        from hicache.model.attention.backends import UnpackKV
+
+        expand = UnpackKV(layout)  # noqa: F811
+    except ImportError:
+        pass
+
     def run() -> None:
         meta = backend.prepare(step, pool)
         for layer in range(LAYERS):

@@ -308,14 +308,16 @@ def block_attention(
     top = q.new_full((R, H), float("-inf"), dtype=torch.float32)
     total = q.new_zeros((R, H), dtype=torch.float32)
     acc: torch.Tensor | None = None
+    native = False  # decided at the first read: whether the native kernel takes these heads
     for step in plan.steps:
         held, kv = -1, None  # the last read's keys go before the next one is made
         for call in step:
             if call.read != held:
                 kv = None
                 held, kv = call.read, read(call.read)
+                native = native or native_attention.takes(q, kv[0], kv[1])
             assert kv is not None
-            out, lse = _attend_call(q, call, kv, plan.reads[call.read].length, scale)
+            out, lse = _attend_call(q, call, kv, plan.reads[call.read].length, scale, native)
             if acc is None:
                 acc = q.new_zeros((R, H, out.shape[-1]), dtype=torch.float32)
             before = top.index_select(0, call.dest)
@@ -331,12 +333,12 @@ def block_attention(
 
 
 def _attend_call(
-    q: torch.Tensor, call: key_blocks.BlockCall, kv: tuple[torch.Tensor, ...], length: int, scale: float
+    q: torch.Tensor, call: key_blocks.BlockCall, kv: tuple[torch.Tensor, ...], length: int, scale: float, native: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One call of a key-block plan over its read `kv` (entries of `length` keys): the output [m, H, dv]
-    and log-sum-exp [m, H] of its rows `call.dest`."""
+    """One call of a key-block plan over its read `kv` (entries of `length` keys) with the native kernel
+    or aten's: the output [m, H, dv] and log-sum-exp [m, H] of its rows `call.dest`."""
     k, v = kv[0], kv[1]
-    if native_attention.takes(q, k, v):
+    if native:
         index = kv[2] if len(kv) == 3 else torch.arange(k.shape[0], device=q.device)
         return native_attention.attend_call(q, call, k, v, index, length, scale)
     if len(kv) == 3:
