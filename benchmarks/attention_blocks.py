@@ -64,7 +64,7 @@ def measure(context: int, batch: int, threads: int) -> dict:
     try:  # the model's own expand, where the tree has it: the backend may then read the pool in place
         from hicache.model.attention.backends import UnpackKV
 
-        expand = UnpackKV(layout)  # noqa: F811
+        expand = UnpackKV(layout)
     except ImportError:
         pass
 

@@ -25,7 +25,7 @@ BLOCK = 2048
 
 
 def _operands(widths, dtype, slots, seed=0):
-    H, Hkv, d, dv = widths
+    _, Hkv, d, dv = widths
     gen = torch.Generator().manual_seed(seed)
     pool = torch.randn(slots, Hkv * (d + dv), generator=gen).to(dtype)  # packed rows, as the pool holds them
     k, v = pool[:, : Hkv * d].view(slots, Hkv, d), pool[:, Hkv * d :].view(slots, Hkv, dv)
@@ -41,7 +41,7 @@ def _call(q, k, v, index, seen, live):
 def test_a_rows_bits_are_its_own_in_any_call(widths, dtype):
     """Three entries over shuffled pool slots, rows seeing every length of SEEN (padding rows beyond an
     entry's live ones), against each row alone in its own call, and at one thread."""
-    H, Hkv, d, dv = widths
+    H, d = widths[0], widths[2]
     k, v, gen = _operands(widths, dtype, 3 * BLOCK + 5)
     index = torch.randperm(3 * BLOCK + 5, generator=gen)[: 3 * BLOCK].view(3, BLOCK)
     n = len(SEEN)
@@ -71,7 +71,7 @@ def test_a_rows_bits_are_its_own_in_any_call(widths, dtype):
 @pytest.mark.parametrize("widths", WIDTHS, ids=str)
 def test_the_kernel_is_attention(widths, dtype, tolerance):
     """Output and log-sum-exp against a float64 softmax over each row's visible keys."""
-    H, Hkv, d, dv = widths
+    H, Hkv, d, _ = widths
     k, v, gen = _operands(widths, dtype, BLOCK)
     index = torch.arange(BLOCK).view(1, BLOCK)
     q = torch.randn(1, len(SEEN), H, d, generator=gen).to(dtype)
@@ -89,10 +89,11 @@ def test_the_kernel_is_attention(widths, dtype, tolerance):
 def test_reading_the_pool_in_place_gives_the_gathered_bits(dtype):
     """block_attention over a plan whose reads name pool slots (the local backend's in-place reads)
     equals the same plan over gathered copies of those rows, bit for bit, at 1 to 3 blocks."""
-    H, Hkv, d, dv = WIDTHS[0]
+    H, _, d, _ = WIDTHS[0]
     slots = 3 * 512 + 100
     k, v, gen = _operands(WIDTHS[0], dtype, slots)
-    order = torch.cat([torch.randperm(slots, generator=gen), torch.zeros(512, dtype=torch.int64)])  # slot 0 past the end
+    # Slot 0 stands past the sequence's end, as the backend's reads have it (masked).
+    order = torch.cat([torch.randperm(slots, generator=gen), torch.zeros(512, dtype=torch.int64)])
     seen = (1, 300, 512, 513, 1100, 3 * 512 + 77)
     plan = key_blocks.plan([key_blocks.QueryRows(0, 0, seen)], len(seen), CPU, 512)
     q = torch.randn(len(seen), H, d, generator=gen).to(dtype)
@@ -109,7 +110,7 @@ def test_reading_the_pool_in_place_gives_the_gathered_bits(dtype):
 def test_native_and_aten_attention_differ_so_identities_do():
     """The negative control of the identity: the two kernel families give other bits for the same rows,
     hence a model's identity on a CPU with the native build names it (and on another device not)."""
-    H, Hkv, d, dv = WIDTHS[0]
+    H, _, d, _ = WIDTHS[0]
     k, v, gen = _operands(WIDTHS[0], torch.float32, 512)
     q = torch.randn(1, 8, H, d, generator=gen)
     native_out, _ = _call(q, k, v, torch.arange(512).view(1, 512), torch.empty(0, dtype=torch.int64),

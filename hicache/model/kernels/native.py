@@ -74,8 +74,8 @@ def build(verbose: bool = False) -> None:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=LIBRARY, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, build_directory=str(directory),
-                       is_python_module=False, verbose=verbose)  # fmt: skip
+    cpp_extension.load(name=LIBRARY, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+                       build_directory=str(directory), is_python_module=False, verbose=verbose)  # fmt: skip
 
 
 @functools.cache

@@ -1,5 +1,5 @@
 // One key block of attention for CPUs with AVX2 + FMA (hicache/model/kernels/native.py builds this file
-// beside qgemm.cpp; ops.py's `_block_kernel` calls it for every row on a CPU: decode, prefill, verify).
+// beside qgemm.cpp; native_attention.py calls it for every plan call on a CPU: decode, prefill, verify).
 //
 //   block_attend(q [E, n, H, d], k [N, Hkv, d], v [N, Hkv, dv], index [E, keys] int64, seen [E, n] int64
 //                or empty, rows [E] int64, scale) -> (out [E, n, H, dv] in q's dtype, lse [E, n, H] float32)
@@ -15,11 +15,12 @@
 // keys and nothing else. Its keys are visited in tiles of TILE keys from key 0 of the block (a fixed
 // position, whatever the call's length); a score is one dot product over d, lane i holding inputs
 // i mod 8, FMAs in increasing d, the 8 lanes summed by one fixed tree, then one multiply by the scale;
-// a tile updates the running maximum, rescales the running sum and output once, then adds each key's
-// weight and weighted value in key order (keys past seen contribute nothing and are never touched).
-// Threads split (entry, KV head, group of rows) units only, so a row's reduction is never split; the
-// rows of a unit share each tile's keys through the L1 cache, never an accumulator. The file is compiled
-// with -ffp-contract=off: every multiply and add is the one written here.
+// a tile updates the running maximum, rescales the running sum and output once, then adds the tile's
+// weights in key order and its weighted values in two FMA chains (even and odd keys, in key order) that
+// are added last (keys past seen contribute nothing and are never touched). Threads split (entry, KV
+// heads, group of rows) units only, so a row's reduction is never split; the rows of a unit share each
+// tile's keys through the L1 cache, never an accumulator. The file is compiled with -ffp-contract=off:
+// every multiply and add is the one written here.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -309,6 +310,14 @@ std::tuple<at::Tensor, at::Tensor> block_attend(const at::Tensor& q, const at::T
               "block_attend: seen [E, n] int64");
   TORCH_CHECK(rows.dim() == 1 && rows.size(0) == E && rows.scalar_type() == at::kLong && rows.is_contiguous(),
               "block_attend: rows [E] int64");
+  const int64_t* at = index.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(at, at + index.numel(), [&](int64_t x) { return x >= 0 && x < k.size(0); }),
+              "block_attend: an index outside k and v");
+  if (masked) {  // a row reads index[e, 0 .. seen): never past the keys it was given
+    const int64_t* s = seen.data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(s, s + E * n, [&](int64_t x) { return x >= 0 && x <= index.size(1); }),
+                "block_attend: a row sees more keys than index holds");
+  }
   at::Tensor out = at::empty({E, n, H, dv}, q.options());
   at::Tensor lse = at::empty({E, n, H}, q.options().dtype(at::kFloat));
   const int64_t* live = rows.data_ptr<int64_t>();
@@ -322,6 +331,6 @@ std::tuple<at::Tensor, at::Tensor> block_attend(const at::Tensor& q, const at::T
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(HICACHE_QGEMM_LIBRARY, m) {
-  m.def("block_attend(Tensor q, Tensor k, Tensor v, Tensor index, Tensor seen, Tensor rows, float scale) -> (Tensor, Tensor)",
-        &block_attend);
+  m.def("block_attend(Tensor q, Tensor k, Tensor v, Tensor index, Tensor seen, Tensor rows, float scale)"
+        " -> (Tensor, Tensor)", &block_attend);
 }
