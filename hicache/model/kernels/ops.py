@@ -297,13 +297,14 @@ def block_attention(
     q: torch.Tensor, plan: key_blocks.KeyBlockPlan, read: ReadBlock, scale: float
 ) -> torch.Tensor:
     """Attention of query rows q [R, H, d] over their sequences' keys (grouped-query heads): [R, H, dv].
-    `read(i)` gives the keys [E * length, Hkv, d] and values [E * length, Hkv, dv] of plan.reads[i].
-    Mechanism: the calls of `plan` (hicache/model/kernels/key_blocks.py), in which each row meets each
-    key block in a kernel call of a shape fixed by that row alone (keys a multiple of KV_ALIGN, queries
-    padded to Q_ALIGN by repeating the last), materialized contiguous, never a stride-0 view (the
-    kernel's result can depend on the operands' strides); the blocks' normalized outputs and
-    log-sum-exps are combined in float32 in block order by the same elementwise arithmetic for every
-    row. Memory: one step's reads at a time, at most a block of keys per sequence."""
+    `read(i)` gives the keys and values of plan.reads[i] (`ReadBlock`). Mechanism: the calls of `plan`
+    (key_blocks.py), in which each row meets each key block in a kernel call of a shape fixed by that
+    row alone; on a CPU with the native build its kernel serves every call (a row's result is its own
+    keys' alone, native_attention.py), else aten's (keys a multiple of KV_ALIGN, queries padded to
+    Q_ALIGN by repeating the last, materialized contiguous, never a stride-0 view: its result can depend
+    on the strides); the blocks' normalized outputs and log-sum-exps are combined in float32 in block
+    order by the same elementwise arithmetic for every row. Memory: one step's reads at a time, at most
+    a block of keys per sequence."""
     R, H = q.shape[:2]
     top = q.new_full((R, H), float("-inf"), dtype=torch.float32)
     total = q.new_zeros((R, H), dtype=torch.float32)
