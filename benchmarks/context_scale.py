@@ -120,7 +120,8 @@ def measure_history(model: str, history: int, turn: int, steps: int, store: str,
         context_length=max(4096, -(-(conversation + PAGE) // 4096) * 4096),
         # One conversation and a few pages: the cold turn must push the history out to host.
         max_total_tokens=-(-conversation // PAGE) * PAGE + 4 * PAGE,
-        hicache=HiCacheConfig(
+        # Decode only: no host or store, so no write-through of the history runs beside the steps.
+        hicache=HiCacheConfig() if decode_only else HiCacheConfig(
             enable_hierarchical_cache=True,
             hicache_ratio=3.0,
             hicache_storage_backend="file",

@@ -278,10 +278,13 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
                       seen.numel() ? seen.data_ptr<int64_t>() : nullptr, out.data_ptr<T>(), lse.data_ptr<float>(),
                       n, q.size(2), Hkv, q.size(3), v.size(2), index.size(1),
                       k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale};
-  // A unit reads its entry's rows of every KV head together (a pool row is one stream), unless that
-  // leaves threads idle; either way a (row, head)'s arithmetic is the same (the file's header).
+  // One query row per entry (decode; a plan pads it to 8): a unit reads its entry's rows of every KV head together (a pool
+  // row is one stream) unless that leaves threads idle. Several rows: a unit takes one KV head, so its
+  // tile of keys and values (64 keys) stays in L1 while each of its rows meets it. Either way a
+  // (row, head)'s arithmetic is the same (the file's header).
   const int64_t row_groups = (n + ROW_GROUP - 1) / ROW_GROUP;
-  const int64_t splits = E * row_groups >= at::get_num_threads() ? 1 : Hkv, units = E * splits * row_groups;
+  const bool one_row_each = std::all_of(live, live + E, [](int64_t rows) { return rows <= 1; });
+  const int64_t splits = one_row_each && E >= at::get_num_threads() ? 1 : Hkv, units = E * splits * row_groups;
   at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t e = u / (splits * row_groups), part = u / row_groups % splits, r0 = u % row_groups * ROW_GROUP;
