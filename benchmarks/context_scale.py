@@ -1,7 +1,8 @@
 """Context scale (issue 22): what a new turn and a decode step cost as the cached history grows.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/context_scale.py \\
-        [--model tiny] [--histories 1024 4096 16384 65536 131072] [--turn 1024] [--decode-steps 16]
+        [--model tiny] [--histories 1024 4096 16384 65536 131072] [--turn 1024] [--decode-steps 16] \\
+        [--decode-only]
 
 Per history length H, in one engine with host memory and a file store behind a device pool that holds
 one conversation (H + turn + decode tokens) and little more:
@@ -111,7 +112,7 @@ def kv_bytes_per_token(engine: Engine) -> int:
     return c.num_layers * 2 * c.num_kv_heads * c.head_dim * engine.config.resolved_dtype().itemsize
 
 
-def measure_history(model: str, history: int, turn: int, steps: int, store: str) -> Row:
+def measure_history(model: str, history: int, turn: int, steps: int, store: str, decode_only: bool = False) -> Row:
     one = SamplingParams(max_new_tokens=1, ignore_eos=True)
     conversation = history + turn + steps
     flags = dict(
@@ -119,7 +120,8 @@ def measure_history(model: str, history: int, turn: int, steps: int, store: str)
         context_length=max(4096, -(-(conversation + PAGE) // 4096) * 4096),
         # One conversation and a few pages: the cold turn must push the history out to host.
         max_total_tokens=-(-conversation // PAGE) * PAGE + 4 * PAGE,
-        hicache=HiCacheConfig(
+        # Decode only: no host or store, so no write-through of the history runs beside the steps.
+        hicache=HiCacheConfig() if decode_only else HiCacheConfig(
             enable_hierarchical_cache=True,
             hicache_ratio=3.0,
             hicache_storage_backend="file",
@@ -131,11 +133,13 @@ def measure_history(model: str, history: int, turn: int, steps: int, store: str)
     with Engine(**flags) as engine:
         vocab = engine.tokenizer.vocab_size
         past = tokens(history, 1, vocab)
-        engine.generate([past], one)
-        (r,) = engine.generate([tokens(history + turn, 2, vocab)], one)
-        arms["cold"] = Arm(r.ttft_s, r.cached_tokens_by_tier)
-        (r,) = engine.generate([past + tokens(turn, 3, vocab)], one)
-        arms["host"] = Arm(r.ttft_s, r.cached_tokens_by_tier)
+        (r,) = engine.generate([past], one)
+        arms["history"] = Arm(r.ttft_s, r.cached_tokens_by_tier)
+        if not decode_only:
+            (r,) = engine.generate([tokens(history + turn, 2, vocab)], one)
+            arms["cold"] = Arm(r.ttft_s, r.cached_tokens_by_tier)
+            (r,) = engine.generate([past + tokens(turn, 3, vocab)], one)
+            arms["host"] = Arm(r.ttft_s, r.cached_tokens_by_tier)
         # Decode is measured on the device arm, once the evictions and backups the cold and host arms
         # started have settled: a step on the cold arm shared the cores with the history's copy to host,
         # and its memory counted the host pool's first touch of those pages.
@@ -150,6 +154,8 @@ def measure_history(model: str, history: int, turn: int, steps: int, store: str)
         decode_step_s = (done - start) / steps
         step_extra = rss.peak_since(start) - rss.at(start)
         kv_per_step = kv_bytes_per_token(engine) * (history + turn + steps // 2)
+    if decode_only:
+        return Row(history, arms, decode_step_s, kv_per_step, step_extra)
     with Engine(**flags) as engine:  # a restart: only the store remains
         (r,) = engine.generate([past + tokens(turn, 5, vocab)], one)
         arms["storage"] = Arm(r.ttft_s, r.cached_tokens_by_tier)
@@ -162,6 +168,21 @@ def mib(n: int) -> str:
 
 def print_table(rows: list[Row], model: str, turn: int, copy_gbps: float) -> None:
     print(f"\n{model}, a {turn}-token turn after a cached history; CPU: {cpu_name()}; memcpy {copy_gbps:.1f} GB/s\n")
+    if all("cold" in r.arms for r in rows):
+        print_turns(rows)
+    print("\n| history | history prefill | decode step | KV read a step | KV-read limit | step / limit |"
+          " step extra memory |")  # fmt: skip
+    print("| ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        limit = r.kv_bytes_per_step / (copy_gbps * 1e9)
+        print(
+            f"| {r.history} | {r.arms['history'].ttft_s:.3f} s | {r.decode_step_s * 1e3:.2f} ms"
+            f" | {mib(r.kv_bytes_per_step)} MiB | {limit * 1e3:.3f} ms | {r.decode_step_s / limit:.1f}x"
+            f" | {mib(r.step_extra_bytes)} MiB |"
+        )
+
+
+def print_turns(rows: list[Row]) -> None:
     print("| history | cold TTFT | device TTFT (x cold) | host TTFT (x cold) | storage TTFT (x cold) |"
           " hits device/host/storage |")  # fmt: skip
     print("| ---: | ---: | ---: | ---: | ---: | --- |")
@@ -173,14 +194,6 @@ def print_table(rows: list[Row], model: str, turn: int, copy_gbps: float) -> Non
             for a in ("device", "host", "storage")
         )
         print(f"| {r.history} | {cold:.3f} s | {' | '.join(cells)} | {hits} |")
-    print("\n| history | decode step | KV read a step | KV-read limit | step / limit | step extra memory |")
-    print("| ---: | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        limit = r.kv_bytes_per_step / (copy_gbps * 1e9)
-        print(
-            f"| {r.history} | {r.decode_step_s * 1e3:.2f} ms | {mib(r.kv_bytes_per_step)} MiB | {limit * 1e3:.3f} ms"
-            f" | {r.decode_step_s / limit:.1f}x | {mib(r.step_extra_bytes)} MiB |"
-        )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -189,12 +202,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--histories", type=int, nargs="+", default=list(HISTORIES))
     parser.add_argument("--turn", type=int, default=1024)
     parser.add_argument("--decode-steps", type=int, default=16)
+    parser.add_argument("--decode-only", action="store_true",
+                        help="prefill each history once and decode after it: no cold, host or storage arm")  # fmt: skip
     args = parser.parse_args(argv)
     copy_gbps = memcpy_gbps()
     rows = []
     for history in args.histories:
         with tempfile.TemporaryDirectory(prefix="context-scale-") as store:
-            rows.append(measure_history(args.model, history, args.turn, args.decode_steps, store))
+            rows.append(measure_history(args.model, history, args.turn, args.decode_steps, store, args.decode_only))
         print(f"history {history}: done", file=sys.stderr, flush=True)
     print_table(rows, args.model, args.turn, copy_gbps)
 

@@ -15,7 +15,7 @@ from hicache.disagg.roles import pd_role, radix_enabled
 from hicache.errors import UserError
 from hicache.events import KVEventPublisher
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.model.build import build_decoder, resolve_quantization, with_weight_format
+from hicache.model.build import build_decoder, resolve_quantization, with_attention_family, with_weight_format
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.families import hybrid
 from hicache.model.kernels.invariance import InvarianceReport
@@ -89,11 +89,12 @@ def check_invariance(cfg: EngineConfig, report: InvarianceReport) -> None:
 
 
 def load_engine_model(cfg: EngineConfig) -> LoadedModel:
-    """The model `cfg` names, to be built in the weight format its `--quantization` resolves to here."""
+    """The model `cfg` names, to be built in the weight format its `--quantization` resolves to here, its
+    identity naming that format and the attention kernels it runs on here."""
     loaded = load_model(cfg.model, keep_codes=cfg.quantization != "none")
     resolved = resolve_quantization(cfg.quantization, loaded, cfg.resolved_dtype(), cfg.resolved_device())
     logger.info("weights of %s: quantization %s -> %s", loaded.name, cfg.quantization, resolved)
-    return with_weight_format(loaded, resolved, cfg.resolved_device())
+    return with_attention_family(with_weight_format(loaded, resolved, cfg.resolved_device()), cfg.resolved_device())
 
 
 class _SlowSteps:

@@ -20,7 +20,7 @@ from hicache.errors import UserError
 from hicache.model.config import LoadedModel
 from hicache.model.families.llama import LlamaModel, MakeLinear
 from hicache.model.families.registry import family_of
-from hicache.model.kernels import native, ops, quant
+from hicache.model.kernels import native, native_attention, ops, quant
 from hicache.model.kernels.calibration import LinearPlanner, NoInvariantPlan
 from hicache.model.kernels.invariance import InvarianceReport, mechanisms, self_check
 from hicache.parallel.parallel import ParallelContext
@@ -69,6 +69,18 @@ def with_weight_format(loaded: LoadedModel, resolved: str, device: torch.device)
     identity = loaded.identity if resolved == "none" else hashlib.sha256(
         f"{loaded.identity}:weights-{resolved}{kernels}".encode()).hexdigest()  # fmt: skip
     return dataclasses.replace(loaded, identity=identity, extra={**loaded.extra, "weight_format": resolved})
+
+
+def with_attention_family(loaded: LoadedModel, device: torch.device) -> LoadedModel:
+    """`loaded` with an identity naming the kernel family its attention runs on here: the native kernel
+    (csrc/attention.cpp) and aten's flash kernel round differently, so KV computed with one must never be
+    served (storage keys) or sent (P/D peers) to a server attending with the other. aten's keeps the
+    identity it had."""
+    family = native_attention.attention_family(device)
+    if family == "aten":
+        return loaded
+    identity = hashlib.sha256(f"{loaded.identity}:attention-{family}".encode()).hexdigest()
+    return dataclasses.replace(loaded, identity=identity)
 
 
 class LinearFactory:

@@ -24,7 +24,7 @@ from hicache.errors import UserError
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_group import DraftPools
 from hicache.mem.host_pool import PartShard
-from hicache.model.build import build_decoder
+from hicache.model.build import build_decoder, with_attention_family
 from hicache.model.config import LoadedModel
 from hicache.model.families.registry import family_of
 from hicache.model.loading.draft import load_draft
@@ -92,7 +92,8 @@ def build_draft(cfg: EngineConfig, target: LoadedModel, target_pool: DeviceKVPoo
         f"sharded over TP{context.tp_size}" if context.tp_size > 1 else "whole on this rank",
         spec.speculative_num_draft_tokens,
     )  # fmt: skip
-    pools = DraftPools(pool, layout, loaded.identity, cfg.debug.debug_skip_draft_restore,
+    identity = with_attention_family(loaded, device).identity  # its KV is attended as the target's is
+    pools = DraftPools(pool, layout, identity, cfg.debug.debug_skip_draft_restore,
                        draft_shard(pctx, context, range(*model.kv_head_range), loaded.config.num_kv_heads))  # fmt: skip
     return Draft(ModelRunner(model, pool), pools)
 

@@ -19,12 +19,25 @@ from typing import Any, Callable, Protocol
 import torch
 
 from hicache.mem.device_pool import DeviceKVPool
+from hicache.mem.kv_layout import KVLayout
 from hicache.model.batch import ForwardBatch
-from hicache.model.kernels import key_blocks, ops
+from hicache.model.kernels import key_blocks, native_attention, ops
 from hicache.parallel.placement import KVSharding
 
 # Packed KV rows [L, row] -> keys [L, Hkv, d] and values [L, Hkv, dv] of this rank's heads.
 Expand = Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class UnpackKV:
+    """The Expand of a layout holding keys and values as they are (GQA): views of the packed rows, so
+    attention may read them in the pool itself, by slot, instead of a gathered copy."""
+
+    layout: KVLayout
+
+    def __call__(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        parts = self.layout.unpack(rows)
+        return parts["k"], parts["v"]
 
 
 def step_queries(batch: ForwardBatch, n: int = 1, r: int = 0) -> list[key_blocks.QueryRows]:
@@ -111,8 +124,17 @@ class LocalAttention:
         self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: LocalMetadata, pool: DeviceKVPool, expand: Expand
     ) -> torch.Tensor:
         pool.write_rows(layer, pool.owned(meta.out_slots), kv)
+        if isinstance(expand, UnpackKV) and not pool.sharded:
+            k, v = expand(pool.buffers[layer])
+            if native_attention.takes(q, k, v):  # it reads the pool by slot: each KV byte once a step
 
-        def read(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+                def in_place(i: int) -> tuple[torch.Tensor, ...]:
+                    parts = meta.slots[i]
+                    return k, v, parts[0] if len(parts) == 1 else torch.cat(parts)
+
+                return ops.block_attention(q, meta.plan, in_place, self.scale)
+
+        def read(i: int) -> tuple[torch.Tensor, ...]:
             parts = meta.slots[i]
             return expand(pool.read_rows(layer, parts[0] if len(parts) == 1 else torch.cat(parts)))
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
-from hicache.model.attention.backends import ATTENTION_BACKENDS, AttentionBackend
+from hicache.model.attention.backends import ATTENTION_BACKENDS, AttentionBackend, UnpackKV
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
 from hicache.model.kernels import ops
@@ -151,7 +151,7 @@ class LlamaModel:
         """This rank's heads' attention output [T, heads * dv] for normed inputs x [T, hidden]."""
         q, k, v = self._qkv(layer, x, positions)
         kv = self.attention_layout.pack({"k": k, "v": v})
-        return self.attention.forward(local, q, kv, meta, pool, self._expand).reshape(x.shape[0], -1)
+        return self.attention.forward(local, q, kv, meta, pool, UnpackKV(self.kv_layout)).reshape(x.shape[0], -1)
 
     def _qkv(self, layer, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated queries [T, heads, d] and keys [T, kv heads, d], and values, of normed inputs x."""
@@ -166,8 +166,7 @@ class LlamaModel:
         return q, k, v
 
     def _expand(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        parts = self.kv_layout.unpack(rows)
-        return parts["k"], parts["v"]
+        return UnpackKV(self.kv_layout)(rows)
 
     @property
     def num_local_layers(self) -> int:

@@ -1,5 +1,6 @@
-"""hicache's native kernels: the weight-only quantized GEMMs of csrc/qgemm.cpp, compiled with the system
-C++ compiler through torch's cpp_extension and loaded as torch ops (`torch.ops.<LIBRARY>`).
+"""hicache's native kernels: the weight-only quantized GEMMs of csrc/qgemm.cpp and the key-block attention
+of csrc/attention.cpp, compiled with the system C++ compiler through torch's cpp_extension and loaded as
+torch ops (`torch.ops.<LIBRARY>`).
 
 `make setup` builds them once (`python -m hicache.model.kernels.native --build`); an engine that finds no
 build compiles it on first use. A machine without AVX2 + FMA, a compiler or ninja gets one warning and
@@ -29,8 +30,12 @@ logger = logging.getLogger(__name__)
 # Bump on any change of csrc/qgemm.cpp's arithmetic: the version names the library and enters the
 # calibration's platform fingerprint, so plans and builds of another version are never reused.
 VERSION = 1
-LIBRARY = f"hicache_qgemm_v{VERSION}"
+# Bump on any change of csrc/attention.cpp's arithmetic: it names the library and enters every model's
+# identity on a CPU (`attention_family`), so KV attended otherwise is never shared or paired with.
+ATTENTION_VERSION = 1
+LIBRARY = f"hicache_qgemm_v{VERSION}_attention_v{ATTENTION_VERSION}"
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "qgemm.cpp"
+SOURCES = (SOURCE, SOURCE.parent / "attention.cpp")
 # -ffp-contract=off: a multiply and an add stay two roundings (the dequantization is bitwise quant.py's).
 CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DHICACHE_QGEMM_LIBRARY={LIBRARY}"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
@@ -69,13 +74,13 @@ def build(verbose: bool = False) -> None:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=LIBRARY, sources=[str(SOURCE)], extra_cflags=CFLAGS, build_directory=str(directory),
-                       is_python_module=False, verbose=verbose)  # fmt: skip
+    cpp_extension.load(name=LIBRARY, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+                       build_directory=str(directory), is_python_module=False, verbose=verbose)  # fmt: skip
 
 
 @functools.cache
 def library() -> Any:
-    """The loaded ops (`int8_linear`, `int4_linear`), built first if needed; None (after one warning)
+    """The loaded ops (`int8_linear`, `int4_linear`, `block_attend`), built first if needed; None (after one warning)
     where they cannot be built here."""
     try:
         build()

@@ -1,0 +1,339 @@
+// One key block of attention for CPUs with AVX2 + FMA (hicache/model/kernels/native.py builds this file
+// beside qgemm.cpp; native_attention.py calls it for every plan call on a CPU: decode, prefill, verify).
+//
+//   block_attend(q [E, n, H, d], k [N, Hkv, d], v [N, Hkv, dv], index [E, keys] int64, seen [E, n] int64
+//                or empty, rows [E] int64, scale) -> (out [E, n, H, dv] in q's dtype, lse [E, n, H] float32)
+//
+// Entry e's first rows[e] rows are computed; the rest (a plan's padding) are left unwritten.
+// Row (e, i) attends with query head h over keys index[e, 0 .. seen[e, i]) (all `keys` when seen is
+// empty) of k/v's KV head h / (H / Hkv): the softmax-normalized output and the natural log-sum-exp of
+// the scaled scores, as aten's flash kernel returns them, so the float32 block combine of ops.py is
+// unchanged. `index` names the rows of k and v to read, so a caller can pass the pool itself and its
+// slots: the keys are read in place, once, never copied out first.
+//
+// Batch invariance by construction: a (row, query head)'s result is a function of its query, its seen
+// keys and nothing else. Its keys are visited in tiles of TILE keys from key 0 of the block (a fixed
+// position, whatever the call's length); a score is one dot product over d, lane i holding inputs
+// i mod 8, FMAs in increasing d, the 8 lanes summed by one fixed tree, then one multiply by the scale;
+// a tile updates the running maximum, rescales the running sum and output once, then adds the tile's
+// weights in key order and its weighted values in two FMA chains (even and odd keys, in key order) that
+// are added last (keys past seen contribute nothing and are never touched). Threads split (entry, KV
+// heads, group of rows) units only, so a row's reduction is never split; the rows of a unit share each
+// tile's keys through the L1 cache, never an accumulator. The file is compiled with -ffp-contract=off:
+// every multiply and add is the one written here.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <immintrin.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+constexpr int64_t LANES = 8;
+constexpr int64_t TILE = 64;        // keys per online-softmax step (a fixed grid from the block's key 0)
+constexpr int64_t ROW_GROUP = 16;   // rows of one entry a thread unit takes (they share each key tile)
+
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> float32 is exact: the 16 bits move up
+  __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+inline void prefetch(const void* p, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
+}
+
+// e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial, the
+// exponent added in the bits), the same instructions for every lane and call; lanes below -87.3 give 0.
+inline __m256 exp8(__m256 x) {
+  const __m256 lo = _mm256_set1_ps(-87.33654f), hi = _mm256_set1_ps(88.37626f);
+  const __m256 tiny = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+  x = _mm256_max_ps(_mm256_min_ps(x, hi), lo);
+  __m256 fx = _mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)), _mm256_set1_ps(0.5f));
+  fx = _mm256_floor_ps(fx);
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(0.693359375f)));
+  x = _mm256_sub_ps(x, _mm256_mul_ps(fx, _mm256_set1_ps(-2.12194440e-4f)));
+  const __m256 xx = _mm256_mul_ps(x, x);
+  __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.3981999507E-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(8.3334519073E-3f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(4.1665795894E-2f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(1.6666665459E-1f));
+  y = _mm256_add_ps(_mm256_mul_ps(y, x), _mm256_set1_ps(5.0000001201E-1f));
+  y = _mm256_add_ps(_mm256_add_ps(_mm256_mul_ps(y, xx), x), _mm256_set1_ps(1.0f));
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  y = _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+  return _mm256_andnot_ps(tiny, y);
+}
+
+// 8 keys' lane sums [l0..l7] -> one vector of their 8 sums, each by the tree ((l0+l1)+(l2+l3)) +
+// ((l4+l5)+(l6+l7)) whatever key sits in which position.
+inline __m256 sum8(const __m256* a) {
+  const __m256 h01 = _mm256_hadd_ps(a[0], a[1]), h23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 h45 = _mm256_hadd_ps(a[4], a[5]), h67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 lo4 = _mm256_hadd_ps(h01, h23), hi4 = _mm256_hadd_ps(h45, h67);
+  // lo4 = [k0 (l0..3), k1, k2, k3 | k0 (l4..7), k1, k2, k3]; hi4 the same for keys 4..7.
+  const __m256 first = _mm256_permute2f128_ps(lo4, hi4, 0x20), second = _mm256_permute2f128_ps(lo4, hi4, 0x31);
+  return _mm256_add_ps(first, second);
+}
+
+inline float sum_lanes(__m256 v) {  // one fixed tree, as qgemm.cpp's
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
+  return _mm_cvtss_f32(q);
+}
+
+inline float max_lanes(__m256 v) {  // a maximum is exact in any order
+  __m128 q = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_max_ss(q, _mm_shuffle_ps(q, q, 1));
+  return _mm_cvtss_f32(q);
+}
+
+// Scaled scores of query qr [8 ND] against the tile's first `visible` keys kt [TILE, 8 ND], 8 keys at a
+// time (a short last group computes the tile's key 0 in its unused positions, then ignores them).
+template <int ND>
+inline void scores_of(const float* qr, const float* kt, int64_t visible, float scale, float* score) {
+  __m256 qv[ND];
+  for (int c = 0; c < ND; ++c) qv[c] = load8(qr + c * LANES);
+  for (int64_t j0 = 0; j0 < visible; j0 += LANES) {
+    __m256 lanes[LANES];
+    for (int64_t j = 0; j < LANES; ++j) {
+      const float* kr = kt + (j0 + j < visible ? j0 + j : 0) * ND * LANES;
+      __m256 a = _mm256_mul_ps(qv[0], load8(kr));
+      for (int c = 1; c < ND; ++c) a = _mm256_fmadd_ps(qv[c], load8(kr + c * LANES), a);
+      lanes[j] = a;
+    }
+    _mm256_store_ps(score + j0, _mm256_mul_ps(sum8(lanes), _mm256_set1_ps(scale)));
+  }
+}
+
+// The same arithmetic for any width: the query held in registers for the usual widths, else re-read.
+inline void tile_scores(const float* qr, const float* kt, int64_t visible, int64_t nd, float scale, float* score) {
+  switch (nd) {
+    case 2: return scores_of<2>(qr, kt, visible, scale, score);
+    case 4: return scores_of<4>(qr, kt, visible, scale, score);
+    case 6: return scores_of<6>(qr, kt, visible, scale, score);
+    case 8: return scores_of<8>(qr, kt, visible, scale, score);
+    default: break;
+  }
+  for (int64_t j0 = 0; j0 < visible; j0 += LANES) {
+    __m256 lanes[LANES];
+    for (int64_t j = 0; j < LANES; ++j) {
+      const float* kr = kt + (j0 + j < visible ? j0 + j : 0) * nd * LANES;
+      __m256 a = _mm256_mul_ps(load8(qr), load8(kr));
+      for (int64_t c = 1; c < nd; ++c) a = _mm256_fmadd_ps(load8(qr + c * LANES), load8(kr + c * LANES), a);
+      lanes[j] = a;
+    }
+    _mm256_store_ps(score + j0, _mm256_mul_ps(sum8(lanes), _mm256_set1_ps(scale)));
+  }
+}
+
+// out[8 W] = out * kept + (sum over even keys j of p_j v_j + sum over odd keys), each sum one chain of
+// FMAs in key order: two chains per vector, so the FMA latency is hidden, in an order fixed by the tile.
+template <int W>
+inline void weigh_values(float* out, const float* vt, int64_t dv, const float* p, int64_t visible, float kept) {
+  __m256 even[W], odd[W];
+  for (int c = 0; c < W; ++c) even[c] = odd[c] = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 1 < visible; j += 2) {
+    const __m256 pe = _mm256_set1_ps(p[j]), po = _mm256_set1_ps(p[j + 1]);
+    for (int c = 0; c < W; ++c) {
+      even[c] = _mm256_fmadd_ps(pe, load8(vt + j * dv + c * LANES), even[c]);
+      odd[c] = _mm256_fmadd_ps(po, load8(vt + (j + 1) * dv + c * LANES), odd[c]);
+    }
+  }
+  if (j < visible) {
+    const __m256 pe = _mm256_set1_ps(p[j]);
+    for (int c = 0; c < W; ++c) even[c] = _mm256_fmadd_ps(pe, load8(vt + j * dv + c * LANES), even[c]);
+  }
+  const __m256 kept_v = _mm256_set1_ps(kept);
+  for (int c = 0; c < W; ++c) {
+    const __m256 before = _mm256_mul_ps(load8(out + c * LANES), kept_v);
+    _mm256_storeu_ps(out + c * LANES, _mm256_add_ps(before, _mm256_add_ps(even[c], odd[c])));
+  }
+}
+
+// The running state of one (row, query head): maximum score, sum of weights, unnormalized output.
+struct State {
+  float top = -std::numeric_limits<float>::infinity();
+  float total = 0.0f;
+};
+
+template <typename T>
+struct Operands {
+  const T* q;
+  const T* k;
+  const T* v;
+  const int64_t* index;
+  const int64_t* seen;  // null: every row sees all keys
+  T* out;
+  float* lse;
+  int64_t n, H, Hkv, d, dv, keys;
+  int64_t k_row, k_head, v_row, v_head;  // strides of k and v (their last dimension is contiguous)
+  float scale;
+};
+
+// Rows [r0, r1) of entry e with KV heads [g0, g1): every query head of their groups, tile by tile.
+template <typename T>
+void attend_unit(const Operands<T>& o, int64_t e, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+  const int64_t group = o.H / o.Hkv, heads = g1 - g0, d = o.d, dv = o.dv, nd = d / LANES, nv = dv / LANES;
+  const int64_t rows = (r1 - r0) * heads * group;  // vector r: row r0 + r / (heads group), head g0 group + r % ..
+  std::vector<float> qf(rows * d), acc(rows * dv, 0.0f), kt(heads * TILE * d), vt(heads * TILE * dv);
+  std::vector<State> state(rows);
+  std::vector<int64_t> seen(r1 - r0);
+  int64_t most = 0;
+  for (int64_t i = r0; i < r1; ++i) {
+    seen[i - r0] = o.seen ? o.seen[e * o.n + i] : o.keys;
+    most = std::max(most, seen[i - r0]);
+    for (int64_t h = 0; h < heads * group; ++h) {
+      const T* src = o.q + ((e * o.n + i) * o.H + g0 * group + h) * d;
+      float* dst = qf.data() + ((i - r0) * heads * group + h) * d;
+      for (int64_t c = 0; c < nd; ++c) _mm256_storeu_ps(dst + c * LANES, load8(src + c * LANES));
+    }
+  }
+  const int64_t* index = o.index + e * o.keys;
+  alignas(32) float score[TILE];
+  for (int64_t t0 = 0; t0 < most; t0 += TILE) {
+    const int64_t tile_keys = std::min(TILE, most - t0);
+    const int64_t ahead = std::min(TILE, std::max<int64_t>(0, most - t0 - TILE));
+    for (int64_t j = 0; j < ahead; ++j) {  // the next tile's rows, requested now: slots need not be in order
+      const int64_t at = index[t0 + TILE + j];
+      for (int64_t g = g0; g < g1; ++g) {
+        prefetch(o.k + at * o.k_row + g * o.k_head, d * sizeof(T));
+        prefetch(o.v + at * o.v_row + g * o.v_head, dv * sizeof(T));
+      }
+    }
+    for (int64_t j = 0; j < tile_keys; ++j) {  // the tile's keys and values, widened, each row read once
+      const int64_t at = index[t0 + j];
+      for (int64_t g = g0; g < g1; ++g) {
+        const T* kp = o.k + at * o.k_row + g * o.k_head;
+        const T* vp = o.v + at * o.v_row + g * o.v_head;
+        float* kd = kt.data() + ((g - g0) * TILE + j) * d;
+        float* vd = vt.data() + ((g - g0) * TILE + j) * dv;
+        for (int64_t c = 0; c < nd; ++c) _mm256_storeu_ps(kd + c * LANES, load8(kp + c * LANES));
+        for (int64_t c = 0; c < nv; ++c) _mm256_storeu_ps(vd + c * LANES, load8(vp + c * LANES));
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t visible = std::min(seen[r / (heads * group)] - t0, tile_keys);
+      if (visible <= 0) continue;
+      const float* kg = kt.data() + r / group % heads * TILE * d;
+      const float* vg = vt.data() + r / group % heads * TILE * dv;
+      tile_scores(qf.data() + r * d, kg, visible, nd, o.scale, score);
+      const int64_t padded = (visible + LANES - 1) / LANES * LANES;
+      for (int64_t j = visible; j < padded; ++j) score[j] = -std::numeric_limits<float>::infinity();
+      __m256 top8 = _mm256_load_ps(score);
+      for (int64_t j0 = LANES; j0 < padded; j0 += LANES) top8 = _mm256_max_ps(top8, _mm256_load_ps(score + j0));
+      State& s = state[r];
+      const float top = std::max(s.top, max_lanes(top8));
+      // The first tile has nothing to rescale (and e^(-inf - top) must be 0, not the clamp's).
+      const float kept = s.top == -std::numeric_limits<float>::infinity()
+                             ? 0.0f
+                             : _mm256_cvtss_f32(exp8(_mm256_set1_ps(s.top - top)));
+      const __m256 top_v = _mm256_set1_ps(top);
+      __m256 weights = _mm256_setzero_ps();
+      for (int64_t j0 = 0; j0 < padded; j0 += LANES) {
+        const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(score + j0), top_v));  // -inf lanes give 0
+        _mm256_store_ps(score + j0, p);
+        weights = _mm256_add_ps(weights, p);
+      }
+      s.total = s.total * kept + sum_lanes(weights);
+      s.top = top;
+      float* out = acc.data() + r * dv;
+      for (int64_t c = 0; c < nv; c += 4) {  // four output vectors at a time, each its own two chains
+        switch (std::min<int64_t>(4, nv - c)) {
+          case 4: weigh_values<4>(out + c * LANES, vg + c * LANES, dv, score, visible, kept); break;
+          case 3: weigh_values<3>(out + c * LANES, vg + c * LANES, dv, score, visible, kept); break;
+          case 2: weigh_values<2>(out + c * LANES, vg + c * LANES, dv, score, visible, kept); break;
+          default: weigh_values<1>(out + c * LANES, vg + c * LANES, dv, score, visible, kept);
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t i = r0 + r / (heads * group), h = g0 * group + r % (heads * group);
+    const State& s = state[r];
+    T* dst = o.out + ((e * o.n + i) * o.H + h) * dv;
+    const float* src = acc.data() + r * dv;
+    for (int64_t c = 0; c < dv; ++c) dst[c] = static_cast<T>(src[c] / s.total);
+    o.lse[(e * o.n + i) * o.H + h] = s.top + std::log(s.total);
+  }
+}
+
+template <typename T>
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& index, const at::Tensor& seen,
+         const int64_t* live, float scale, at::Tensor& out, at::Tensor& lse) {
+  const int64_t E = q.size(0), n = q.size(1), Hkv = k.size(1);
+  const Operands<T> o{q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), index.data_ptr<int64_t>(),
+                      seen.numel() ? seen.data_ptr<int64_t>() : nullptr, out.data_ptr<T>(), lse.data_ptr<float>(),
+                      n, q.size(2), Hkv, q.size(3), v.size(2), index.size(1),
+                      k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale};
+  // One query row per entry (decode; a plan pads it to 8): a unit reads its entry's rows of every KV head together (a pool
+  // row is one stream) unless that leaves threads idle. Several rows: a unit takes one KV head, so its
+  // tile of keys and values (64 keys) stays in L1 while each of its rows meets it. Either way a
+  // (row, head)'s arithmetic is the same (the file's header).
+  const int64_t row_groups = (n + ROW_GROUP - 1) / ROW_GROUP;
+  const bool one_row_each = std::all_of(live, live + E, [](int64_t rows) { return rows <= 1; });
+  const int64_t splits = one_row_each && E >= at::get_num_threads() ? 1 : Hkv, units = E * splits * row_groups;
+  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t e = u / (splits * row_groups), part = u / row_groups % splits, r0 = u % row_groups * ROW_GROUP;
+      const int64_t r1 = std::min({live[e], n, r0 + ROW_GROUP});  // rows past an entry's live ones are padding
+      const int64_t g0 = part * Hkv / splits, g1 = (part + 1) * Hkv / splits;
+      if (r0 < r1) attend_unit(o, e, g0, g1, r0, r1);
+    }
+  });
+}
+
+std::tuple<at::Tensor, at::Tensor> block_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                const at::Tensor& index, const at::Tensor& seen,
+                                                const at::Tensor& rows, double scale) {
+  TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "block_attend: q [E, n, H, d] contiguous");
+  TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1,
+              "block_attend: k [N, Hkv, d] and v [N, Hkv, dv], the last dimension contiguous");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "block_attend: one dtype");
+  const int64_t E = q.size(0), n = q.size(1), H = q.size(2), d = q.size(3), Hkv = k.size(1), dv = v.size(2);
+  TORCH_CHECK(k.size(2) == d && v.size(1) == Hkv && k.size(0) == v.size(0) && H % Hkv == 0,
+              "block_attend: head shapes");
+  TORCH_CHECK(d % LANES == 0 && dv % LANES == 0, "block_attend: head sizes a multiple of 8");
+  TORCH_CHECK(index.dim() == 2 && index.size(0) == E && index.scalar_type() == at::kLong && index.is_contiguous(),
+              "block_attend: index [E, keys] int64");
+  const bool masked = seen.numel() > 0;
+  TORCH_CHECK(!masked || (seen.scalar_type() == at::kLong && seen.is_contiguous() && seen.numel() == E * n),
+              "block_attend: seen [E, n] int64");
+  TORCH_CHECK(rows.dim() == 1 && rows.size(0) == E && rows.scalar_type() == at::kLong && rows.is_contiguous(),
+              "block_attend: rows [E] int64");
+  const int64_t* at = index.data_ptr<int64_t>();
+  TORCH_CHECK(std::all_of(at, at + index.numel(), [&](int64_t x) { return x >= 0 && x < k.size(0); }),
+              "block_attend: an index outside k and v");
+  if (masked) {  // a row reads index[e, 0 .. seen): never past the keys it was given
+    const int64_t* s = seen.data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(s, s + E * n, [&](int64_t x) { return x >= 0 && x <= index.size(1); }),
+                "block_attend: a row sees more keys than index holds");
+  }
+  at::Tensor out = at::empty({E, n, H, dv}, q.options());
+  at::Tensor lse = at::empty({E, n, H}, q.options().dtype(at::kFloat));
+  const int64_t* live = rows.data_ptr<int64_t>();
+  const float factor = static_cast<float>(scale);
+  AT_DISPATCH_SWITCH(q.scalar_type(), "block_attend",
+    AT_DISPATCH_CASE(at::kFloat, [&] { run<float>(q, k, v, index, seen, live, factor, out, lse); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { run<c10::BFloat16>(q, k, v, index, seen, live, factor, out, lse); }));
+  return {out, lse};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(HICACHE_QGEMM_LIBRARY, m) {
+  m.def("block_attend(Tensor q, Tensor k, Tensor v, Tensor index, Tensor seen, Tensor rows, float scale)"
+        " -> (Tensor, Tensor)", &block_attend);
+}

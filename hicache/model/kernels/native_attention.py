@@ -1,0 +1,46 @@
+"""The native key-block attention kernel (csrc/attention.cpp) as one call of a key-block plan: which calls
+it takes, and the operands it wants (docs/DESIGN.md, "batch-invariant ops").
+
+On a CPU with the native build, every call of every plan goes through it, decode and prefill rows alike,
+whenever the heads allow (float32 or bfloat16, head sizes a multiple of 8): a model's shapes are fixed,
+so one server attends every row with one kernel family, named in its identity (`attention_family`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hicache.model.kernels import key_blocks, native
+
+
+def attention_family(device: torch.device) -> str:
+    """The kernel family that attends on `device`: a model's identity names it, since the native kernel
+    and aten's flash kernel round differently (KV computed with one is never served to the other)."""
+    if device.type == "cpu" and native.library() is not None:
+        return f"native-attention-v{native.ATTENTION_VERSION}"
+    return "aten"
+
+
+def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype
+            and v.dtype == q.dtype and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
+            and native.library() is not None)  # fmt: skip
+
+
+def attend_call(
+    q: torch.Tensor, call: key_blocks.BlockCall, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, length: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Call `call` of a plan over keys k [N, Hkv, d] and values v [N, Hkv, dv] whose read's rows are
+    `index` [E * length] (rows of k and v, in place: a pool's layer and its slots): the output [m, H, dv]
+    and log-sum-exp [m, H] of the call's rows `call.dest`. Padding rows are not computed."""
+    (E, n), H, d = call.rows.shape, q.shape[1], q.shape[2]
+    rows = q.index_select(0, call.rows.view(-1)).view(E, n, H, d)
+    keys = index.view(E, length)[:, : call.keys]
+    seen = call.seen if call.seen is not None else torch.empty(0, dtype=torch.int64)
+    out, lse = native.library().block_attend(rows, k, v, keys.contiguous(), seen, call.live, scale)
+    out, lse = out.view(E * n, H, -1), lse.view(E * n, H)
+    if call.pick is not None:
+        out, lse = out.index_select(0, call.pick), lse.index_select(0, call.pick)
+    return out, lse
+

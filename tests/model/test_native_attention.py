@@ -1,0 +1,125 @@
+"""The native key-block attention kernel (csrc/attention.cpp through native_attention.py): a row's bits
+are its own whatever shares the call (rows, entries, padding, threads), reading the pool in place gives
+the bits of a gathered copy, the result is attention (against float64), and a server attending with it
+has another identity than one attending with aten's kernel (their bits differ)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache.model.build import with_attention_family
+from hicache.model.kernels import key_blocks, native, native_attention, ops
+from hicache.model.loading.loader import load_model
+
+pytestmark = pytest.mark.skipif(native.library() is None, reason="native kernels not built on this machine")
+
+CPU = torch.device("cpu")
+# (query heads, KV heads, key width, value width): tiny, tiny-mla (a head per latent head), smollm2, and
+# values narrower than keys.
+WIDTHS = [(4, 2, 32, 32), (4, 4, 32, 32), (9, 3, 64, 64), (4, 2, 48, 32)]
+DTYPES = [torch.float32, torch.bfloat16]
+# Keys a row sees in its block: around the 64-key tile and the 8-key score group, and a whole block.
+SEEN = (1, 7, 8, 9, 63, 64, 65, 127, 128, 1000, 2047, 2048)
+BLOCK = 2048
+
+
+def _operands(widths, dtype, slots, seed=0):
+    _, Hkv, d, dv = widths
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.randn(slots, Hkv * (d + dv), generator=gen).to(dtype)  # packed rows, as the pool holds them
+    k, v = pool[:, : Hkv * d].view(slots, Hkv, d), pool[:, Hkv * d :].view(slots, Hkv, dv)
+    return k, v, gen
+
+
+def _call(q, k, v, index, seen, live):
+    return native.library().block_attend(q, k, v, index, seen, live, q.shape[-1] ** -0.5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("widths", WIDTHS, ids=str)
+def test_a_rows_bits_are_its_own_in_any_call(widths, dtype):
+    """Three entries over shuffled pool slots, rows seeing every length of SEEN (padding rows beyond an
+    entry's live ones), against each row alone in its own call, and at one thread."""
+    H, d = widths[0], widths[2]
+    k, v, gen = _operands(widths, dtype, 3 * BLOCK + 5)
+    index = torch.randperm(3 * BLOCK + 5, generator=gen)[: 3 * BLOCK].view(3, BLOCK)
+    n = len(SEEN)
+    q = torch.randn(3, n, H, d, generator=gen).to(dtype)
+    seen = torch.tensor(SEEN).repeat(3, 1)
+    live = torch.tensor([n, n - 2, 5])
+    out, lse = _call(q, k, v, index, seen, live)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one_out, one_lse = _call(q, k, v, index, seen, live)
+    finally:
+        torch.set_num_threads(threads)
+    for e in range(3):
+        for i in range(int(live[e])):
+            alone_out, alone_lse = _call(q[e : e + 1, i : i + 1].contiguous(), k, v, index[e : e + 1],
+                                         seen[e : e + 1, i : i + 1].contiguous(), torch.tensor([1]))  # fmt: skip
+            assert torch.equal(out[e, i], alone_out[0, 0]) and torch.equal(lse[e, i], alone_lse[0, 0]), (e, i)
+            assert torch.equal(out[e, i], one_out[e, i]) and torch.equal(lse[e, i], one_lse[e, i]), (e, i)
+    # A row seeing the whole block is the same row in an unmasked call (seen empty: all keys).
+    whole_out, whole_lse = _call(q[:1, -1:].contiguous(), k, v, index[:1], torch.empty(0, dtype=torch.int64),
+                                 torch.tensor([1]))  # fmt: skip
+    assert torch.equal(whole_out[0, 0], out[0, -1]) and torch.equal(whole_lse[0, 0], lse[0, -1])
+
+
+@pytest.mark.parametrize("dtype,tolerance", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)], ids=str)
+@pytest.mark.parametrize("widths", WIDTHS, ids=str)
+def test_the_kernel_is_attention(widths, dtype, tolerance):
+    """Output and log-sum-exp against a float64 softmax over each row's visible keys."""
+    H, Hkv, d, _ = widths
+    k, v, gen = _operands(widths, dtype, BLOCK)
+    index = torch.arange(BLOCK).view(1, BLOCK)
+    q = torch.randn(1, len(SEEN), H, d, generator=gen).to(dtype)
+    seen = torch.tensor([SEEN])
+    out, lse = _call(q, k, v, index, seen, torch.tensor([len(SEEN)]))
+    kd, vd = (t.double().repeat_interleave(H // Hkv, 1) for t in (k, v))
+    scores = torch.einsum("rhd,lhd->rhl", q[0].double(), kd) * d**-0.5
+    scores = scores.masked_fill((torch.arange(BLOCK) >= seen[0].unsqueeze(1))[:, None], float("-inf"))
+    want = torch.einsum("rhl,lhd->rhd", scores.softmax(-1), vd)
+    assert float((out[0].double() - want).abs().max()) < tolerance
+    assert float((lse[0].double() - scores.logsumexp(-1)).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_reading_the_pool_in_place_gives_the_gathered_bits(dtype):
+    """block_attention over a plan whose reads name pool slots (the local backend's in-place reads)
+    equals the same plan over gathered copies of those rows, bit for bit, at 1 to 3 blocks."""
+    H, _, d, _ = WIDTHS[0]
+    slots = 3 * 512 + 100
+    k, v, gen = _operands(WIDTHS[0], dtype, slots)
+    # Slot 0 stands past the sequence's end, as the backend's reads have it (masked).
+    order = torch.cat([torch.randperm(slots, generator=gen), torch.zeros(512, dtype=torch.int64)])
+    seen = (1, 300, 512, 513, 1100, 3 * 512 + 77)
+    plan = key_blocks.plan([key_blocks.QueryRows(0, 0, seen)], len(seen), CPU, 512)
+    q = torch.randn(len(seen), H, d, generator=gen).to(dtype)
+
+    def rows_of(i):
+        (_, first), n = plan.reads[i].entries[0], plan.reads[i].length
+        return order[first : first + n]
+
+    in_place = ops.block_attention(q, plan, lambda i: (k, v, rows_of(i)), d**-0.5)
+    gathered = ops.block_attention(q, plan, lambda i: (k[rows_of(i)], v[rows_of(i)]), d**-0.5)
+    assert torch.equal(in_place, gathered)
+
+
+def test_native_and_aten_attention_differ_so_identities_do():
+    """The negative control of the identity: the two kernel families give other bits for the same rows,
+    hence a model's identity on a CPU with the native build names it (and on another device not)."""
+    H, _, d, _ = WIDTHS[0]
+    k, v, gen = _operands(WIDTHS[0], torch.float32, 512)
+    q = torch.randn(1, 8, H, d, generator=gen)
+    native_out, _ = _call(q, k, v, torch.arange(512).view(1, 512), torch.empty(0, dtype=torch.int64),
+                          torch.tensor([8]))  # fmt: skip
+    aten_out, _ = ops._block_kernel(q.transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2),
+                                    None, d**-0.5)  # fmt: skip
+    assert not torch.equal(native_out, aten_out.transpose(1, 2))
+    assert torch.allclose(native_out, aten_out.transpose(1, 2), atol=1e-5)
+    tiny = load_model("tiny")
+    assert native_attention.attention_family(CPU) == f"native-attention-v{native.ATTENTION_VERSION}"
+    assert with_attention_family(tiny, CPU).identity != tiny.identity
+    assert with_attention_family(tiny, torch.device("meta")).identity == tiny.identity
