@@ -83,19 +83,30 @@ def simulate(
     return summarize(simulator.label, records, simulator.clock.now, {})
 
 
-def main_bench() -> None:
-    parser = argparse.ArgumentParser()
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """The Astron trace's shape, for every benchmark that replays it."""
     parser.add_argument("--sessions", type=int, default=24)
     parser.add_argument("--turns", type=int, default=16)
     parser.add_argument("--think-s", type=float, default=120.0)
+
+
+def written_trace(folder: pathlib.Path, args: argparse.Namespace) -> pathlib.Path:
+    """The trace of `args` (add_trace_arguments) written into `folder`, its size printed."""
+    trace = folder / "trace.jsonl"
+    requests, tokens = write_trace(trace, args.sessions, args.turns, args.think_s)
+    print(f"{requests} requests, {tokens / 1e6:.1f} M prompt tokens (mean {tokens / requests / 1e3:.0f}K)\n")
+    return trace
+
+
+def main_bench() -> None:
+    parser = argparse.ArgumentParser()
+    add_trace_arguments(parser)
     parser.add_argument("--device-tokens", type=int, default=1_835_008)  # 560 GiB of KV
     parser.add_argument("--host-gb", type=float, default=900.0)
     parser.add_argument("--storage-gb", type=float, default=30000.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        trace = pathlib.Path(tmp) / "trace.jsonl"
-        requests, tokens = write_trace(trace, args.sessions, args.turns, args.think_s)
-        print(f"{requests} requests, {tokens / 1e6:.1f} M prompt tokens (mean {tokens / requests / 1e3:.0f}K)\n")
+        trace = written_trace(pathlib.Path(tmp), args)
         print("| configuration | hit rate (device / host / storage) | ideal | median TTFT | mean TTFT "
               "| vs device only (median) | the seed | wall |\n| --- | --- | ---: | ---: | ---: | ---: | --- | ---: |")
         arms = [

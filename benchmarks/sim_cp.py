@@ -26,7 +26,7 @@ import pathlib
 import tempfile
 import time
 
-from benchmarks.sim_astron import VOCAB, write_trace
+from benchmarks.sim_astron import VOCAB, add_trace_arguments, written_trace
 from hicache.bench.metrics import summarize
 from hicache.config import EngineConfig, HiCacheConfig, ParallelConfig
 from hicache.sim.cost import load_cost_model
@@ -57,17 +57,13 @@ def simulate(trace: pathlib.Path, cp: int, rank_tokens: int, host_tokens: int) -
 
 def main_bench() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--sessions", type=int, default=24)
-    parser.add_argument("--turns", type=int, default=16)
-    parser.add_argument("--think-s", type=float, default=120.0)
+    add_trace_arguments(parser)
     parser.add_argument("--rank-tokens", type=int, default=655_360)  # 200 GiB of Llama-70B KV
     parser.add_argument("--host-tokens", type=int, default=3_407_872)  # 1,040 GiB: the budget of every arm
     parser.add_argument("--cp-size", type=int, default=4)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        trace = pathlib.Path(tmp) / "trace.jsonl"
-        requests, tokens = write_trace(trace, args.sessions, args.turns, args.think_s)
-        print(f"{requests} requests, {tokens / 1e6:.1f} M prompt tokens (mean {tokens / requests / 1e3:.0f}K)\n")
+        trace = written_trace(pathlib.Path(tmp), args)
         arms = {cp: simulate(trace, cp, args.rank_tokens, args.host_tokens) for cp in (1, args.cp_size)}
     print("| KV on the ranks | device pool (logical) | hit rate (device / host) | ideal | host-served tokens "
           "| TTFT mean / median | wall |\n| --- | ---: | --- | ---: | ---: | ---: | ---: |")  # fmt: skip
