@@ -13,7 +13,7 @@ pool reads only the pages it owns (`PoolRows.held`), and one lands only the rows
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 
 import torch
 
@@ -47,9 +47,10 @@ class PoolRows:
         pages = range(start // p, -(-end // p))
         return [q for q in pages if placement.owner(self.pages[q]) == self.pool.shard_rank]
 
-    def read(self, start: int, end: int) -> list[torch.Tensor]:
+    def read(self, start: int, end: int, layers: Collection[int] | None = None) -> dict[int, torch.Tensor]:
         """Rows of tokens [start, end) (absolute positions) this rank holds (`held`: of a sharded pool, its
-        own pages' only), one [tokens, row] tensor per layer (the target's, then the draft's)."""
+        own pages' only), a [tokens, row] tensor per local layer of `layers` (the target's, then the
+        draft's; all of them by default): a stage whose peers take no draft rows copies none."""
         if not self.start <= start <= end <= self.end:
             raise ValueError(f"rows [{start}, {end}) outside [{self.start}, {self.end})")
         p = self.pool.page_size
@@ -57,7 +58,8 @@ class PoolRows:
         slots = self.pool.allocator.slots(self.pages[first : -(-end // p)])[start - first * p : end - first * p]
         slots = self.pool.owned(slots).rows.to(self.pool.device)
         # A sliding-window layer's rows are its own pages' (device_pool.py); the draft's layers follow the pool's.
-        return [buffer.index_select(0, self.pool.layer_rows(i, slots)).cpu() for i, buffer in enumerate(self.buffers)]
+        wanted = range(len(self.buffers)) if layers is None else sorted(layers)
+        return {i: self.buffers[i].index_select(0, self.pool.layer_rows(i, slots)).cpu() for i in wanted}
 
 
 def chunk_tokens(pool_page_size: int, row_bytes: int) -> int:
@@ -66,7 +68,7 @@ def chunk_tokens(pool_page_size: int, row_bytes: int) -> int:
     return pages * pool_page_size
 
 
-def frames_of(chunk: list[torch.Tensor], cuts: Sequence[Cut]) -> list[memoryview]:
+def frames_of(chunk: Mapping[int, torch.Tensor], cuts: Sequence[Cut]) -> list[memoryview]:
     """The bytes of `cuts`' cells of one chunk's rows (a tensor per local layer), one frame per layer
     (zero-copy when a cut takes whole rows)."""
     frames = []

@@ -22,6 +22,7 @@ reserved device pages; after `abort` returns it writes nothing more, so the page
 from __future__ import annotations
 
 import enum
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -73,9 +74,9 @@ class KVSource(Protocol):
     def held(self, start: int, end: int) -> list[int] | None:
         """The pages of tokens [start, end) this rank holds, of a page-sharded pool (None: every page)."""
 
-    def read(self, start: int, end: int) -> list[torch.Tensor]:
-        """A host copy of the rows of tokens [start, end) (absolute token positions) this rank holds, one
-        tensor per local layer."""
+    def read(self, start: int, end: int, layers: Collection[int] | None = None) -> dict[int, torch.Tensor]:
+        """A host copy of the rows of tokens [start, end) (absolute token positions) this rank holds, a
+        tensor per local layer of `layers` (all by default)."""
 
 
 class KVSender(Protocol):

@@ -312,15 +312,15 @@ class ZmqPrefillBackend:
             time.sleep(self.chunk_delay_s)
         if state.status is not KVPoll.TRANSFERRING or not self._wait_for_window(state):
             return False
-        chunk, held = kv.read(start, end), kv.held(start, end)
+        chunk = kv.read(start, end, {layer for peer in state.peers.values() for c in peer.cuts for layer in c.layers})
         messages = [(peer, frames_of(chunk, peer.cuts)) for peer in state.peers.values()]
         # A cut of part of each row is a copy, held as long as the chunk.
         partial = [peer for peer in state.peers.values() if not all(c.whole_rows for c in peer.cuts)]
         copies = sum(f.nbytes for peer, frames in messages if peer in partial for f in frames)
-        queued = _Queued(state, sum(rows.nbytes for rows in chunk) + copies)
+        queued = _Queued(state, sum(rows.nbytes for rows in chunk.values()) + copies)
         self._stage(queued)
         header: dict[str, Any] = {"room": state.room, "start": start, "end": end}
-        if held is not None:  # a page-sharded pool: the rows are of these pages only (cells.py)
+        if (held := kv.held(start, end)) is not None:  # a page-sharded pool: rows of these pages only (cells.py)
             header["pages"] = held
         for peer, frames in messages:
             if state.status is not KVPoll.TRANSFERRING:

@@ -291,7 +291,7 @@ def test_a_transfer_that_cannot_read_its_rows_fails_its_request_at_once(engines,
     pd, ref = engines["reuse"], engines["ref"]
     prompt = random.Random(17).choices(range(32, 127), k=100)
 
-    def fail(self, start: int, end: int):
+    def fail(self, start: int, end: int, layers=None):
         raise RuntimeError("injected read fault")
 
     monkeypatch.setattr(PoolRows, "read", fail)

@@ -46,7 +46,7 @@ def test_any_chunk_is_the_rows_of_its_tokens_in_the_request_s_pages(pages, data)
     chunk = rows.read(a, b)
     want_slots = [pages[t // PAGE] * PAGE + t % PAGE for t in range(a, b)]
     assert len(chunk) == LAYERS
-    for layer, got in enumerate(chunk):
+    for layer, got in chunk.items():
         assert got.shape == (b - a, 4)
         assert got[:, 0].tolist() == [layer] * (b - a)
         assert got[:, 1].tolist() == want_slots
