@@ -7,7 +7,8 @@ what a decode step pays for the recurrent scan, and what a cached prefix holds i
 
 Workload: `--convs` conversations in two groups sharing a `--system`-token system prompt, each turn adding
 a `--question`-token question to the whole history (token ids, not text), all conversations' turns
-submitted together; greedy, `--new` tokens a turn. Per arm: hit rate (cached / prompt tokens over turns
+submitted together (`--stagger`: a group's k-th conversation joins at turn k; `--host`: the host tier under
+the device); greedy, `--new` tokens a turn. Per arm: hit rate (cached / prompt tokens over turns
 2..), mean TTFT over turns 2.. and its ratio to the same model's cache-off arm, and decode ms per token
 (latency - TTFT over the tokens after the first). Arms run one after another, so load from other jobs
 is not shared alike: the ratios within a model are what to read. Memory: the pool's bytes per token, and
@@ -28,6 +29,7 @@ sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
 from benchmarks.common import cpu_name  # noqa: E402
 from hicache import Engine, SamplingParams  # noqa: E402
+from hicache.config import HiCacheConfig  # noqa: E402
 
 PREFIX = 32768
 POOL = 16384  # the workload arms' device pool, in tokens (16-token pages)
@@ -68,13 +70,19 @@ def run_arm(model: str, cache: bool, args, ratio: float = 1.0, interval: int | N
     params = SamplingParams(max_new_tokens=args.new, ignore_eos=True)
     cached = prompt = 0
     ttfts, decode_ms = [], []
+    # --stagger: a group's k-th conversation (conversation c is the c // 2-th of group c % 2) joins at turn k,
+    # after that turn's other requests ended, so it branches off the system prompt its group cached.
+    joins = [c // 2 if args.stagger else 0 for c in range(args.convs)]
+    host = HiCacheConfig(enable_hierarchical_cache=cache and args.host)
     with Engine(model=model, disable_radix_cache=not cache, max_total_tokens=POOL, swa_full_tokens_ratio=ratio,
-                mamba_track_interval=interval) as engine:  # fmt: skip
+                mamba_track_interval=interval, hicache=host) as engine:  # fmt: skip
         for turn in range(args.turns):
-            for h in histories:
+            active = [h for c, h in enumerate(histories) if turn > joins[c]]
+            joining = [h for c, h in enumerate(histories) if turn == joins[c]]
+            for h in active + joining:
                 h.extend(rng.randrange(32, 127) for _ in range(args.question))
-            results = engine.generate([list(h) for h in histories], params)
-            for h, r in zip(histories, results):
+            results = [r for batch in (active, joining) if batch for r in engine.generate([list(h) for h in batch], params)]
+            for h, r in zip(active + joining, results):
                 h.extend(r.token_ids)
                 decode_ms.append(1000 * (r.latency_s - r.ttft_s) / (args.new - 1))
                 if turn:
@@ -151,6 +159,8 @@ def main() -> None:
     parser.add_argument("--memory-only", action="store_true")
     parser.add_argument("--swa-ratios", type=float, nargs="*", help="only tiny-hybrid, one arm per sliding pool")
     parser.add_argument("--track-intervals", type=int, nargs="*", help="only tiny-hybrid, one arm per snapshot policy")
+    parser.add_argument("--stagger", action="store_true", help="a group's k-th conversation joins at turn k")
+    parser.add_argument("--host", action="store_true", help="the cache-on arms with the host tier")
     args = parser.parse_args()
     print(f"CPU: {cpu_name()}; {vars(args)}")
     if args.memory_only:
