@@ -81,7 +81,8 @@ def run_arm(model: str, cache: bool, args, ratio: float = 1.0, interval: int | N
             joining = [h for c, h in enumerate(histories) if turn == joins[c]]
             for h in active + joining:
                 h.extend(rng.randrange(32, 127) for _ in range(args.question))
-            results = [r for batch in (active, joining) if batch for r in engine.generate([list(h) for h in batch], params)]
+            results = [r for batch in (active, joining) if batch
+                       for r in engine.generate([list(h) for h in batch], params)]  # fmt: skip
             for h, r in zip(active + joining, results):
                 h.extend(r.token_ids)
                 decode_ms.append(1000 * (r.latency_s - r.ttft_s) / (args.new - 1))

@@ -7,15 +7,17 @@ only where a request can still need them; a page without them is a tombstone for
   (its lock keeps the tree's pages it matched from losing theirs), and a host -> device load restores the
   window rows with the rest of the row.
 - When a request ends, its own cached pages (after the prefix it matched) more than a window before the last
-  page boundary of what it cached where a hit may end (the snapshot policy's) give their sliding pages back (`trim`), where no other running request holds them. With
-  a host tier this waits until the node is backed up, so the host and storage only ever hold whole rows.
+  page boundary of what it cached where a hit may end (the snapshot policy's) give their sliding pages
+  back (`trim`), where no other running request holds them. With a host tier this waits until the node
+  is backed up, so the host and storage only ever hold whole rows.
 - Under pressure the sliding pool evicts on its own (`make_room`): the sliding pages of unlocked nodes go,
   lowest retention priority and least recently used first (backed-up nodes only, with a host tier, else the
   full eviction of the device tier frees both).
 - The match rule (`valid_pages`): a hit of k pages is served only if the pages its first new token's window
   reaches (the last `window_pages` before k) hold their window KV (host pages always do); else it shrinks
-  to the longest k where that holds (and where the snapshot policy keeps a state, with recurrent layers). With a host tier, a backed-up node there first leaves the device
-  (`reload_from`), so the hit goes on through the host part and a load back restores the window.
+  to the longest k where that holds (and where the snapshot policy keeps a state, with recurrent layers).
+  With a host tier, a backed-up node there first leaves the device (`reload_from`), so the hit goes on
+  through the host part and a load back restores the window.
   Host and storage pages hold whole rows: a node with a page whose window KV was freed before it was
   backed up (a P/D decode server's received pages before the last window) gets no host copy.
   Recomputing the window instead would need each sliding layer's input over the window, which needs the
