@@ -18,6 +18,7 @@ from hicache.cache.device_tier import DeviceTier
 from hicache.cache.host_tier import HostTier, WritePolicy, host_pool_pages
 from hicache.cache.lower_tiers import LowerTiers
 from hicache.cache.prefix_cache import PrefixCache
+from hicache.cache.snapshot_policy import SnapshotPolicy
 from hicache.cache.storage_tier import StorageTier
 from hicache.cache.stores import UnifiedPlacement, open_store, unified_namespace
 from hicache.config import DebugConfig, EngineConfig, HiCacheConfig
@@ -27,6 +28,7 @@ from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_group import DraftPools, make_host_pool
 from hicache.model.base import DecoderModel
 from hicache.model.config import ModelConfig
+from hicache.model.families.hybrid import LINEAR, HybridConfig
 from hicache.model.families.mla import MLAConfig
 from hicache.model.kernels.invariance import InvarianceReport
 from hicache.parallel.consensus import Consensus
@@ -53,6 +55,7 @@ def build_cache(
     radix cache off, or a P/D decode server not asked to reuse prefixes); the hierarchical cache always
     keeps its tree. `draft`: a speculative draft sharing the device pages."""
     cache: PrefixCache
+    snapshots = snapshot_policy(cfg, model.cfg)
     if cfg.hicache.enable_hierarchical_cache:
         consensus = Consensus(pctx, pp_sync=not cfg.debug.debug_disable_pp_sync)
         checker.instrument(consensus)
@@ -64,18 +67,29 @@ def build_cache(
             unified = UnifiedPlacement(geometry, Shard(range(*model.layer_range), heads))
         cache = hierarchical_cache(
             pool, cfg.hicache, consensus, storage_identity(identity, model.invariance), shard.suffix, cfg.debug,
-            draft, storage_writer=shard.writes, unified=unified,
+            draft, storage_writer=shard.writes, unified=unified, snapshots=snapshots,
         )  # fmt: skip
     else:
-        cache = device_cache(pool, radix, draft=draft is not None)
+        cache = device_cache(pool, radix, draft=draft is not None, snapshots=snapshots)
     for part in cache.checked_parts():
         checker.instrument(part)
     return cache
 
 
-def device_cache(pool: DeviceKVPool, radix: bool = True, draft: bool = False) -> PrefixCache:
+def device_cache(
+    pool: DeviceKVPool, radix: bool = True, draft: bool = False, snapshots: SnapshotPolicy | None = None
+) -> PrefixCache:
     """The device tier alone (`radix` False: nothing is cached, so allocation never evicts)."""
-    return PrefixCache(DeviceTier(pool, evict=radix), radix=radix, draft=draft)
+    return PrefixCache(DeviceTier(pool, evict=radix), radix=radix, draft=draft, snapshots=snapshots)
+
+
+def snapshot_policy(cfg: EngineConfig, model: ModelConfig) -> SnapshotPolicy | None:
+    """Where a model with recurrent layers keeps their state (`--mamba-track-interval`; every page by
+    default); None for a model without."""
+    if not isinstance(model, HybridConfig) or LINEAR not in model.layer_types:
+        return None
+    interval = cfg.page_size if cfg.mamba_track_interval is None else cfg.mamba_track_interval
+    return SnapshotPolicy(interval // cfg.page_size)
 
 
 def hierarchical_cache(
@@ -90,6 +104,7 @@ def hierarchical_cache(
     unified: UnifiedPlacement | None = None,  # --hicache-storage-key-scheme unified: the rank's shard
     make_worker: WorkerFactory = SupervisedWorker,
     clock: Clock = time.monotonic,
+    snapshots: SnapshotPolicy | None = None,  # where a hybrid model's recurrent state is kept (its hits end)
 ) -> PrefixCache:
     """The device tier with the host tier below it and, when a backend is configured, the storage tier
     below that. `draft`: a speculative draft whose state the host and storage tiers keep with the
@@ -120,7 +135,9 @@ def hierarchical_cache(
     )  # fmt: skip
     skip_draft_restore = draft is not None and draft.skip_restore
     lower = LowerTiers(host, storage, consensus)
-    return PrefixCache(device, lower, draft=draft is not None, skip_draft_restore=skip_draft_restore)
+    return PrefixCache(
+        device, lower, draft=draft is not None, skip_draft_restore=skip_draft_restore, snapshots=snapshots
+    )
 
 
 # ---- fault injection (hicache/debug/faults.py), wired in here so the tiers never read debug flags ----

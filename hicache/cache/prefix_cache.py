@@ -25,11 +25,13 @@ from typing import Callable, Sequence
 from hicache.cache.api import Admission, KVHandle, KVState, PrefixMatch, RestoreStatus
 from hicache.cache.device_tier import DeviceTier
 from hicache.cache.failed_loads import FailedLoads, IssuedLoad
+from hicache.cache.hybrid_hits import HybridHits
 from hicache.cache.lower_tiers import LowerTiers
 from hicache.cache.page_keys import Tokens
 from hicache.cache.radix import MatchResult, TreeNode
 from hicache.cache.restores import Restores
 from hicache.cache.retention import NO_RETENTION, Retention
+from hicache.cache.snapshot_policy import SnapshotPolicy
 from hicache.cache.stats import CacheStats
 from hicache.debug.consensus_checker import consensus_checked
 
@@ -63,13 +65,15 @@ class PrefixCache:
         radix: bool = True,
         draft: bool = False,
         skip_draft_restore: bool = False,
+        snapshots: SnapshotPolicy | None = None,
     ) -> None:
         """`lower`: the host (and storage) tiers below the device; None: the device tier alone.
         `radix`: False with the radix cache off, where no prompt is matched or cached (nor any lower
         tier possible). `draft`: a speculative draft's pools share the device pages (hicache/spec/):
         handles then track the draft's length beside the target's (`KVHandle.draft_len`);
         `skip_draft_restore`: loads restore the target's layers only, so the draft recomputes what
-        came from a lower tier (a negative control)."""
+        came from a lower tier (a negative control). `snapshots`: where a hybrid model's recurrent state is
+        kept, so where its hits may end."""
         if lower is not None and not radix:
             raise ValueError("lower tiers hold what the radix tree caches: they need it on")
         self.device = device
@@ -85,6 +89,10 @@ class PrefixCache:
         # What `reserve` restores, judged by the host tier's ledger (nothing restores without one).
         self.restores = Restores(lower.host.ledger, lower.consensus) if lower is not None else Restores()
         self._keep_on_evict = lower.keep_on_evict if lower is not None else None
+        # A hybrid model's hit rules (hybrid_hits.py); None: a hit is the whole cached prefix.
+        self.hybrid = None
+        if device.sliding is not None or snapshots is not None:
+            self.hybrid = HybridHits(self.tree, device.sliding, snapshots, device.free)
 
     # ---- a handle's life -----------------------------------------------------------------------
 
@@ -105,6 +113,8 @@ class PrefixCache:
     def lookup(self, prompt: Sequence[int], namespace: str) -> PrefixMatch:
         # The prefix admission matches (`admit`): all of the prompt but its last token.
         peek = self.tree.peek(prompt[: len(prompt) - 1], namespace)
+        if self.hybrid is not None:
+            return self.hybrid.lookup(peek)
         return PrefixMatch(device=peek.device_tokens, host=peek.host_tokens)
 
     @consensus_checked(params=ADMIT_PARAMS, results=ADMIT_RESULTS)
@@ -216,17 +226,12 @@ class PrefixCache:
         return Reserved(cached, deepest, load)
 
     def _match(self, handle: KVHandle, tokens: Tokens) -> tuple[MatchResult, int]:
-        """The cached prefix of `tokens`, counted as a hit, and the pages it lost: with sliding-window layers,
-        it goes only as far as the window KV before its end is there (sliding_tier.py: the match looks
-        first, then takes that much)."""
-        sliding, lost = self.device.sliding, 0
-        if sliding is not None:
-            found = self.tree.match_prefix(tokens, handle.namespace)
-            if (reload := sliding.reload_from(found)) is not None:
-                self.device.free(self.tree.detach_device([reload]))
-                found = self.tree.match_prefix(tokens, handle.namespace)
-            valid = sliding.valid_pages(found)
-            lost = len(found.device_pages) + len(found.host_pages) - valid
+        """The cached prefix of `tokens`, counted as a hit, and the pages the window rule cut from it: on a
+        hybrid model it goes only as far as its rules allow (hybrid_hits.py: the match looks first, then
+        takes that much)."""
+        lost = 0
+        if self.hybrid is not None:
+            valid, lost = self.hybrid.match(tokens, handle.namespace)
             tokens = handle.packed_prompt.view(valid * self.page_size)
         match = self.tree.match_prefix(tokens, handle.namespace, count_hit=True, retention=handle.retention)
         return match, lost
@@ -319,8 +324,8 @@ class PrefixCache:
                 self.cache_prefix(handle, tokens[: handle.kv_len])
                 self.tree.unlock(handle.lock)
                 kept = handle.committed_len // self.page_size  # the tree's: its full pages, unless refused
-                if self.device.sliding is not None:  # its own pages' window KV no request reaches any more
-                    self.device.sliding.trim(handle.lock, handle.cached.total // self.page_size, kept)
+                if self.hybrid is not None:  # its turn's end; its own pages' window KV no hit reaches any more
+                    self.hybrid.ended(handle.lock, handle.cached.total // self.page_size, kept)
                 handle.lock = None
             self._promise(handle, handle.reserved_pages, -1)
             self.budget.hold(handle.rotation, kept, len(handle.pages) - kept, -1)

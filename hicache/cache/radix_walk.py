@@ -42,18 +42,22 @@ class Peek:
     host_pages: int  # the host-only pages continuing it
     rotation: int | None  # the matched path's rotation base; None when nothing matched (a new prefix)
     page_size: int
+    # The matched nodes from the root down, each with how many of its leading pages match: what a hybrid
+    # model's hit rules read (hicache/cache/prefix_cache.py), not to change.
+    path: tuple[tuple[TreeNode, int], ...] = ()
 
     @classmethod
     def of(cls, runs: Iterable[tuple[TreeNode, int]], page_size: int) -> Peek:
         device = host = 0
         rotation = None
-        for node, k in runs:
+        path = tuple(runs)
+        for node, k in path:
             if node.on_device and not host:  # device residency is a prefix of the path; the rest is host-only
                 device += k
             else:
                 host += k
             rotation = node.rotation  # one per root's subtree (tree_node.py)
-        return cls(device, host, rotation, page_size)
+        return cls(device, host, rotation, page_size, path)
 
     @property
     def device_tokens(self) -> int:

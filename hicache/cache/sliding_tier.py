@@ -6,16 +6,18 @@ only where a request can still need them; a page without them is a tombstone for
 - Every device page allocated gets a sliding page: a running request holds its whole sequence's window KV
   (its lock keeps the tree's pages it matched from losing theirs), and a host -> device load restores the
   window rows with the rest of the row.
-- When a request ends, its own cached pages (after the prefix it matched) more than a window before the end
-  of what it cached give their sliding pages back (`trim`), where no other running request holds them. With
-  a host tier this waits until the node is backed up, so the host and storage only ever hold whole rows.
+- When a request ends, its own cached pages (after the prefix it matched) more than a window before the last
+  page boundary of what it cached where a hit may end (the snapshot policy's) give their sliding pages
+  back (`trim`), where no other running request holds them. With a host tier this waits until the node
+  is backed up, so the host and storage only ever hold whole rows.
 - Under pressure the sliding pool evicts on its own (`make_room`): the sliding pages of unlocked nodes go,
   lowest retention priority and least recently used first (backed-up nodes only, with a host tier, else the
   full eviction of the device tier frees both).
 - The match rule (`valid_pages`): a hit of k pages is served only if the pages its first new token's window
   reaches (the last `window_pages` before k) hold their window KV (host pages always do); else it shrinks
-  to the longest k where that holds. With a host tier, a backed-up node there first leaves the device
-  (`reload_from`), so the hit goes on through the host part and a load back restores the window.
+  to the longest k where that holds (and where the snapshot policy keeps a state, with recurrent layers).
+  With a host tier, a backed-up node there first leaves the device (`reload_from`), so the hit goes on
+  through the host part and a load back restores the window.
   Host and storage pages hold whole rows: a node with a page whose window KV was freed before it was
   backed up (a P/D decode server's received pages before the last window) gets no host copy.
   Recomputing the window instead would need each sliding layer's input over the window, which needs the
@@ -24,10 +26,9 @@ only where a request can still need them; a page without them is a tombstone for
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from hicache.cache.radix import RadixTree, TreeNode
-from hicache.cache.tree_node import MatchResult
 from hicache.mem.sliding_pool import SlidingPages
 
 
@@ -50,16 +51,18 @@ class SlidingWindowTier:
 
     # ---- the match rule ------------------------------------------------------------------------
 
-    def valid_pages(self, match: MatchResult) -> int:
-        """The longest prefix of `match` (in pages) whose window KV is all there."""
-        held = self.pages.held(match.device_pages) + [True] * len(match.host_pages)
-        end = len(held)
+    def valid_pages(self, device_pages: list[int], host_pages: int, kept: Callable[[int], int]) -> int:
+        """The longest prefix (in pages) of a match of `device_pages` then `host_pages` host pages whose window
+        KV is all there, ending where `kept` (the last page boundary at or before a limit where the hit may
+        end: the snapshot policy's) allows."""
+        held = self.pages.held(device_pages) + [True] * host_pages
+        end = kept(len(held))
         while end > 0:
             start = max(0, end - self.window_pages)
             missing = [i for i in range(start, end) if not held[i]]
             if not missing:
                 break
-            end = missing[-1]  # every end after it still reaches it
+            end = kept(missing[-1])  # every end after it still reaches it
         return end
 
     def admitted(self, lost_pages: int) -> None:
@@ -69,28 +72,30 @@ class SlidingWindowTier:
             self.shrunk_hits += 1
             self.shrunk_pages += lost_pages
 
-    def reload_from(self, match: MatchResult) -> TreeNode | None:
-        """With a host tier: the first node of `match`'s device part holding a page whose window KV was freed
-        among the last window before the device part's end, where that node is backed up (its host copy
-        has whole rows: taken off the device with what follows it, a load back restores the window)."""
+    def reload_from(self, device_runs: Sequence[tuple[TreeNode, int]]) -> int | None:
+        """With a host tier: of the matched device part `device_runs` (its nodes from the root down, each with
+        how many of its leading pages match), the index of the first node holding a page whose window KV was
+        freed among the last window before the device part's end, where that node is backed up (its host
+        copy has whole rows: taken off the device with what follows it, a load back restores the window)."""
         if not self.host_backed:
             return None
-        end, first = len(match.device_pages), 0
-        for node in self.tree.path_to_root(match.last_device_node):
-            pages = node.device_pages or []
+        end, first = sum(k for _, k in device_runs), 0
+        for i, (node, k) in enumerate(device_runs):
+            pages = (node.device_pages or [])[:k]
             lo = max(first, end - self.window_pages)
             if lo < first + len(pages) and not all(self.pages.held(pages[lo - first :])):
-                return node if node.backed_up and node.lock_ref == 0 else None
+                return i if node.backed_up and node.lock_ref == 0 else None
             first += len(pages)
         return None
 
     # ---- freeing -------------------------------------------------------------------------------
 
-    def trim(self, last_node: TreeNode, own_from: int, cached_pages: int) -> None:
-        """A request that cached `cached_pages` pages along the path to `last_node`, computing those from
-        page `own_from` on, has ended: its pages more than a window before the end give back their
-        sliding pages, in nodes no running request holds."""
-        stop = cached_pages - self.window_pages
+    def trim(self, last_node: TreeNode, own_from: int, kept_end: int) -> None:
+        """A request that cached pages along the path to `last_node`, computing those from page `own_from` on,
+        has ended, the last page boundary of them where a hit may end (a kept snapshot's) at `kept_end`: its
+        pages more than a window before that give back their sliding pages, in nodes no running request
+        holds."""
+        stop = kept_end - self.window_pages
         first = 0
         for node in self.tree.path_to_root(last_node):
             pages = node.device_pages or []

@@ -27,6 +27,7 @@ class TreeNode:
     __slots__ = (
         "key", "device_pages", "host_pages", "hashes", "children", "parent",
         "lock_ref", "last_access", "hit_count", "backup_pending", "id", "rotation", "priority", "retain_until",
+        "snapshot_end",
     )  # fmt: skip
 
     _ids = itertools.count()
@@ -55,6 +56,10 @@ class TreeNode:
         # on the arrival clock; 0 (plain LRU) without hints.
         self.priority = 0
         self.retain_until = math.inf
+        # A hybrid's recurrent state after the node's last page is kept under the `turn-end` snapshot policy
+        # (hicache/cache/snapshot_policy.py): a request that finished here cached it. A split's upper part
+        # ends elsewhere, so it starts without.
+        self.snapshot_end = False
 
     @property
     def num_tokens(self) -> int:

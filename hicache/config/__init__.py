@@ -279,6 +279,10 @@ class EngineConfig(FromArgs):
     # 1.0 any request the full pool admits fits; below, a request also needs its pages' window KV to fit
     # (a running request holds its whole sequence's), and the cached prefixes' windows are evicted sooner.
     swa_full_tokens_ratio: float = 1.0
+    # Where a hybrid model's recurrent-state snapshots are kept, so where its hits may end (SGLang's flag,
+    # hicache/cache/snapshot_policy.py): every this many tokens (a page multiple); 0: at a turn's end only;
+    # None: every page.
+    mamba_track_interval: int | None = None
     chunked_prefill_size: int = 2048
     max_running_requests: int = 64
     context_length: int | None = None
@@ -312,6 +316,10 @@ class EngineConfig(FromArgs):
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
         if not 0 < self.swa_full_tokens_ratio <= 1:
             raise UserError(f"--swa-full-tokens-ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
+        interval = self.mamba_track_interval
+        if interval is not None and (interval < 0 or interval % self.page_size):
+            raise UserError(f"--mamba-track-interval must be 0 or a multiple of --page-size {self.page_size}, "
+                            f"got {interval}")  # fmt: skip
         if self.max_total_tokens < self.page_size:
             raise UserError(f"--max-total-tokens {self.max_total_tokens} is smaller than one page ({self.page_size})")
         if self.context_length is not None and self.context_length <= 0:

@@ -27,6 +27,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="a hybrid model's sliding-window KV pool, as a share of --max-total-tokens",
     )
     g.add_argument(
+        "--mamba-track-interval",
+        type=int,
+        default=d.mamba_track_interval,
+        help="tokens between the recurrent-state snapshots a hybrid model's cache keeps (a page multiple; "
+        "0: only at a turn's end; default: every page): a hit ends at one",
+    )
+    g.add_argument(
         "--chunked-prefill-size",
         type=int,
         default=d.chunked_prefill_size,

@@ -58,6 +58,8 @@ def check_hybrid(cfg: EngineConfig, loaded: LoadedModel) -> None:
     if loaded.family != hybrid.FAMILY:
         if cfg.swa_full_tokens_ratio != 1:
             raise UserError(f"--swa-full-tokens-ratio sizes a sliding-window pool: model {loaded.name} has none")
+        if cfg.mamba_track_interval is not None:
+            raise UserError(f"--mamba-track-interval places recurrent-state snapshots: model {loaded.name} has none")
         return
     missing = [what for what, asked in (
         ("--tp-size > 1", cfg.parallel.tp_size > 1), ("--pp-size > 1", cfg.parallel.pp_size > 1),
@@ -69,6 +71,9 @@ def check_hybrid(cfg: EngineConfig, loaded: LoadedModel) -> None:
             f"model {loaded.name} is a hybrid (sliding-window and recurrent layers); its state is not kept with "
             f"{', '.join(missing)} yet: serve it on one rank (the device, host and storage tiers and P/D run)"
         )
+    if cfg.mamba_track_interval is not None and hybrid.LINEAR not in getattr(loaded.config, "layer_types", ()):
+        raise UserError(f"--mamba-track-interval places recurrent-state snapshots: model {loaded.name} has no "
+                        "recurrent layer")  # fmt: skip
     rows = hybrid.SNAPSHOT_ROWS
     if cfg.page_size < rows:
         raise UserError(

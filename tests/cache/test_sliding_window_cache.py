@@ -68,7 +68,7 @@ def test_conversations_longer_than_windows_under_sliding_eviction_equal_cache_of
 def test_a_hit_shrinks_to_where_the_window_kv_is_held():
     """P (8 pages) is cached with its last window held; A = P + 272 tokens reuses P and, once it ends, frees
     its own pages' window KV but the last window's. B, sharing A's first 12 pages, would hit 12; the window
-    before page 12 was freed, so the hit shrinks to P's 8 pages, where it is held."""
+    before page 12 was freed, so the hit shrinks to P's 8 pages, where it is held, and `lookup` says so first."""
     rng = random.Random(7)
     p = [rng.randrange(32, 127) for _ in range(128)]
     a = p + [rng.randrange(32, 127) for _ in range(272)]
@@ -77,7 +77,11 @@ def test_a_hit_shrinks_to_where_the_window_kv_is_held():
     with Engine(model="tiny-hybrid", disable_radix_cache=True) as engine:
         expected = [engine.generate([prompt], params)[0].token_ids for prompt in (p, a, b)]
     with Engine(model="tiny-hybrid") as engine:
-        results = [engine.generate([prompt], params)[0] for prompt in (p, a, b)]
+        results = [engine.generate([prompt], params)[0] for prompt in (p, a)]
+        cache = engine._runtime.scheduler.cache
+        looked = engine.call_in_loop(lambda: cache.lookup(b, ""))  # arrival's look sees the shrunk hit too
+        results.append(engine.generate([b], params)[0])
+        assert looked.device == 128
         assert [r.token_ids for r in results] == expected
         assert [r.cached_tokens_by_tier.get("device", 0) for r in results] == [0, 128, 128]
         sliding = sliding_tier(engine)
