@@ -10,6 +10,7 @@ import sys
 from typing import Callable
 
 import gguf
+import numpy as np
 import pytest
 import torch
 from tokenizers import pre_tokenizers
@@ -18,7 +19,7 @@ from hicache.errors import UserError
 from hicache.model.chat import ChatTemplate
 from hicache.model.config import LoadedModel
 from hicache.model.loading.checkpoint import expected_weight_shapes
-from hicache.model.loading.gguf_loader import load_gguf, smollm2_path, unpermute_qk
+from hicache.model.loading.gguf_loader import PlainGGUFReader, load_gguf, smollm2_path, unpermute_qk
 from tests.fixtures import SMOLLM2_REFERENCE
 
 
@@ -266,6 +267,25 @@ def test_tiny_gguf_round_trips_weights(tmp_path: pathlib.Path) -> None:
     assert tok.encode("<|im_start|>the<|im_end|>") == [1, *tok.encode("the"), 2]
     assert tok.decode(tok.encode("the hen, 42!")) == "the hen, 42!"
     assert tok.chat_template.source == ChatTemplate.plain().source
+
+
+def test_the_plain_view_reader_parses_what_ggufs_own_reader_does(tmp_path: pathlib.Path) -> None:
+    """The loader's faster reader (plain ndarray views of the memory map) against gguf's: every metadata
+    field's parts and every tensor, value for value (strings, string arrays, scalars and weights)."""
+    path = tmp_path / "tiny.gguf"
+    write_tiny_gguf(path, extra=lambda w: w.add_array("test.strings", ["a", "bc", ""]))
+    ours, theirs = PlainGGUFReader(path), gguf.GGUFReader(path)
+    assert list(ours.fields) == list(theirs.fields)
+    for name, field in theirs.fields.items():
+        mine = ours.fields[name]
+        assert (mine.types, mine.data, mine.offset) == (field.types, field.data, field.offset), name
+        assert len(mine.parts) == len(field.parts), name
+        for a, b in zip(mine.parts, field.parts):
+            assert type(a) is np.ndarray and a.dtype == b.dtype and np.array_equal(a, b), name
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert (a.tensor_type, list(a.shape), a.data_offset) == (b.tensor_type, list(b.shape), b.data_offset)
+        assert np.array_equal(a.data, b.data), a.name
 
 
 def test_truncated_file_is_user_error(tmp_path: pathlib.Path) -> None:
