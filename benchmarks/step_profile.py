@@ -6,8 +6,8 @@ and then under torch.profiler (not a test).
     PYTHONPATH=$PWD .venv/bin/python benchmarks/step_profile.py --model tiny --context 65536
 
 The pool's history holds random KV (a step's time does not depend on the values, and a 64K prefill
-takes minutes). Wall: the median and best of `--steps` forwards on this thread; on a shared machine the process's CPU time a
-step (every thread's) is steadier than either. The profile splits the
+takes minutes). Wall: the median and best of `--steps` forwards on this thread; on a shared machine the
+process's CPU time a step (every thread's) is steadier than either. The profile splits the
 profiled step into the GEMMs (hicache's native ones and aten's), the attention kernel, every other op,
 and what no op covers (Python between ops, allocation outside ops); the GEMMs and the attention are set
 against their byte limit: the bytes they must read / a copy's bandwidth measured in the same process.
@@ -126,7 +126,8 @@ def main(argv: list[str] | None = None) -> None:
     weights = weight_bytes(decoder)
     kv = (args.context + 1) * pool.buffers[0][0].numel() * 4 * decoder.num_local_layers
     print(f"{args.model} {resolved} float32, {torch.get_num_threads()} threads, context {args.context}: step median "
-          f"{wall:.2f} ms, best {min(times):.2f} ms, process CPU {cpu:.2f} ms a step; copy {gbps:.1f} GB/s (read + write)")
+          f"{wall:.2f} ms, best {min(times):.2f} ms, process CPU {cpu:.2f} ms a step; "
+          f"copy {gbps:.1f} GB/s (read + write)")
     # A step only reads them: the limit is the bytes over the copy's read + write rate.
     print(f"  weights {weights / 1e6:.1f} MB -> read limit {weights / gbps / 1e6:.2f} ms; "
           f"KV {kv / 2**20:.1f} MiB -> {kv / gbps / 1e6:.2f} ms")

@@ -130,8 +130,8 @@ def test_native_and_aten_attention_differ_so_identities_do():
     q = torch.randn(1, 8, H, d, generator=gen)
     native_out, _ = _call(q, k, v, torch.arange(512).view(1, 512), torch.empty(0, dtype=torch.int64),
                           torch.tensor([8]))  # fmt: skip
-    aten_out, _ = key_block_attention._block_kernel(q.transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2),
-                                    None, d**-0.5)  # fmt: skip
+    keys, values = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
+    aten_out, _ = key_block_attention._block_kernel(q.transpose(1, 2), keys, values, None, d**-0.5)
     assert not torch.equal(native_out, aten_out.transpose(1, 2))
     assert torch.allclose(native_out, aten_out.transpose(1, 2), atol=1e-5)
     tiny = load_model("tiny")
