@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache.model.kernels import key_blocks, ops
+from hicache.model.kernels import key_block_attention, key_blocks, ops
 from hicache.model.kernels.invariance import block_attention_probe
 
 CPU = torch.device("cpu")
@@ -72,7 +72,7 @@ def test_math_block_is_the_cpu_kernel():
     mask = torch.zeros(3, 1, 8, 512).masked_fill_(hidden, float("-inf"))
     for m in (None, mask):
         out, lse = ops.math_block(q, k, v, m, 0.2)
-        ref_out, ref_lse = ops._block_kernel(q, k, v, m, 0.2)
+        ref_out, ref_lse = key_block_attention._block_kernel(q, k, v, m, 0.2)
         assert torch.allclose(out, ref_out, atol=1e-5) and torch.allclose(lse, ref_lse, atol=1e-5)
 
 

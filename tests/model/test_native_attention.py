@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hicache.model.build import with_attention_family
-from hicache.model.kernels import key_blocks, native, native_attention, ops
+from hicache.model.kernels import key_block_attention, key_blocks, native, native_attention, ops
 from hicache.model.loading.loader import load_model
 
 pytestmark = pytest.mark.skipif(native.library() is None, reason="native kernels not built on this machine")
@@ -85,22 +85,37 @@ def test_the_kernel_is_attention(widths, dtype, tolerance):
     assert float((lse[0].double() - scores.logsumexp(-1)).abs().max()) < 1e-5
 
 
+# (the rows each sequence's queries see): one sequence's rows at 1 to 3 blocks; a decode batch whose
+# sequences share whole blocks, up to 11 of them, so that one kernel call takes a call's repeats over 8
+# blocks, then the rest, and a sequence that stops seeing whole blocks ends a run of them.
+IN_PLACE_CASES = {"rows of one sequence": ((1, 300, 512, 513, 1100, 3 * 512 + 77),),
+                  "a decode batch": ((11 * 512 + 5,), (9 * 512,), (700,), (8 * 512 + 1,))}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", IN_PLACE_CASES)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_reading_the_pool_in_place_gives_the_gathered_bits(dtype):
-    """block_attention over a plan whose reads name pool slots (the local backend's in-place reads)
-    equals the same plan over gathered copies of those rows, bit for bit, at 1 to 3 blocks."""
+def test_reading_the_pool_in_place_gives_the_gathered_bits(dtype, case):
+    """block_attention over a plan whose reads name pool slots (the local backend's in-place reads, whose
+    repeats over consecutive blocks run as one kernel call) equals the same plan over gathered copies of
+    those rows (a kernel call per read), bit for bit."""
     H, _, d, _ = WIDTHS[0]
-    slots = 3 * 512 + 100
+    sequences = IN_PLACE_CASES[case]
+    slots = max(seen[-1] for seen in sequences)
     k, v, gen = _operands(WIDTHS[0], dtype, slots)
-    # Slot 0 stands past the sequence's end, as the backend's reads have it (masked).
-    order = torch.cat([torch.randperm(slots, generator=gen), torch.zeros(512, dtype=torch.int64)])
-    seen = (1, 300, 512, 513, 1100, 3 * 512 + 77)
-    plan = key_blocks.plan([key_blocks.QueryRows(0, 0, seen)], len(seen), CPU, 512)
-    q = torch.randn(len(seen), H, d, generator=gen).to(dtype)
+    # Each sequence's keys at random slots; slot 0 stands past a sequence's end, as the backend's reads
+    # have it (masked).
+    orders = [torch.cat([torch.randperm(slots, generator=gen), torch.zeros(512, dtype=torch.int64)])
+              for _ in sequences]  # fmt: skip
+    queries, start = [], 0
+    for i, seen in enumerate(sequences):
+        queries.append(key_blocks.QueryRows(i, start, seen))
+        start += len(seen)
+    plan = key_blocks.plan(queries, start, CPU, 512)
+    q = torch.randn(start, H, d, generator=gen).to(dtype)
 
     def rows_of(i):
-        (_, first), n = plan.reads[i].entries[0], plan.reads[i].length
-        return order[first : first + n]
+        n = plan.reads[i].length
+        return torch.cat([orders[seq][first : first + n] for seq, first in plan.reads[i].entries])
 
     in_place = ops.block_attention(q, plan, lambda i: (k, v, rows_of(i)), d**-0.5)
     gathered = ops.block_attention(q, plan, lambda i: (k[rows_of(i)], v[rows_of(i)]), d**-0.5)
@@ -115,8 +130,8 @@ def test_native_and_aten_attention_differ_so_identities_do():
     q = torch.randn(1, 8, H, d, generator=gen)
     native_out, _ = _call(q, k, v, torch.arange(512).view(1, 512), torch.empty(0, dtype=torch.int64),
                           torch.tensor([8]))  # fmt: skip
-    aten_out, _ = ops._block_kernel(q.transpose(1, 2), k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2),
-                                    None, d**-0.5)  # fmt: skip
+    keys, values = k.unsqueeze(0).transpose(1, 2), v.unsqueeze(0).transpose(1, 2)
+    aten_out, _ = key_block_attention._block_kernel(q.transpose(1, 2), keys, values, None, d**-0.5)
     assert not torch.equal(native_out, aten_out.transpose(1, 2))
     assert torch.allclose(native_out, aten_out.transpose(1, 2), atol=1e-5)
     tiny = load_model("tiny")

@@ -64,6 +64,7 @@ class BlockCall:
     pick: torch.Tensor | None
     seen: torch.Tensor | None  # [E, n] keys of the block each row sees, for a masked call (None: all)
     live: torch.Tensor  # [E] each entry's own rows (the rest of its n repeat its last)
+    in_order: bool = False  # dest is 0, 1, ... m - 1: the step's first m rows in order
 
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The mask [E, 1, n, keys] as the kernel takes it (0 visible, -inf not, in the queries' dtype).
@@ -180,4 +181,6 @@ def _call(read: int, entries: list[_Entry], device: torch.device) -> BlockCall:
     seen = as_tensor([e.seen + [e.seen[-1]] * (n - len(e.seen)) for e in entries]) if masked else None
     whole = len(pick) == len(entries) * n
     live = as_tensor([len(e.rows) for e in entries])
-    return BlockCall(read, keys, as_tensor(rows), as_tensor(dest), None if whole else as_tensor(pick), seen, live)
+    in_order = dest == list(range(len(dest)))
+    return BlockCall(read, keys, as_tensor(rows), as_tensor(dest), None if whole else as_tensor(pick), seen, live,
+                     in_order)  # fmt: skip

@@ -27,20 +27,27 @@ def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
             and native.library() is not None)  # fmt: skip
 
 
-def attend_call(
-    q: torch.Tensor, call: key_blocks.BlockCall, k: torch.Tensor, v: torch.Tensor, index: torch.Tensor, length: int,
-    scale: float,
+def attend_calls(
+    q: torch.Tensor, call: key_blocks.BlockCall, k: torch.Tensor, v: torch.Tensor, indexes: list[torch.Tensor],
+    length: int, scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Call `call` of a plan over keys k [N, Hkv, d] and values v [N, Hkv, dv] whose read's rows are
-    `index` [E * length] (rows of k and v, in place: a pool's layer and its slots): the output [m, H, dv]
-    and log-sum-exp [m, H] of the call's rows `call.dest`. Padding rows are not computed."""
-    (E, n), H, d = call.rows.shape, q.shape[1], q.shape[2]
+    """Call `call` of a plan over keys k [N, Hkv, d] and values v [N, Hkv, dv] once for each of its reads
+    whose rows are `indexes` (each [E * length] rows of k and v, in place: a pool's layer and its
+    slots), all in one kernel call: the outputs [B, m, H, dv] and log-sum-exps [B, m, H] of the call's
+    rows `call.dest` for each of the B reads. Padding rows are not computed. A (row, head)'s result is
+    its own keys' alone whatever the kernel's threads split, so B reads in one call give each read's
+    bits alone."""
+    (E, n), H, d, B = call.rows.shape, q.shape[1], q.shape[2], len(indexes)
     rows = q.index_select(0, call.rows.view(-1)).view(E, n, H, d)
-    keys = index.view(E, length)[:, : call.keys]
     seen = call.seen if call.seen is not None else torch.empty(0, dtype=torch.int64)
-    out, lse = native.library().block_attend(rows, k, v, keys.contiguous(), seen, call.live, scale)
-    out, lse = out.view(E * n, H, -1), lse.view(E * n, H)
+    if B == 1:
+        keys, live = indexes[0].view(E, length)[:, : call.keys].contiguous(), call.live
+    else:
+        rows, live = rows.repeat(B, 1, 1, 1), call.live.repeat(B)
+        keys = torch.stack([index.view(E, length)[:, : call.keys] for index in indexes]).view(B * E, call.keys)
+        seen = seen.repeat(B, 1) if call.seen is not None else seen
+    out, lse = native.library().block_attend(rows, k, v, keys, seen, live, scale)
+    out, lse = out.view(B, E * n, H, -1), lse.view(B, E * n, H)
     if call.pick is not None:
-        out, lse = out.index_select(0, call.pick), lse.index_select(0, call.pick)
+        out, lse = out.index_select(1, call.pick), lse.index_select(1, call.pick)
     return out, lse
-

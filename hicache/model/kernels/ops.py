@@ -19,11 +19,8 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from hicache.model.kernels import key_blocks, native, native_attention, quant
-
-# Keys [E * length, Hkv, d] and values [E * length, Hkv, dv] of one read of a key-block plan; or keys
-# [N, Hkv, d], values [N, Hkv, dv] and the read's rows of them [E * length] (a pool's layer, in place).
-ReadBlock = Callable[[int], tuple[torch.Tensor, ...]]
+from hicache.model.kernels import native, quant
+from hicache.model.kernels.key_block_attention import block_attention, math_block  # noqa: F401
 
 # oneDNN keeps one primitive per distinct GEMM shape (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep a
 # computation cache beside it (LRU_CACHE_CAPACITY), 1024 entries each by default: with prompts of every
@@ -290,100 +287,7 @@ class Linear:
         return out.view(*lead, self.out_features)
 
 
-# ---- attention ---------------------------------------------------------------------------------------
-
-
-def block_attention(
-    q: torch.Tensor, plan: key_blocks.KeyBlockPlan, read: ReadBlock, scale: float
-) -> torch.Tensor:
-    """Attention of query rows q [R, H, d] over their sequences' keys (grouped-query heads): [R, H, dv].
-    `read(i)` gives the keys and values of plan.reads[i] (`ReadBlock`). Mechanism: the calls of `plan`
-    (key_blocks.py), in which each row meets each key block in a kernel call of a shape fixed by that
-    row alone; on a CPU with the native build its kernel serves every call (a row's result is its own
-    keys' alone, native_attention.py), else aten's (keys a multiple of KV_ALIGN, queries padded to
-    Q_ALIGN by repeating the last, materialized contiguous, never a stride-0 view: its result can depend
-    on the strides); the blocks' normalized outputs and log-sum-exps are combined in float32 in block
-    order by the same elementwise arithmetic for every row. Memory: one step's reads at a time, at most
-    a block of keys per sequence."""
-    R, H = q.shape[:2]
-    top = q.new_full((R, H), float("-inf"), dtype=torch.float32)
-    total = q.new_zeros((R, H), dtype=torch.float32)
-    acc: torch.Tensor | None = None
-    native = False  # decided at the first read: whether the native kernel takes these heads
-    for step in plan.steps:
-        held, kv = -1, None  # the last read's keys go before the next one is made
-        for call in step:
-            if call.read != held:
-                kv = None
-                held, kv = call.read, read(call.read)
-                native = native or native_attention.takes(q, kv[0], kv[1])
-            assert kv is not None
-            out, lse = _attend_call(q, call, kv, plan.reads[call.read].length, scale, native)
-            if acc is None:
-                acc = q.new_zeros((R, H, out.shape[-1]), dtype=torch.float32)
-            before = top.index_select(0, call.dest)
-            now = torch.maximum(before, lse)
-            kept, added = torch.exp(before - now), torch.exp(lse - now)
-            acc.index_copy_(0, call.dest, acc.index_select(0, call.dest) * kept.unsqueeze(-1)
-                            + out.float() * added.unsqueeze(-1))  # fmt: skip
-            total.index_copy_(0, call.dest, total.index_select(0, call.dest) * kept + added)
-            top.index_copy_(0, call.dest, now)
-    if acc is None:
-        return q.new_zeros(q.shape)
-    return (acc / total.unsqueeze(-1)).to(q.dtype)
-
-
-def _attend_call(
-    q: torch.Tensor, call: key_blocks.BlockCall, kv: tuple[torch.Tensor, ...], length: int, scale: float, native: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One call of a key-block plan over its read `kv` (entries of `length` keys) with the native kernel
-    or aten's: the output [m, H, dv] and log-sum-exp [m, H] of its rows `call.dest`."""
-    k, v = kv[0], kv[1]
-    if native:
-        index = kv[2] if len(kv) == 3 else torch.arange(k.shape[0], device=q.device)
-        return native_attention.attend_call(q, call, k, v, index, length, scale)
-    if len(kv) == 3:
-        k, v = k.index_select(0, kv[2]), v.index_select(0, kv[2])
-    (E, n), H, d = call.rows.shape, q.shape[1], q.shape[2]
-    k, v = (t.unflatten(0, (E, length))[:, : call.keys].transpose(1, 2) for t in (k, v))
-    rows = q.index_select(0, call.rows.view(-1)).view(E, n, H, d).transpose(1, 2).contiguous()
-    out, lse = _block_kernel(rows, k, v, call.additive_mask(q.dtype), scale)
-    out, lse = out.transpose(1, 2).reshape(E * n, H, -1), lse.transpose(1, 2).reshape(E * n, H)
-    if call.pick is not None:
-        out, lse = out.index_select(0, call.pick), lse.index_select(0, call.pick)
-    return out, lse
-
-
-def _block_kernel(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block call: the normalized output [E, H, n, dv] and the float32 log-sum-exp [E, H, n]."""
-    if q.device.type != "cpu":
-        return math_block(q, k, v, mask, scale)
-    # The CPU kernel takes one head size: zero columns widen the narrower side (MLA's values are narrower
-    # than its keys), adding nothing to a score and giving output columns that are dropped.
-    d, dv = q.shape[-1], v.shape[-1]
-    if dv < d:
-        v = F.pad(v, (0, d - dv))
-    elif dv > d:
-        q, k = F.pad(q, (0, dv - d)), F.pad(k, (0, dv - d))
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=mask,
-                                                                          scale=scale)  # fmt: skip
-    return out[..., :dv], lse
-
-
-def math_block(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_block_kernel` in plain float32 tensor ops, where no kernel returns a log-sum-exp for a masked
-    call (its scores [E, H, n, keys] are bounded by the block)."""
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, 1).float(), v.repeat_interleave(groups, 1).float()
-    scores = q.float() @ k.transpose(-1, -2) * scale
-    if mask is not None:
-        scores = scores + mask.float()
-    lse = scores.logsumexp(-1)
-    return ((scores - lse.unsqueeze(-1)).exp() @ v).to(q.dtype), lse
+# ---- attention: block_attention.py (re-exported: the model reaches every kernel through this layer) -----
 
 
 # ---- per-row reductions ------------------------------------------------------------------------------------

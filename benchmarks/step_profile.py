@@ -1,0 +1,142 @@
+"""Where one batch-1 decode step's time goes: the model's forward at one row after `context` keys, built as
+the engine builds it (weight format, attention family, invariant plans, the engine's threads), timed bare
+and then under torch.profiler (not a test).
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/step_profile.py --model smollm2 --quantization auto --context 128
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/step_profile.py --model tiny --context 65536
+
+The pool's history holds random KV (a step's time does not depend on the values, and a 64K prefill
+takes minutes). Wall: the median and best of `--steps` forwards on this thread; on a shared machine the
+process's CPU time a step (every thread's) is steadier than either. The profile splits the
+profiled step into the GEMMs (hicache's native ones and aten's), the attention kernel, every other op,
+and what no op covers (Python between ops, allocation outside ops); the GEMMs and the attention are set
+against their byte limit: the bytes they must read / a copy's bandwidth measured in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections import defaultdict
+
+import torch
+
+from hicache.engine.threads import cpu_threads, use_threads
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.model.batch import ForwardBatch, SeqSlice
+from hicache.model.build import build_decoder, resolve_quantization, with_attention_family, with_weight_format
+from hicache.model.kernels.tp_groups import ColumnGroups, RowGroups
+from hicache.model.loading.loader import load_model
+from hicache.parallel.parallel import ParallelContext
+
+PAGE = 16
+GEMM_OPS = ("int4_linear", "int8_linear", "aten::linear", "aten::mm", "aten::addmm", "aten::matmul",
+            "aten::_weight_int4pack_mm", "aten::_weight_int8pack_mm", "mkldnn")  # fmt: skip
+ATTENTION_OPS = ("block_attend", "_scaled_dot_product_flash_attention")
+
+
+def copy_gbps() -> float:
+    """Read + write bandwidth of a 256 MiB copy, best of 5 (the byte limit's denominator)."""
+    src = torch.ones(64 << 20)
+    dst = torch.empty_like(src)
+    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+def _timed(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def build(model: str, quantization: str, context: int):
+    device, dtype = torch.device("cpu"), torch.float32
+    loaded = load_model(model)
+    resolved = resolve_quantization(quantization, loaded, dtype, device)
+    loaded = with_attention_family(with_weight_format(loaded, resolved, device), device)
+    decoder = build_decoder(loaded, ParallelContext(), dtype, device)
+    pages = -(-(context + 1) // PAGE) + 1
+    pool = DeviceKVPool(decoder.kv_layout, decoder.num_local_layers, pages, PAGE, dtype, device)
+    gen = torch.Generator().manual_seed(0)
+    for buffer in pool.buffers:
+        buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    step = ForwardBatch(
+        input_ids=torch.tensor([7]),
+        positions=torch.tensor([context]),
+        out_slots=torch.tensor([context]),
+        seqs=[SeqSlice(0, 1, torch.arange(context + 1))],
+        logit_rows=torch.tensor([0]),
+    )
+    return decoder, pool, step, resolved
+
+
+def weight_bytes(decoder) -> int:
+    """Bytes the step's linears read (codes, scales, offsets or dense weights), each once."""
+    linears = [decoder.lm_head]
+    for layer in decoder.layers:
+        for projection in vars(layer).values():
+            if isinstance(projection, (ColumnGroups, RowGroups)):
+                linears += [projection.fused] if getattr(projection, "fused", None) else projection.groups
+    return sum(linear.weight_bytes for linear in linears)
+
+
+def profile(decoder, pool, step, steps: int) -> dict[str, tuple[float, int]]:
+    """Per part, (ms a step, calls a step): self CPU time of every op, grouped."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            decoder.forward(step, pool)
+    parts: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    others: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.key_averages():
+        name = event.key
+        part = ("gemm" if any(g in name for g in GEMM_OPS) else
+                "attention kernel" if any(a in name for a in ATTENTION_OPS) else "other ops")  # fmt: skip
+        parts[part][0] += event.self_cpu_time_total / 1e3 / steps
+        parts[part][1] += event.count / steps
+        if part == "other ops":
+            others[name][0] += event.self_cpu_time_total / 1e3 / steps
+            others[name][1] += event.count / steps
+    top = sorted(others.items(), key=lambda kv: -kv[1][0])[:12]
+    print("  top other ops (ms a step, calls): " + ", ".join(f"{n} {t:.2f}/{c:.0f}" for n, (t, c) in top))
+    return {k: (v[0], int(v[1])) for k, v in parts.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--quantization", default="auto")
+    parser.add_argument("--context", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="kernel threads (0: the engine's choice)")
+    args = parser.parse_args(argv)
+    use_threads(args.threads or cpu_threads())
+    decoder, pool, step, resolved = build(args.model, args.quantization, args.context)
+    gbps = copy_gbps()
+    with torch.inference_mode():
+        for _ in range(3):
+            decoder.forward(step, pool)
+        cpu_start = time.process_time()
+        times = [_timed(lambda: decoder.forward(step, pool)) * 1e3 for _ in range(args.steps)]
+        cpu = (time.process_time() - cpu_start) * 1e3 / args.steps
+    wall = statistics.median(times)
+    weights = weight_bytes(decoder)
+    kv = (args.context + 1) * pool.buffers[0][0].numel() * 4 * decoder.num_local_layers
+    print(f"{args.model} {resolved} float32, {torch.get_num_threads()} threads, context {args.context}: step median "
+          f"{wall:.2f} ms, best {min(times):.2f} ms, process CPU {cpu:.2f} ms a step; "
+          f"copy {gbps:.1f} GB/s (read + write)")
+    # A step only reads them: the limit is the bytes over the copy's read + write rate.
+    print(f"  weights {weights / 1e6:.1f} MB -> read limit {weights / gbps / 1e6:.2f} ms; "
+          f"KV {kv / 2**20:.1f} MiB -> {kv / gbps / 1e6:.2f} ms")
+    parts = profile(decoder, pool, step, max(3, args.steps // 4))
+    for name, (ms, calls) in sorted(parts.items()):
+        print(f"  {name:18s} {ms:7.2f} ms profiled, {calls:5d} calls a step")
+    covered = sum(t for t, _ in parts.values())
+    print(f"  ops {covered:.2f} ms profiled against {wall:.2f} ms bare: the rest (Python between ops) "
+          f"{wall - covered:.2f} ms")
+
+if __name__ == "__main__":
+    main()
