@@ -31,6 +31,9 @@ class DecoderModel(Protocol):
     replicated_over_tp: bool  # every attention-TP rank computes the same KV bytes (MLA's latent)
     tp_groups: int  # the fixed groups every TP size cuts each projection into (hicache/model/kernels/tp_groups.py)
     invariance: InvarianceReport | None  # the start-up self-check's verdict (hicache/model/build.py)
+    # Its attributes holding one entry per local layer: the self-check runs a copy of the model over some
+    # layers' entries (hicache/model/kernels/probe_layers.py).
+    per_layer: tuple[str, ...]
 
     @property
     def num_local_layers(self) -> int: ...

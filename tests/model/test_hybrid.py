@@ -1,10 +1,12 @@
 """`tiny-hybrid` (hicache/model/families/hybrid.py): a token's logits are the same bits however its sequence
 is cut into chunks (also off page boundaries, where the recurrent state is replayed from the last
 snapshot) or batched with another sequence; the state snapshot in the pool is what the tokens after a
-restored prefix read (zeroing it changes them); a config whose layer kinds do not fit is refused."""
+restored prefix read (zeroing it changes them); the self-check, which runs one layer of each kind, catches
+a non-invariant linear in a layer of any kind; a config whose layer kinds do not fit is refused."""
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 
 import pytest
@@ -15,9 +17,13 @@ from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.build import build_decoder
 from hicache.model.families.hybrid import FULL, LINEAR, LINEAR_STATE, SLIDING, HybridModel
 from hicache.model.families.tiny_hybrid import TINY_HYBRID_CONFIG
-from hicache.model.kernels.invariance import feed, probe_inputs
+from hicache.model.kernels import ops
+from hicache.model.kernels.invariance import feed, probe_inputs, self_check
+from hicache.model.kernels.probe_layers import representative_layers
+from hicache.model.kernels.tp_groups import RowGroups, group_slices
 from hicache.model.loading.loader import load_model
 from hicache.parallel.parallel import ParallelContext
+from tests.model.test_ops import RowCountDependent
 
 PAGE = 16
 LENGTH = 160  # past the 64-token window, across ten page boundaries
@@ -99,6 +105,27 @@ def test_in_bfloat16_the_state_is_rounded_at_each_snapshot_so_chunking_keeps_the
     it). The start-up self-check probes exactly that: chunks of 1-10 rows and batched decode steps."""
     built = build_decoder(load_model("tiny-hybrid"), ParallelContext(), torch.bfloat16, torch.device("cpu"))
     assert built.invariance is not None and built.invariance.verified, built.invariance.detail
+
+
+@pytest.mark.parametrize("kind", [SLIDING, LINEAR])  # full attention: tests/model/test_ops.py
+def test_a_non_invariant_linear_in_the_last_layer_of_any_kind_fails_the_self_check(model, kind, monkeypatch):
+    """The self-check runs the first layer of each kind; a layer whose MLP runs on a GEMM that rounds one-row
+    calls otherwise (the last sliding layer is not the first one of its kind) is a kind of its own, so it is
+    run, and caught."""
+    assert representative_layers(model) == [0, 1, 3]  # sliding, linear attention, full attention
+    monkeypatch.setitem(ops.BACKENDS, RowCountDependent.name, RowCountDependent())
+    last = max(i for i, k in enumerate(model.layer_types) if k == kind)
+    layer = copy.copy(model.layers[last])
+    weight = load_model("tiny-hybrid").weights[f"model.layers.{last}.mlp.down_proj.weight"]
+    columns = group_slices(model.cfg.intermediate_size, model.tp_groups, *layer.group_range)
+    layer.down_proj = RowGroups([weight[:, c] for c in columns],
+                                lambda w: ops.Linear(w.contiguous(), ops.LinearPlan(RowCountDependent.name),
+                                                     model.dtype), model.pctx)  # fmt: skip
+    broken = copy.copy(model)  # the module's model stays as built
+    broken.layers = [layer if i == last else other for i, other in enumerate(model.layers)]
+    assert last in representative_layers(broken)
+    report = self_check(broken)
+    assert not report.verified and "chunks of 1-10 rows" in report.detail, report
 
 
 def test_layer_kinds_that_do_not_fit_the_model_are_refused():

@@ -172,6 +172,7 @@ class HybridModel(LlamaModel):
     each layer's kind."""
 
     page_shardable = False  # a row reads other tokens' state rows, which CP may hold on another rank
+    per_layer = (*LlamaModel.per_layer, "layer_types")
     cfg: HybridConfig
 
     def __init__(

@@ -90,6 +90,8 @@ class LlamaModel:
     page_shardable = True
     # Whether it reads the target's final hidden states (an MTP head, hicache/model/families/mtp.py).
     reads_target_hidden = False
+    # What holds one entry per local layer (the self-check probes a subset: kernels/probe_layers.py).
+    per_layer: tuple[str, ...] = ("layers",)
 
     def __init__(
         self,

@@ -37,6 +37,7 @@ class TokenShiftModel(LlamaModel):
     hidden] and `.out_proj` [hidden, S])."""
 
     page_shardable = False  # a row reads its predecessor's state, which CP may hold on another rank
+    per_layer = (*LlamaModel.per_layer, "shift_in", "shift_out")
 
     def __init__(
         self,

@@ -3,7 +3,8 @@
 A cache hit replaces a prefill of the cached tokens by their stored KV, so the tokens after it are
 computed in calls of other shapes than in the cache-off run: a decode step instead of a row of a
 prefill chunk, a chunk of another size, a batch with other requests. The probe feeds one random
-sequence through this rank's layers whole, in chunks of 1 to 10 rows (every remainder a 4- or
+sequence through this rank's first layer of each distinct kind (probe_layers.py: every other layer makes
+the same kernel calls), its final norm and head, whole, in chunks of 1 to 10 rows (every remainder a 4- or
 8-row kernel can leave), and with its last tokens as decode steps batched with another sequence,
 and compares the outputs bit for bit. The probe's sequence fits one key block, so blocked attention is
 also probed on its own over 1 to 5 blocks of the smallest size (`block_attention_probe`). It runs in
@@ -33,6 +34,7 @@ from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.base import DecoderModel
 from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.kernels import key_blocks, ops
+from hicache.model.kernels.probe_layers import over_layers, representative_layers
 
 logger = logging.getLogger(__name__)
 
@@ -165,26 +167,29 @@ def block_attention_probe(
 
 def self_check(model: DecoderModel) -> InvarianceReport:
     """Whether this rank's layers give bitwise the same output for a token however its sequence is
-    chunked and batched, on this machine, device and dtype."""
+    chunked and batched, on this machine, device and dtype. It runs the first layer of each distinct kind
+    (probe_layers.py: the others make the same kernel calls), then the final norm and head."""
     started = time.perf_counter()
+    layers = representative_layers(model)
+    probed = over_layers(model, layers)
     pages = 3 * REGION // 16
     sharding = model.kv_sharding  # with pages sharded the probe runs on the ranks' gathered backend too
-    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, pages, 16, model.dtype, model.device,
+    pool = DeviceKVPool(probed.kv_layout, probed.num_local_layers, pages, 16, model.dtype, model.device,
                         sharding.size, sharding.rank)  # fmt: skip
     inputs = probe_inputs(model, PROBE_LEN, seed=0)
     other = probe_inputs(model, 1, seed=1)
     cuts = list(torch.tensor(PROBE_CHUNKS).cumsum(0).tolist())
-    whole = feed(model, pool, inputs, [PROBE_LEN], 0)
+    whole = feed(probed, pool, inputs, [PROBE_LEN], 0)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one_thread = feed(model, pool, inputs, [PROBE_LEN], 0)
+        one_thread = feed(probed, pool, inputs, [PROBE_LEN], 0)
     finally:
         torch.set_num_threads(threads)
     runs = {
-        "chunks of 1-10 rows": feed(model, pool, inputs, cuts, REGION),
+        "chunks of 1-10 rows": feed(probed, pool, inputs, cuts, REGION),
         "decode steps batched with another sequence": feed(
-            model, pool, inputs, [PROBE_LEN - 2, PROBE_LEN - 1, PROBE_LEN], REGION, extra=(other, 2 * REGION)
+            probed, pool, inputs, [PROBE_LEN - 2, PROBE_LEN - 1, PROBE_LEN], REGION, extra=(other, 2 * REGION)
         ),
     }
     failed = [
@@ -203,7 +208,8 @@ def self_check(model: DecoderModel) -> InvarianceReport:
             threads, float((one_thread.float() - whole.float()).abs().max()),
         )  # fmt: skip
     if report.verified:
-        logger.info("batch invariance verified in %.2f s (%s)", report.seconds, report.mechanisms)
+        logger.info("batch invariance verified in %.2f s over local layers %s of %d (%s)", report.seconds, layers,
+                    model.num_local_layers, report.mechanisms)  # fmt: skip
     else:
         logger.error("batch invariance self-check FAILED on this machine: %s", report.detail)
     return report
