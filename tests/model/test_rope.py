@@ -240,3 +240,24 @@ def test_llama3_frequencies_stay_between_plain_and_stretched_and_keep_their_orde
     short, long = wavelen < original / (low + gap), wavelen > original / low
     assert torch.allclose(scaled[short], plain[short], rtol=slack, atol=0)  # high frequencies untouched
     assert torch.allclose(scaled[long], plain[long] / factor, rtol=slack, atol=0)
+
+
+def test_rotation_keeps_cos_sin_only_for_equal_positions() -> None:
+    """A forward pass's layers rotate by the same positions, so RoPE keeps their cos/sin: the kept ones
+    must serve equal positions only, whether the positions are new tensors, the same tensor changed in
+    place, or inference tensors (which have no version counter: a CP rank's step makes them)."""
+    rope = RotaryEmbedding(8, 10_000.0, None, torch.device("cpu"))
+    x = torch.randn(3, 2, 8)
+
+    def fresh(positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = (t.unsqueeze(1) for t in rope.cos_sin(positions))
+        return x * cos + torch.cat((-x[..., 4:], x[..., :4]), dim=-1) * sin
+
+    positions = torch.tensor([0, 7, 300])
+    assert torch.equal(rope(x, positions), fresh(positions))
+    positions[1] = 8  # the same tensor, changed in place
+    assert torch.equal(rope(x, positions), fresh(positions))
+    with torch.inference_mode():
+        made_inside = torch.tensor([2, 3, 4])[torch.tensor([0, 1, 2])]
+        assert torch.equal(rope(x, made_inside), fresh(made_inside))
+        assert torch.equal(rope(x, made_inside + 1), fresh(made_inside + 1))
