@@ -22,6 +22,7 @@ from collections import defaultdict
 
 import torch
 
+from benchmarks.common import copy_gbps_read_write
 from hicache.engine.threads import cpu_threads, use_threads
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.batch import ForwardBatch, SeqSlice
@@ -34,14 +35,6 @@ PAGE = 16
 GEMM_OPS = ("int4_linear", "int8_linear", "aten::linear", "aten::mm", "aten::addmm", "aten::matmul",
             "aten::_weight_int4pack_mm", "aten::_weight_int8pack_mm", "mkldnn")  # fmt: skip
 ATTENTION_OPS = ("block_attend", "_scaled_dot_product_flash_attention")
-
-
-def copy_gbps() -> float:
-    """Read + write bandwidth of a 256 MiB copy, best of 5 (the byte limit's denominator)."""
-    src = torch.ones(64 << 20)
-    dst = torch.empty_like(src)
-    best = min(_timed(lambda: dst.copy_(src)) for _ in range(5))
-    return 2 * src.numel() * 4 / best / 1e9
 
 
 def _timed(fn) -> float:
@@ -115,7 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     use_threads(args.threads or cpu_threads())
     decoder, pool, step, resolved = build(args.model, args.quantization, args.context)
-    gbps = copy_gbps()
+    gbps = copy_gbps_read_write(1 << 28)  # the byte limit's denominator: a 256 MiB copy, best of 5
     with torch.inference_mode():
         for _ in range(3):
             decoder.forward(step, pool)

@@ -28,7 +28,7 @@ from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.host_group import DraftPools, make_host_pool
 from hicache.model.base import DecoderModel
 from hicache.model.config import ModelConfig
-from hicache.model.families.hybrid import LINEAR, HybridConfig
+from hicache.model.families.hybrid import has_recurrent_layers
 from hicache.model.families.mla import MLAConfig
 from hicache.model.kernels.invariance import InvarianceReport
 from hicache.parallel.consensus import Consensus
@@ -86,7 +86,7 @@ def device_cache(
 def snapshot_policy(cfg: EngineConfig, model: ModelConfig) -> SnapshotPolicy | None:
     """Where a model with recurrent layers keeps their state (`--mamba-track-interval`; every page by
     default); None for a model without."""
-    if not isinstance(model, HybridConfig) or LINEAR not in model.layer_types:
+    if not has_recurrent_layers(model):
         return None
     interval = cfg.page_size if cfg.mamba_track_interval is None else cfg.mamba_track_interval
     return SnapshotPolicy(interval // cfg.page_size)

@@ -71,7 +71,7 @@ def check_hybrid(cfg: EngineConfig, loaded: LoadedModel) -> None:
             f"model {loaded.name} is a hybrid (sliding-window and recurrent layers); its state is not kept with "
             f"{', '.join(missing)} yet: serve it on one rank (the device, host and storage tiers and P/D run)"
         )
-    if cfg.mamba_track_interval is not None and hybrid.LINEAR not in getattr(loaded.config, "layer_types", ()):
+    if cfg.mamba_track_interval is not None and not hybrid.has_recurrent_layers(loaded.config):
         raise UserError(f"--mamba-track-interval places recurrent-state snapshots: model {loaded.name} has no "
                         "recurrent layer")  # fmt: skip
     rows = hybrid.SNAPSHOT_ROWS

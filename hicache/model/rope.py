@@ -188,7 +188,7 @@ class RotaryEmbedding:
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, dim]."""
         last = self._last
-        if last is not None and last[1] == x.dtype and last[0].shape == positions.shape and torch.equal(last[0], positions):
+        if last is not None and last[1] == x.dtype and torch.equal(last[0], positions):
             cos, sin = last[2], last[3]
         else:
             cos, sin = (t.to(x.dtype).unsqueeze(1) for t in self.cos_sin(positions))

@@ -81,6 +81,11 @@ class HybridConfig(ModelConfig):
         return self.linear_num_heads * self.linear_head_dim**2
 
 
+def has_recurrent_layers(config: ModelConfig) -> bool:
+    """Whether a model's config has linear-attention layers, whose state the cache keeps in snapshots."""
+    return isinstance(config, HybridConfig) and LINEAR in config.layer_types
+
+
 def linear_attention_names(layer: int) -> dict[str, str]:
     a = f"model.layers.{layer}.linear_attn."
     return {p: a + p + ".weight" for p in ("q_proj", "k_proj", "v_proj", "g_proj", "o_proj", "gate_bias")}
