@@ -1,7 +1,7 @@
 """hicache's native weight-only quantized GEMMs (hicache/model/kernels/native.py, csrc/qgemm.cpp): they
 compute the dequantized weight's product to float32 rounding, a row's bits never depend on the call
-it is in (rows, position, thread count), the calibration picks them first, and plans measured without
-them are not reused."""
+it is in (rows, position, thread count), they run on torch's threads, the calibration picks them first,
+and plans measured without them are not reused."""
 
 import pytest
 import torch
@@ -80,3 +80,17 @@ def test_plans_measured_without_this_native_version_are_not_reused(monkeypatch):
     before = calibration.platform_fingerprint(CPU)
     monkeypatch.setattr(native, "VERSION", native.VERSION + 1)
     assert calibration.platform_fingerprint(CPU) != before
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_kernels_run_on_torchs_threads(threads):
+    """The library's parallel regions use the threads torch is set to (a build without OpenMP ran every
+    kernel on the calling thread alone, which no bitwise test could see), and a region of fewer units
+    than threads takes only as many."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        assert native.library().parallel_threads(8) == threads
+        assert native.library().parallel_threads(1) == 1
+    finally:
+        torch.set_num_threads(before)

@@ -32,12 +32,15 @@ logger = logging.getLogger(__name__)
 VERSION = 1
 # Bump on any change of csrc/attention.cpp's arithmetic: it names the library and enters every model's
 # identity on a CPU (`attention_family`), so KV attended otherwise is never shared or paired with.
-ATTENTION_VERSION = 1
+ATTENTION_VERSION = 2
 LIBRARY = f"hicache_qgemm_v{VERSION}_attention_v{ATTENTION_VERSION}"
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "qgemm.cpp"
-SOURCES = (SOURCE, SOURCE.parent / "attention.cpp")
+SOURCES = (SOURCE, SOURCE.parent / "attention.cpp", SOURCE.parent / "threads.cpp")
 # -ffp-contract=off: a multiply and an add stay two roundings (the dequantization is bitwise quant.py's).
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-ffp-contract=off", f"-DHICACHE_QGEMM_LIBRARY={LIBRARY}"]
+# -fopenmp: at::parallel_for's OpenMP pragma is compiled into the caller; without it every kernel runs on
+# one thread (csrc/threads.cpp). The library links libgomp.so.1, which resolves to torch's own copy.
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", f"-DHICACHE_QGEMM_LIBRARY={LIBRARY}"]
+LDFLAGS = ["-fopenmp"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
 PANEL = 8  # output rows the kernel stores together (csrc/qgemm.cpp)
 
@@ -74,13 +77,13 @@ def build(verbose: bool = False) -> None:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=LIBRARY, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+    cpp_extension.load(name=LIBRARY, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
                        build_directory=str(directory), is_python_module=False, verbose=verbose)  # fmt: skip
 
 
 @functools.cache
 def library() -> Any:
-    """The loaded ops (`int8_linear`, `int4_linear`, `block_attend`), built first if needed; None (after one warning)
+    """The loaded ops (`int8_linear`, `int4_linear`, `block_attend`, `combine_blocks`, `parallel_threads`), built first if needed; None (after one warning)
     where they cannot be built here."""
     try:
         build()
