@@ -85,6 +85,37 @@ def test_the_kernel_is_attention(widths, dtype, tolerance):
     assert float((lse[0].double() - scores.logsumexp(-1)).abs().max()) < 1e-5
 
 
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_native_combine_is_each_rows_own_and_the_combine(dtype):
+    """combine_blocks folds 5 blocks of 6 rows: in one call, block by block, and each row alone through
+    `dest` (rows in another order) give the same bits; the result is the float64 combine of the blocks
+    (softmax weights e^lse) to float32 rounding."""
+    B, m, H, dv = 5, 6, 4, 32
+    gen = torch.Generator().manual_seed(3)
+    outs = torch.randn(B, m, H, dv, generator=gen).to(dtype)
+    lses = torch.randn(B, m, H, generator=gen) * 4
+
+    def state(rows):
+        return (torch.full((rows, H), float("-inf")), torch.zeros(rows, H), torch.zeros(rows, H, dv))
+
+    whole = state(m)
+    native_attention.combine(*whole, torch.empty(0, dtype=torch.int64), outs, lses)
+    stepwise = state(m)
+    for b in range(B):
+        native_attention.combine(*stepwise, torch.empty(0, dtype=torch.int64), outs[b : b + 1], lses[b : b + 1])
+    order = torch.tensor([4, 1, 5, 0, 3, 2])
+    alone = state(m + 2)  # two more rows that no call names stay untouched
+    for i in range(m):
+        native_attention.combine(*alone, order[i : i + 1], outs[:, i : i + 1], lses[:, i : i + 1])
+    for mine, step, single, untouched in zip(whole, stepwise, alone, state(2)):
+        assert torch.equal(mine, step) and torch.equal(mine, single[order]) and torch.equal(single[m:], untouched)
+    top, total, acc = whole
+    weights = (lses.double() - lses.double().amax(0)).exp()
+    want = (outs.double() * weights.unsqueeze(-1)).sum(0) / weights.sum(0).unsqueeze(-1)
+    assert torch.equal(top, lses.amax(0))
+    assert float(((acc / total.unsqueeze(-1)).double() - want).abs().max()) < 1e-5
+
 # (the rows each sequence's queries see): one sequence's rows at 1 to 3 blocks; a decode batch whose
 # sequences share whole blocks, up to 11 of them, so that one kernel call takes a call's repeats over 8
 # blocks, then the rest, and a sequence that stops seeing whole blocks ends a run of them.

@@ -19,6 +19,7 @@ ReadBlock = Callable[[int], tuple[torch.Tensor, ...]]
 # the pool (a decode batch's whole blocks): the kernel's threads then split blocks, each reading whole
 # pool rows, instead of one block's KV heads; the bound keeps a step's memory that of a few blocks.
 MERGED_BLOCKS = 8
+_NO_DEST = torch.empty(0, dtype=torch.int64)  # the native combine's "every row, in order"
 
 
 def block_attention(q: torch.Tensor, plan: key_blocks.KeyBlockPlan, read: ReadBlock, scale: float) -> torch.Tensor:
@@ -41,8 +42,7 @@ def block_attention(q: torch.Tensor, plan: key_blocks.KeyBlockPlan, read: ReadBl
             first, (k, v, _) = pending[0]
             indexes = [kv[2] for _, kv in pending]
             outs, lses = native_attention.attend_calls(q, first, k, v, indexes, plan.reads[first.read].length, scale)
-            for out, lse in zip(outs, lses):
-                combined.add(first, out, lse)
+            combined.add(first, outs, lses, native=True)
             pending.clear()
 
     for step in plan.steps:
@@ -61,7 +61,8 @@ def block_attention(q: torch.Tensor, plan: key_blocks.KeyBlockPlan, read: ReadBl
                     flush()
                 continue
             flush()
-            combined.add(call, *_attend_call(q, call, kv, plan.reads[call.read].length, scale, native))
+            out, lse = _attend_call(q, call, kv, plan.reads[call.read].length, scale, native)
+            combined.add(call, out.unsqueeze(0), lse.unsqueeze(0), native)
     flush()
     return combined.result()
 
@@ -91,9 +92,13 @@ class _Combined:
         self.acc: torch.Tensor | None = None
         self.out: torch.Tensor | None = None  # the one block's output, when single
 
-    def add(self, call: key_blocks.BlockCall, out: torch.Tensor, lse: torch.Tensor) -> None:
+    def add(self, call: key_blocks.BlockCall, outs: torch.Tensor, lses: torch.Tensor, native: bool) -> None:
+        """Folds block results outs [B, m, H, dv] and lses [B, m, H] of the call's rows in, block 0 first:
+        with the native kernel's combine when `native` (its exp, so its own attention family), else in
+        torch ops."""
         whole = call.in_order and call.dest.shape[0] == self.rows
         if self.single:
+            out = outs[0]
             if whole:
                 self.out = out + 0.0
                 return
@@ -102,8 +107,17 @@ class _Combined:
             self.out.index_copy_(0, call.dest, out + 0.0)
             return
         if self.acc is None:
-            self.acc = out.new_zeros((self.rows, *out.shape[1:]), dtype=torch.float32)
-        before = self.top if whole else self.top.index_select(0, call.dest)
+            self.acc = outs.new_zeros((self.rows, *outs.shape[2:]), dtype=torch.float32)
+        if native:
+            dest = _NO_DEST if whole else call.dest
+            native_attention.combine(self.top, self.total, self.acc, dest, outs, lses)
+            return
+        for out, lse in zip(outs, lses):
+            self._add(call.dest, whole, out, lse)
+
+    def _add(self, dest: torch.Tensor, whole: bool, out: torch.Tensor, lse: torch.Tensor) -> None:
+        assert self.acc is not None
+        before = self.top if whole else self.top.index_select(0, dest)
         now = torch.maximum(before, lse)
         kept, added = torch.exp(before - now), torch.exp(lse - now)
         weighted = out.float() * added.unsqueeze(-1)
@@ -112,9 +126,9 @@ class _Combined:
             self.total = self.total * kept + added
             self.top = now
             return
-        self.acc.index_copy_(0, call.dest, self.acc.index_select(0, call.dest) * kept.unsqueeze(-1) + weighted)
-        self.total.index_copy_(0, call.dest, self.total.index_select(0, call.dest) * kept + added)
-        self.top.index_copy_(0, call.dest, now)
+        self.acc.index_copy_(0, dest, self.acc.index_select(0, dest) * kept.unsqueeze(-1) + weighted)
+        self.total.index_copy_(0, dest, self.total.index_select(0, dest) * kept + added)
+        self.top.index_copy_(0, dest, now)
 
     def result(self) -> torch.Tensor:
         if self.single and self.out is not None:

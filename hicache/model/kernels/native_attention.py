@@ -51,3 +51,11 @@ def attend_calls(
     if call.pick is not None:
         out, lse = out.index_select(1, call.pick), lse.index_select(1, call.pick)
     return out, lse
+
+
+def combine(top: torch.Tensor, total: torch.Tensor, acc: torch.Tensor, dest: torch.Tensor, outs: torch.Tensor,
+            lses: torch.Tensor) -> None:  # fmt: skip
+    """Folds block results outs [B, m, H, dv] and lses [B, m, H] into the running combine (top, total [R, H],
+    acc [R, H, dv], float32) of rows `dest` [m] (empty: all R rows in order), block 0 first, in place
+    (csrc/attention.cpp's `combine_blocks`)."""
+    native.library().combine_blocks(top, total, acc, dest, outs.contiguous(), lses.contiguous())

@@ -21,6 +21,14 @@
 // heads, group of rows) units only, so a row's reduction is never split; the rows of a unit share each
 // tile's keys through the L1 cache, never an accumulator. The file is compiled with -ffp-contract=off:
 // every multiply and add is the one written here.
+//
+//   combine_blocks(top [R, H], total [R, H], acc [R, H, dv] float32, dest [m] int64 or empty, out [B, m, H, dv],
+//                  lse [B, m, H] float32) -> None
+//
+// Folds B block results of m rows into the running combine of key_block_attention.py's `_Combined`, in
+// place, block 0 first: row dest[i] (i when dest is empty) takes now = max(top, lse), kept = e^(top -
+// now), added = e^(lse - now), acc = acc kept + out added, total = total kept + added, top = now, each
+// element by itself with exp8 below, so a row's combine is the same arithmetic in any call.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -331,9 +339,64 @@ std::tuple<at::Tensor, at::Tensor> block_attend(const at::Tensor& q, const at::T
   return {out, lse};
 }
 
+template <typename T>
+void fold(float* top, float* total, float* acc, const int64_t* dest, const T* out, const float* lse, int64_t B,
+          int64_t m, int64_t H, int64_t dv) {
+  // One (row, head) a unit: its blocks in order. Under ~16K values the call stays on one thread.
+  at::parallel_for(0, m * H, std::max<int64_t>(1, 16384 / (B * dv)), [&](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t i = u / H, h = u % H, at = (dest ? dest[i] : i) * H + h;
+      float* a = acc + at * dv;
+      for (int64_t b = 0; b < B; ++b) {
+        const float block = lse[(b * m + i) * H + h], now = std::max(top[at], block);
+        const __m256 both = exp8(_mm256_setr_ps(top[at] - now, block - now, 0, 0, 0, 0, 0, 0));
+        alignas(32) float e[LANES];
+        _mm256_store_ps(e, both);
+        const __m256 kept = _mm256_set1_ps(e[0]), added = _mm256_set1_ps(e[1]);
+        const T* o = out + ((b * m + i) * H + h) * dv;
+        for (int64_t c = 0; c < dv; c += LANES)
+          _mm256_storeu_ps(a + c, _mm256_add_ps(_mm256_mul_ps(load8(a + c), kept), _mm256_mul_ps(load8(o + c), added)));
+        total[at] = total[at] * e[0] + e[1];
+        top[at] = now;
+      }
+    }
+  });
+}
+
+void combine_blocks(at::Tensor& top, at::Tensor& total, at::Tensor& acc, const at::Tensor& dest, const at::Tensor& out,
+                    const at::Tensor& lse) {
+  TORCH_CHECK(out.dim() == 4 && out.is_contiguous() && lse.dim() == 3 && lse.is_contiguous() &&
+                  lse.scalar_type() == at::kFloat && lse.sizes() == out.sizes().slice(0, 3),
+              "combine_blocks: out [B, m, H, dv] and lse [B, m, H] float32, contiguous");
+  const int64_t B = out.size(0), m = out.size(1), H = out.size(2), dv = out.size(3);
+  TORCH_CHECK(dv % LANES == 0, "combine_blocks: a value width a multiple of 8");
+  TORCH_CHECK(acc.dim() == 3 && acc.size(1) == H && acc.size(2) == dv && top.dim() == 2 && top.size(0) == acc.size(0) &&
+                  top.size(1) == H && total.sizes() == top.sizes(),
+              "combine_blocks: acc [R, H, dv], top and total [R, H]");
+  for (const at::Tensor* t : {&top, &total, &acc})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous(), "combine_blocks: float32 contiguous state");
+  const int64_t R = acc.size(0);
+  const int64_t* rows = nullptr;
+  if (dest.numel()) {
+    TORCH_CHECK(dest.dim() == 1 && dest.size(0) == m && dest.scalar_type() == at::kLong && dest.is_contiguous(),
+                "combine_blocks: dest [m] int64");
+    rows = dest.data_ptr<int64_t>();
+    TORCH_CHECK(std::all_of(rows, rows + m, [&](int64_t r) { return r >= 0 && r < R; }), "combine_blocks: a row outside");
+  } else {
+    TORCH_CHECK(m == R, "combine_blocks: without dest, the blocks hold every row");
+  }
+  float *tp = top.data_ptr<float>(), *sp = total.data_ptr<float>(), *ap = acc.data_ptr<float>();
+  const float* lp = lse.data_ptr<float>();
+  AT_DISPATCH_SWITCH(out.scalar_type(), "combine_blocks",
+    AT_DISPATCH_CASE(at::kFloat, [&] { fold(tp, sp, ap, rows, out.data_ptr<float>(), lp, B, m, H, dv); })
+    AT_DISPATCH_CASE(at::kBFloat16, [&] { fold(tp, sp, ap, rows, out.data_ptr<c10::BFloat16>(), lp, B, m, H, dv); }));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(HICACHE_QGEMM_LIBRARY, m) {
   m.def("block_attend(Tensor q, Tensor k, Tensor v, Tensor index, Tensor seen, Tensor rows, float scale)"
         " -> (Tensor, Tensor)", &block_attend);
+  m.def("combine_blocks(Tensor(a!) top, Tensor(b!) total, Tensor(c!) acc, Tensor dest, Tensor out, Tensor lse) -> ()",
+        &combine_blocks);
 }
