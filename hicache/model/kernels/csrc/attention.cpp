@@ -7,9 +7,11 @@
 // Entry e's first rows[e] rows are computed; the rest (a plan's padding) are left unwritten.
 // Row (e, i) attends with query head h over keys index[e, 0 .. seen[e, i]) (all `keys` when seen is
 // empty) of k/v's KV head h / (H / Hkv): the softmax-normalized output and the natural log-sum-exp of
-// the scaled scores, as aten's flash kernel returns them, so the float32 block combine of ops.py is
-// unchanged. `index` names the rows of k and v to read, so a caller can pass the pool itself and its
-// slots: the keys are read in place, once, never copied out first.
+// the scaled scores, as aten's flash kernel returns them, so the float32 block combine of key_block_attention.py
+// takes them. `index` names the rows of k and v to read, so a caller can pass the pool itself and its
+// slots: the keys are read in place, from the rows themselves (bf16 widened in registers): neither a
+// gathered copy nor a tile buffer, whose stores cost more than the loads they saved (BENCHMARKS 38), and
+// no software prefetch (the hardware's streams did better on this machine).
 //
 // Batch invariance by construction: a (row, query head)'s result is a function of its query, its seen
 // keys and nothing else. Its keys are visited in tiles of TILE keys from key 0 of the block (a fixed
@@ -53,10 +55,6 @@ inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
 inline __m256 load8(const c10::BFloat16* p) {  // bf16 -> float32 is exact: the 16 bits move up
   __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
-}
-
-inline void prefetch(const void* p, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(static_cast<const char*>(p) + b, _MM_HINT_T0);
 }
 
 // e^x for 8 lanes: Cephes' expf (range reduction by ln 2 in two parts, a degree-5 polynomial, the
@@ -109,14 +107,14 @@ inline float max_lanes(__m256 v) {  // a maximum is exact in any order
 
 // Scaled scores of query qr [8 ND] against the tile's first `visible` keys kt [TILE, 8 ND], 8 keys at a
 // time (a short last group computes the tile's key 0 in its unused positions, then ignores them).
-template <int ND>
-inline void scores_of(const float* qr, const float* kt, int64_t visible, float scale, float* score) {
+template <int ND, typename T>
+inline void scores_of(const float* qr, const T* const* kt, int64_t visible, float scale, float* score) {
   __m256 qv[ND];
   for (int c = 0; c < ND; ++c) qv[c] = load8(qr + c * LANES);
   for (int64_t j0 = 0; j0 < visible; j0 += LANES) {
     __m256 lanes[LANES];
     for (int64_t j = 0; j < LANES; ++j) {
-      const float* kr = kt + (j0 + j < visible ? j0 + j : 0) * ND * LANES;
+      const T* kr = kt[j0 + j < visible ? j0 + j : 0];
       __m256 a = _mm256_mul_ps(qv[0], load8(kr));
       for (int c = 1; c < ND; ++c) a = _mm256_fmadd_ps(qv[c], load8(kr + c * LANES), a);
       lanes[j] = a;
@@ -126,7 +124,8 @@ inline void scores_of(const float* qr, const float* kt, int64_t visible, float s
 }
 
 // The same arithmetic for any width: the query held in registers for the usual widths, else re-read.
-inline void tile_scores(const float* qr, const float* kt, int64_t visible, int64_t nd, float scale, float* score) {
+template <typename T>
+inline void tile_scores(const float* qr, const T* const* kt, int64_t visible, int64_t nd, float scale, float* score) {
   switch (nd) {
     case 2: return scores_of<2>(qr, kt, visible, scale, score);
     case 4: return scores_of<4>(qr, kt, visible, scale, score);
@@ -137,7 +136,7 @@ inline void tile_scores(const float* qr, const float* kt, int64_t visible, int64
   for (int64_t j0 = 0; j0 < visible; j0 += LANES) {
     __m256 lanes[LANES];
     for (int64_t j = 0; j < LANES; ++j) {
-      const float* kr = kt + (j0 + j < visible ? j0 + j : 0) * nd * LANES;
+      const T* kr = kt[j0 + j < visible ? j0 + j : 0];
       __m256 a = _mm256_mul_ps(load8(qr), load8(kr));
       for (int64_t c = 1; c < nd; ++c) a = _mm256_fmadd_ps(load8(qr + c * LANES), load8(kr + c * LANES), a);
       lanes[j] = a;
@@ -148,21 +147,21 @@ inline void tile_scores(const float* qr, const float* kt, int64_t visible, int64
 
 // out[8 W] = out * kept + (sum over even keys j of p_j v_j + sum over odd keys), each sum one chain of
 // FMAs in key order: two chains per vector, so the FMA latency is hidden, in an order fixed by the tile.
-template <int W>
-inline void weigh_values(float* out, const float* vt, int64_t dv, const float* p, int64_t visible, float kept) {
+template <int W, typename T>
+inline void weigh_values(float* out, const T* const* vt, int64_t c0, const float* p, int64_t visible, float kept) {
   __m256 even[W], odd[W];
   for (int c = 0; c < W; ++c) even[c] = odd[c] = _mm256_setzero_ps();
   int64_t j = 0;
   for (; j + 1 < visible; j += 2) {
     const __m256 pe = _mm256_set1_ps(p[j]), po = _mm256_set1_ps(p[j + 1]);
     for (int c = 0; c < W; ++c) {
-      even[c] = _mm256_fmadd_ps(pe, load8(vt + j * dv + c * LANES), even[c]);
-      odd[c] = _mm256_fmadd_ps(po, load8(vt + (j + 1) * dv + c * LANES), odd[c]);
+      even[c] = _mm256_fmadd_ps(pe, load8(vt[j] + c0 + c * LANES), even[c]);
+      odd[c] = _mm256_fmadd_ps(po, load8(vt[j + 1] + c0 + c * LANES), odd[c]);
     }
   }
   if (j < visible) {
     const __m256 pe = _mm256_set1_ps(p[j]);
-    for (int c = 0; c < W; ++c) even[c] = _mm256_fmadd_ps(pe, load8(vt + j * dv + c * LANES), even[c]);
+    for (int c = 0; c < W; ++c) even[c] = _mm256_fmadd_ps(pe, load8(vt[j] + c0 + c * LANES), even[c]);
   }
   const __m256 kept_v = _mm256_set1_ps(kept);
   for (int c = 0; c < W; ++c) {
@@ -196,7 +195,8 @@ template <typename T>
 void attend_unit(const Operands<T>& o, int64_t e, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
   const int64_t group = o.H / o.Hkv, heads = g1 - g0, d = o.d, dv = o.dv, nd = d / LANES, nv = dv / LANES;
   const int64_t rows = (r1 - r0) * heads * group;  // vector r: row r0 + r / (heads group), head g0 group + r % ..
-  std::vector<float> qf(rows * d), acc(rows * dv, 0.0f), kt(heads * TILE * d), vt(heads * TILE * dv);
+  std::vector<float> qf(rows * d), acc(rows * dv, 0.0f);
+  std::vector<const T*> kt(heads * TILE), vt(heads * TILE);
   std::vector<State> state(rows);
   std::vector<int64_t> seen(r1 - r0);
   int64_t most = 0;
@@ -213,30 +213,18 @@ void attend_unit(const Operands<T>& o, int64_t e, int64_t g0, int64_t g1, int64_
   alignas(32) float score[TILE];
   for (int64_t t0 = 0; t0 < most; t0 += TILE) {
     const int64_t tile_keys = std::min(TILE, most - t0);
-    const int64_t ahead = std::min(TILE, std::max<int64_t>(0, most - t0 - TILE));
-    for (int64_t j = 0; j < ahead; ++j) {  // the next tile's rows, requested now: slots need not be in order
-      const int64_t at = index[t0 + TILE + j];
-      for (int64_t g = g0; g < g1; ++g) {
-        prefetch(o.k + at * o.k_row + g * o.k_head, d * sizeof(T));
-        prefetch(o.v + at * o.v_row + g * o.v_head, dv * sizeof(T));
-      }
-    }
-    for (int64_t j = 0; j < tile_keys; ++j) {  // the tile's keys and values, widened, each row read once
+    for (int64_t j = 0; j < tile_keys; ++j) {  // the tile's rows of each KV head, read in place
       const int64_t at = index[t0 + j];
       for (int64_t g = g0; g < g1; ++g) {
-        const T* kp = o.k + at * o.k_row + g * o.k_head;
-        const T* vp = o.v + at * o.v_row + g * o.v_head;
-        float* kd = kt.data() + ((g - g0) * TILE + j) * d;
-        float* vd = vt.data() + ((g - g0) * TILE + j) * dv;
-        for (int64_t c = 0; c < nd; ++c) _mm256_storeu_ps(kd + c * LANES, load8(kp + c * LANES));
-        for (int64_t c = 0; c < nv; ++c) _mm256_storeu_ps(vd + c * LANES, load8(vp + c * LANES));
+        kt[(g - g0) * TILE + j] = o.k + at * o.k_row + g * o.k_head;
+        vt[(g - g0) * TILE + j] = o.v + at * o.v_row + g * o.v_head;
       }
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::min(seen[r / (heads * group)] - t0, tile_keys);
       if (visible <= 0) continue;
-      const float* kg = kt.data() + r / group % heads * TILE * d;
-      const float* vg = vt.data() + r / group % heads * TILE * dv;
+      const T* const* kg = kt.data() + r / group % heads * TILE;
+      const T* const* vg = vt.data() + r / group % heads * TILE;
       tile_scores(qf.data() + r * d, kg, visible, nd, o.scale, score);
       const int64_t padded = (visible + LANES - 1) / LANES * LANES;
       for (int64_t j = visible; j < padded; ++j) score[j] = -std::numeric_limits<float>::infinity();
@@ -260,10 +248,10 @@ void attend_unit(const Operands<T>& o, int64_t e, int64_t g0, int64_t g1, int64_
       float* out = acc.data() + r * dv;
       for (int64_t c = 0; c < nv; c += 4) {  // four output vectors at a time, each its own two chains
         switch (std::min<int64_t>(4, nv - c)) {
-          case 4: weigh_values<4>(out + c * LANES, vg + c * LANES, dv, score, visible, kept); break;
-          case 3: weigh_values<3>(out + c * LANES, vg + c * LANES, dv, score, visible, kept); break;
-          case 2: weigh_values<2>(out + c * LANES, vg + c * LANES, dv, score, visible, kept); break;
-          default: weigh_values<1>(out + c * LANES, vg + c * LANES, dv, score, visible, kept);
+          case 4: weigh_values<4>(out + c * LANES, vg, c * LANES, score, visible, kept); break;
+          case 3: weigh_values<3>(out + c * LANES, vg, c * LANES, score, visible, kept); break;
+          case 2: weigh_values<2>(out + c * LANES, vg, c * LANES, score, visible, kept); break;
+          default: weigh_values<1>(out + c * LANES, vg, c * LANES, score, visible, kept);
         }
       }
     }
