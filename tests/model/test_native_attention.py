@@ -33,7 +33,7 @@ def _operands(widths, dtype, slots, seed=0):
 
 
 def _call(q, k, v, index, seen, live):
-    return native.library().block_attend(q, k, v, index, seen, live, q.shape[-1] ** -0.5)
+    return native.library().block_attend(q, k, v, [index], seen, live, q.shape[-1] ** -0.5)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

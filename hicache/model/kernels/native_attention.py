@@ -40,13 +40,8 @@ def attend_calls(
     (E, n), H, d, B = call.rows.shape, q.shape[1], q.shape[2], len(indexes)
     rows = q.index_select(0, call.rows.view(-1)).view(E, n, H, d)
     seen = call.seen if call.seen is not None else torch.empty(0, dtype=torch.int64)
-    if B == 1:
-        keys, live = indexes[0].view(E, length)[:, : call.keys].contiguous(), call.live
-    else:
-        rows, live = rows.repeat(B, 1, 1, 1), call.live.repeat(B)
-        keys = torch.stack([index.view(E, length)[:, : call.keys] for index in indexes]).view(B * E, call.keys)
-        seen = seen.repeat(B, 1) if call.seen is not None else seen
-    out, lse = native.library().block_attend(rows, k, v, keys, seen, live, scale)
+    keys = [index.view(E, length)[:, : call.keys] for index in indexes]  # views: the kernel takes strided rows
+    out, lse = native.library().block_attend(rows, k, v, keys, seen, call.live, scale)
     out, lse = out.view(B, E * n, H, -1), lse.view(B, E * n, H)
     if call.pick is not None:
         out, lse = out.index_select(1, call.pick), lse.index_select(1, call.pick)

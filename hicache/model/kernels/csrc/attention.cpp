@@ -1,10 +1,13 @@
 // One key block of attention for CPUs with AVX2 + FMA (hicache/model/kernels/native.py builds this file
 // beside qgemm.cpp; native_attention.py calls it for every plan call on a CPU: decode, prefill, verify).
 //
-//   block_attend(q [E, n, H, d], k [N, Hkv, d], v [N, Hkv, dv], index [E, keys] int64, seen [E, n] int64
-//                or empty, rows [E] int64, scale) -> (out [E, n, H, dv] in q's dtype, lse [E, n, H] float32)
+//   block_attend(q [E, n, H, d], k [N, Hkv, d], v [N, Hkv, dv], index B x [E, keys] int64, seen [E, n]
+//                int64 or empty, rows [E] int64, scale) -> (out [B E, n, H, dv] in q's dtype, lse [B E, n, H]
+//                float32)
 //
-// Entry e's first rows[e] rows are computed; the rest (a plan's padding) are left unwritten.
+// The call attends each query entry e over each of the B reads' keys index[b][e] (a decode batch's
+// consecutive key blocks in one call, without repeating its queries): out entry b E + e. Entry e's first
+// rows[e] rows are computed; the rest (a plan's padding) are left unwritten.
 // Row (e, i) attends with query head h over keys index[e, 0 .. seen[e, i]) (all `keys` when seen is
 // empty) of k/v's KV head h / (H / Hkv): the softmax-normalized output and the natural log-sum-exp of
 // the scaled scores, as aten's flash kernel returns them, so the float32 block combine of key_block_attention.py
@@ -181,18 +184,20 @@ struct Operands {
   const T* q;
   const T* k;
   const T* v;
-  const int64_t* index;
-  const int64_t* seen;  // null: every row sees all keys
+  const int64_t* const* index;  // entry u's keys: index[u][0 .. keys)
+  const int64_t* seen;          // null: every row sees all keys
   T* out;
   float* lse;
-  int64_t n, H, Hkv, d, dv, keys;
+  int64_t E, n, H, Hkv, d, dv, keys;  // entry u takes query entry u % E
   int64_t k_row, k_head, v_row, v_head;  // strides of k and v (their last dimension is contiguous)
   float scale;
 };
 
-// Rows [r0, r1) of entry e with KV heads [g0, g1): every query head of their groups, tile by tile.
+// Rows [r0, r1) of entry u (query entry e = u % E) with KV heads [g0, g1): every query head of their
+// groups, tile by tile.
 template <typename T>
-void attend_unit(const Operands<T>& o, int64_t e, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+void attend_unit(const Operands<T>& o, int64_t u, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+  const int64_t e = u % o.E;
   const int64_t group = o.H / o.Hkv, heads = g1 - g0, d = o.d, dv = o.dv, nd = d / LANES, nv = dv / LANES;
   const int64_t rows = (r1 - r0) * heads * group;  // vector r: row r0 + r / (heads group), head g0 group + r % ..
   std::vector<float> qf(rows * d), acc(rows * dv, 0.0f);
@@ -209,7 +214,7 @@ void attend_unit(const Operands<T>& o, int64_t e, int64_t g0, int64_t g1, int64_
       for (int64_t c = 0; c < nd; ++c) _mm256_storeu_ps(dst + c * LANES, load8(src + c * LANES));
     }
   }
-  const int64_t* index = o.index + e * o.keys;
+  const int64_t* index = o.index[u];
   alignas(32) float score[TILE];
   for (int64_t t0 = 0; t0 < most; t0 += TILE) {
     const int64_t tile_keys = std::min(TILE, most - t0);
@@ -259,20 +264,20 @@ void attend_unit(const Operands<T>& o, int64_t e, int64_t g0, int64_t g1, int64_
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = r0 + r / (heads * group), h = g0 * group + r % (heads * group);
     const State& s = state[r];
-    T* dst = o.out + ((e * o.n + i) * o.H + h) * dv;
+    T* dst = o.out + ((u * o.n + i) * o.H + h) * dv;
     const float* src = acc.data() + r * dv;
     for (int64_t c = 0; c < dv; ++c) dst[c] = static_cast<T>(src[c] / s.total);
-    o.lse[(e * o.n + i) * o.H + h] = s.top + std::log(s.total);
+    o.lse[(u * o.n + i) * o.H + h] = s.top + std::log(s.total);
   }
 }
 
 template <typename T>
-void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& index, const at::Tensor& seen,
-         const int64_t* live, float scale, at::Tensor& out, at::Tensor& lse) {
-  const int64_t E = q.size(0), n = q.size(1), Hkv = k.size(1);
-  const Operands<T> o{q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), index.data_ptr<int64_t>(),
+void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<const int64_t*>& index,
+         int64_t keys, const at::Tensor& seen, const int64_t* live, float scale, at::Tensor& out, at::Tensor& lse) {
+  const int64_t E = q.size(0), n = q.size(1), Hkv = k.size(1), entries = static_cast<int64_t>(index.size());
+  const Operands<T> o{q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), index.data(),
                       seen.numel() ? seen.data_ptr<int64_t>() : nullptr, out.data_ptr<T>(), lse.data_ptr<float>(),
-                      n, q.size(2), Hkv, q.size(3), v.size(2), index.size(1),
+                      E, n, q.size(2), Hkv, q.size(3), v.size(2), keys,
                       k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale};
   // One query row per entry (decode; a plan pads it to 8): a unit reads its entry's rows of every KV head together (a pool
   // row is one stream) unless that leaves threads idle. Several rows: a unit takes one KV head, so its
@@ -280,19 +285,19 @@ void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at
   // (row, head)'s arithmetic is the same (the file's header).
   const int64_t row_groups = (n + ROW_GROUP - 1) / ROW_GROUP;
   const bool one_row_each = std::all_of(live, live + E, [](int64_t rows) { return rows <= 1; });
-  const int64_t splits = one_row_each && E >= at::get_num_threads() ? 1 : Hkv, units = E * splits * row_groups;
-  at::parallel_for(0, units, 1, [&](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t e = u / (splits * row_groups), part = u / row_groups % splits, r0 = u % row_groups * ROW_GROUP;
-      const int64_t r1 = std::min({live[e], n, r0 + ROW_GROUP});  // rows past an entry's live ones are padding
+  const int64_t splits = one_row_each && entries >= at::get_num_threads() ? 1 : Hkv;
+  at::parallel_for(0, entries * splits * row_groups, 1, [&](int64_t w0, int64_t w1) {
+    for (int64_t w = w0; w < w1; ++w) {
+      const int64_t u = w / (splits * row_groups), part = w / row_groups % splits, r0 = w % row_groups * ROW_GROUP;
+      const int64_t r1 = std::min({live[u % E], n, r0 + ROW_GROUP});  // rows past an entry's live ones are padding
       const int64_t g0 = part * Hkv / splits, g1 = (part + 1) * Hkv / splits;
-      if (r0 < r1) attend_unit(o, e, g0, g1, r0, r1);
+      if (r0 < r1) attend_unit(o, u, g0, g1, r0, r1);
     }
   });
 }
 
 std::tuple<at::Tensor, at::Tensor> block_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                const at::Tensor& index, const at::Tensor& seen,
+                                                const std::vector<at::Tensor>& index, const at::Tensor& seen,
                                                 const at::Tensor& rows, double scale) {
   TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "block_attend: q [E, n, H, d] contiguous");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1,
@@ -302,28 +307,39 @@ std::tuple<at::Tensor, at::Tensor> block_attend(const at::Tensor& q, const at::T
   TORCH_CHECK(k.size(2) == d && v.size(1) == Hkv && k.size(0) == v.size(0) && H % Hkv == 0,
               "block_attend: head shapes");
   TORCH_CHECK(d % LANES == 0 && dv % LANES == 0, "block_attend: head sizes a multiple of 8");
-  TORCH_CHECK(index.dim() == 2 && index.size(0) == E && index.scalar_type() == at::kLong && index.is_contiguous(),
-              "block_attend: index [E, keys] int64");
+  TORCH_CHECK(!index.empty(), "block_attend: at least one index");
+  const int64_t keys = index[0].dim() == 2 ? index[0].size(1) : -1;
+  std::vector<const int64_t*> entries;  // entry b E + e reads index[b][e]
+  for (const at::Tensor& read : index) {
+    TORCH_CHECK(read.dim() == 2 && read.size(0) == E && read.size(1) == keys && read.scalar_type() == at::kLong &&
+                    (keys <= 1 || read.stride(1) == 1),
+                "block_attend: each index [E, keys] int64, one keys, its rows contiguous");
+    for (int64_t e = 0; e < E; ++e) {
+      const int64_t* row = read.data_ptr<int64_t>() + e * read.stride(0);
+      TORCH_CHECK(std::all_of(row, row + keys, [&](int64_t x) { return x >= 0 && x < k.size(0); }),
+                  "block_attend: an index outside k and v");
+      entries.push_back(row);
+    }
+  }
   const bool masked = seen.numel() > 0;
   TORCH_CHECK(!masked || (seen.scalar_type() == at::kLong && seen.is_contiguous() && seen.numel() == E * n),
               "block_attend: seen [E, n] int64");
   TORCH_CHECK(rows.dim() == 1 && rows.size(0) == E && rows.scalar_type() == at::kLong && rows.is_contiguous(),
               "block_attend: rows [E] int64");
-  const int64_t* at = index.data_ptr<int64_t>();
-  TORCH_CHECK(std::all_of(at, at + index.numel(), [&](int64_t x) { return x >= 0 && x < k.size(0); }),
-              "block_attend: an index outside k and v");
   if (masked) {  // a row reads index[e, 0 .. seen): never past the keys it was given
     const int64_t* s = seen.data_ptr<int64_t>();
-    TORCH_CHECK(std::all_of(s, s + E * n, [&](int64_t x) { return x >= 0 && x <= index.size(1); }),
+    TORCH_CHECK(std::all_of(s, s + E * n, [&](int64_t x) { return x >= 0 && x <= keys; }),
                 "block_attend: a row sees more keys than index holds");
   }
-  at::Tensor out = at::empty({E, n, H, dv}, q.options());
-  at::Tensor lse = at::empty({E, n, H}, q.options().dtype(at::kFloat));
+  const int64_t B = static_cast<int64_t>(index.size());
+  at::Tensor out = at::empty({B * E, n, H, dv}, q.options());
+  at::Tensor lse = at::empty({B * E, n, H}, q.options().dtype(at::kFloat));
   const int64_t* live = rows.data_ptr<int64_t>();
   const float factor = static_cast<float>(scale);
   AT_DISPATCH_SWITCH(q.scalar_type(), "block_attend",
-    AT_DISPATCH_CASE(at::kFloat, [&] { run<float>(q, k, v, index, seen, live, factor, out, lse); })
-    AT_DISPATCH_CASE(at::kBFloat16, [&] { run<c10::BFloat16>(q, k, v, index, seen, live, factor, out, lse); }));
+    AT_DISPATCH_CASE(at::kFloat, [&] { run<float>(q, k, v, entries, keys, seen, live, factor, out, lse); })
+    AT_DISPATCH_CASE(at::kBFloat16,
+                     [&] { run<c10::BFloat16>(q, k, v, entries, keys, seen, live, factor, out, lse); }));
   return {out, lse};
 }
 
@@ -383,7 +399,7 @@ void combine_blocks(at::Tensor& top, at::Tensor& total, at::Tensor& acc, const a
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(HICACHE_QGEMM_LIBRARY, m) {
-  m.def("block_attend(Tensor q, Tensor k, Tensor v, Tensor index, Tensor seen, Tensor rows, float scale)"
+  m.def("block_attend(Tensor q, Tensor k, Tensor v, Tensor[] index, Tensor seen, Tensor rows, float scale)"
         " -> (Tensor, Tensor)", &block_attend);
   m.def("combine_blocks(Tensor(a!) top, Tensor(b!) total, Tensor(c!) acc, Tensor dest, Tensor out, Tensor lse) -> ()",
         &combine_blocks);
