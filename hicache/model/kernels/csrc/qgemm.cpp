@@ -44,7 +44,9 @@ inline float sum_lanes(__m256 v) {
 }
 
 // A format's weights: `load(p, g, r, part)` = the dequantized weights of panel p's row r, inputs
-// 32g + 8 part .. 32g + 8 part + 7, computed exactly as QuantizedWeight.dequantize() computes them.
+// 32g + 8 part .. 32g + 8 part + 7, computed exactly as QuantizedWeight.dequantize() computes them;
+// `load_group(p, g, r, w)` the four parts of group g at once, each by the same instructions as `load`
+// (the codes read once: a one-row call is bound by these instructions, not by its bytes).
 struct Int8Weights {
   const int8_t* codes;
   const float* scale;
@@ -53,6 +55,13 @@ struct Int8Weights {
     const int8_t* at = codes + ((p * groups + g) * PANEL + r) * GROUP + part * LANES;
     __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
     return _mm256_mul_ps(v, _mm256_broadcast_ss(scale + p * PANEL + r));
+  }
+  inline void load_group(int64_t p, int64_t g, int64_t r, __m256* w) const {
+    const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + ((p * groups + g) * PANEL + r) * GROUP));
+    const __m128i low = _mm256_castsi256_si128(all), high = _mm256_extracti128_si256(all, 1);
+    const __m128i quarters[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
+    const __m256 s = _mm256_broadcast_ss(scale + p * PANEL + r);
+    for (int part = 0; part < 4; ++part) w[part] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(quarters[part])), s);
   }
 };
 
@@ -68,6 +77,16 @@ struct Int4Weights {
     __m256i code = part < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(bytes, 4);
     __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(code), _mm256_broadcast_ss(scale + row));
     return _mm256_add_ps(v, _mm256_broadcast_ss(offset + row));
+  }
+  inline void load_group(int64_t p, int64_t g, int64_t r, __m256* w) const {
+    const int64_t row = (p * groups + g) * PANEL + r;
+    const __m128i all = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + row * (GROUP / 2)));
+    const __m256i first = _mm256_cvtepu8_epi32(all), second = _mm256_cvtepu8_epi32(_mm_srli_si128(all, 8));
+    const __m256i mask = _mm256_set1_epi32(0xF);
+    const __m256i code[4] = {_mm256_and_si256(first, mask), _mm256_and_si256(second, mask), _mm256_srli_epi32(first, 4),
+                             _mm256_srli_epi32(second, 4)};
+    const __m256 s = _mm256_broadcast_ss(scale + row), o = _mm256_broadcast_ss(offset + row);
+    for (int part = 0; part < 4; ++part) w[part] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(code[part]), s), o);
   }
 };
 
@@ -107,6 +126,24 @@ inline void block(const W& w, const float* x, float* y, int64_t m0, int64_t p, i
     for (int j = 0; j < COLS; ++j) y[(m0 + i) * n + p * PANEL + r0 + j] = sum_lanes(acc[i][j]);
 }
 
+// One row times the 8 outputs of panel p straight from the codes (each weight is used once): a group's
+// four parts dequantized together, then each output's four FMAs in increasing k, as `block` orders them.
+template <typename W>
+inline void one_row(const W& w, const float* x, float* y, int64_t p, int64_t k) {
+  __m256 acc[PANEL];
+  for (int r = 0; r < PANEL; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < k / GROUP; ++g) {
+    __m256 xs[4];
+    for (int part = 0; part < 4; ++part) xs[part] = _mm256_loadu_ps(x + g * GROUP + part * LANES);
+    for (int r = 0; r < PANEL; ++r) {
+      __m256 wv[4];
+      w.load_group(p, g, r, wv);
+      for (int part = 0; part < 4; ++part) acc[r] = _mm256_fmadd_ps(xs[part], wv[part], acc[r]);
+    }
+  }
+  for (int r = 0; r < PANEL; ++r) y[p * PANEL + r] = sum_lanes(acc[r]);
+}
+
 // Rows [m0, m1) times the 8 outputs of panel p: blocks of 4 rows, then the rest.
 template <typename W>
 void rows_times_panel(const W& w, const float* x, float* y, int64_t m0, int64_t m1, int64_t p, int64_t k, int64_t n) {
@@ -141,7 +178,7 @@ at::Tensor run(const W& w, const at::Tensor& x_in, int64_t n, int64_t k, int64_t
   const int64_t grain = std::max<int64_t>(1, 65536 / panel_bytes);
   at::parallel_for(0, n / PANEL, grain, [&](int64_t p0, int64_t p1) {
     if (m == 1) {  // one row: each weight is used once, straight from its codes
-      for (int64_t p = p0; p < p1; ++p) block<1, 8>(w, xp, yp, 0, p, 0, k, n);
+      for (int64_t p = p0; p < p1; ++p) one_row(w, xp, yp, p, k);
       return;
     }
     std::vector<float> panel(PANEL * k);
