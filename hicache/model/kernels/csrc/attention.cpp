@@ -8,10 +8,10 @@
 // The call attends each query entry e over each of the B reads' keys index[b][e] (a decode batch's
 // consecutive key blocks in one call, without repeating its queries): out entry b E + e. Entry e's first
 // rows[e] rows are computed; the rest (a plan's padding) are left unwritten.
-// Row (e, i) attends with query head h over keys index[e, 0 .. seen[e, i]) (all `keys` when seen is
-// empty) of k/v's KV head h / (H / Hkv): the softmax-normalized output and the natural log-sum-exp of
-// the scaled scores, as aten's flash kernel returns them, so the float32 block combine of key_block_attention.py
-// takes them. `index` names the rows of k and v to read, so a caller can pass the pool itself and its
+// Row (e, i) of read b attends with query head h over keys index[b][e, 0 .. seen[e, i]) (all `keys`
+// when seen is empty) of k/v's KV head h / (H / Hkv): the softmax-normalized output and the natural
+// log-sum-exp of the scaled scores, as aten's flash kernel returns them, for the float32 block combine
+// (key_block_attention.py, `combine_blocks` below). `index` names the rows of k and v to read, so a caller can pass the pool itself and its
 // slots: the keys are read in place, from the rows themselves (bf16 widened in registers): neither a
 // gathered copy nor a tile buffer, whose stores cost more than the loads they saved (BENCHMARKS 38), and
 // no software prefetch (the hardware's streams did better on this machine).
@@ -108,8 +108,9 @@ inline float max_lanes(__m256 v) {  // a maximum is exact in any order
   return _mm_cvtss_f32(q);
 }
 
-// Scaled scores of query qr [8 ND] against the tile's first `visible` keys kt [TILE, 8 ND], 8 keys at a
-// time (a short last group computes the tile's key 0 in its unused positions, then ignores them).
+// Scaled scores of query qr [8 ND] against the tile's first `visible` keys (kt[j]: key j's row of this
+// KV head, in place), 8 keys at a time (a short last group computes the tile's key 0 in its unused
+// positions, then ignores them).
 template <int ND, typename T>
 inline void scores_of(const float* qr, const T* const* kt, int64_t visible, float scale, float* score) {
   __m256 qv[ND];
