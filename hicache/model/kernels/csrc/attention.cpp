@@ -11,10 +11,10 @@
 // Row (e, i) of read b attends with query head h over keys index[b][e, 0 .. seen[e, i]) (all `keys`
 // when seen is empty) of k/v's KV head h / (H / Hkv): the softmax-normalized output and the natural
 // log-sum-exp of the scaled scores, as aten's flash kernel returns them, for the float32 block combine
-// (key_block_attention.py, `combine_blocks` below). `index` names the rows of k and v to read, so a caller can pass the pool itself and its
-// slots: the keys are read in place, from the rows themselves (bf16 widened in registers): neither a
-// gathered copy nor a tile buffer, whose stores cost more than the loads they saved (BENCHMARKS 38), and
-// no software prefetch (the hardware's streams did better on this machine).
+// (key_block_attention.py, `combine_blocks` below). `index` names the rows of k and v to read, so a caller
+// can pass the pool itself and its slots: the keys are read in place, from the rows themselves (bf16 widened
+// in registers): neither a gathered copy nor a tile buffer, whose stores cost more than the loads they saved
+// (BENCHMARKS 38), and no software prefetch (the hardware's streams did better on this machine).
 //
 // Batch invariance by construction: a (row, query head)'s result is a function of its query, its seen
 // keys and nothing else. Its keys are visited in tiles of TILE keys from key 0 of the block (a fixed
@@ -386,7 +386,8 @@ void combine_blocks(at::Tensor& top, at::Tensor& total, at::Tensor& acc, const a
     TORCH_CHECK(dest.dim() == 1 && dest.size(0) == m && dest.scalar_type() == at::kLong && dest.is_contiguous(),
                 "combine_blocks: dest [m] int64");
     rows = dest.data_ptr<int64_t>();
-    TORCH_CHECK(std::all_of(rows, rows + m, [&](int64_t r) { return r >= 0 && r < R; }), "combine_blocks: a row outside");
+    TORCH_CHECK(std::all_of(rows, rows + m, [&](int64_t r) { return r >= 0 && r < R; }),
+                "combine_blocks: a row outside");
   } else {
     TORCH_CHECK(m == R, "combine_blocks: without dest, the blocks hold every row");
   }

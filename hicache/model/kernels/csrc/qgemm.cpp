@@ -57,11 +57,13 @@ struct Int8Weights {
     return _mm256_mul_ps(v, _mm256_broadcast_ss(scale + p * PANEL + r));
   }
   inline void load_group(int64_t p, int64_t g, int64_t r, __m256* w) const {
-    const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(codes + ((p * groups + g) * PANEL + r) * GROUP));
+    const int8_t* at = codes + ((p * groups + g) * PANEL + r) * GROUP;
+    const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
     const __m128i low = _mm256_castsi256_si128(all), high = _mm256_extracti128_si256(all, 1);
     const __m128i quarters[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
     const __m256 s = _mm256_broadcast_ss(scale + p * PANEL + r);
-    for (int part = 0; part < 4; ++part) w[part] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(quarters[part])), s);
+    for (int part = 0; part < 4; ++part)
+      w[part] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(quarters[part])), s);
   }
 };
 
