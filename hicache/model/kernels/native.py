@@ -77,14 +77,15 @@ def build(verbose: bool = False) -> None:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=LIBRARY, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS,
-                       build_directory=str(directory), is_python_module=False, verbose=verbose)  # fmt: skip
+    cpp_extension.load(name=LIBRARY, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+                       extra_ldflags=LDFLAGS, build_directory=str(directory), is_python_module=False,
+                       verbose=verbose)  # fmt: skip
 
 
 @functools.cache
 def library() -> Any:
-    """The loaded ops (`int8_linear`, `int4_linear`, `block_attend`, `combine_blocks`, `parallel_threads`), built first if needed; None (after one warning)
-    where they cannot be built here."""
+    """The loaded ops (`int8_linear`, `int4_linear`, `block_attend`, `combine_blocks`, `parallel_threads`),
+    built first if needed; None (after one warning) where they cannot be built here."""
     try:
         build()
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the aten kernels"
