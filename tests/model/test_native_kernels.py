@@ -1,7 +1,8 @@
-"""hicache's native weight-only quantized GEMMs (hicache/model/kernels/native.py, csrc/qgemm.cpp): they
-compute the dequantized weight's product to float32 rounding, a row's bits never depend on the call
-it is in (rows, position, thread count), they run on torch's threads, the calibration picks them first,
-and plans measured without them are not reused."""
+"""hicache's native weight-only quantized GEMMs (hicache/model/kernels/native.py, csrc/qgemm.cpp): their
+activation quantization is bitwise the documented one and keeps 16 bits of a group, they compute the
+dequantized weights' product with the quantized activations to float32 rounding, a row's bits never
+depend on the call it is in (rows, position, thread count), they run on torch's threads, the calibration
+picks them first, and plans measured without them are not reused."""
 
 import pytest
 import torch
@@ -24,20 +25,48 @@ def _linear(weight: quant.QuantizedWeight, dtype: torch.dtype) -> ops.Linear:
     return ops.Linear(weight, ops.LinearPlan(f"native-{weight.format}", 1), dtype)
 
 
+def _dequantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: e Q per group (native.quantize_activations), in float64."""
+    high, low, e, _ = native.quantize_activations(x.float())
+    codes = (high.double() * 255 + low.double()).view(x.shape[0], -1, quant.INT4_GROUP)
+    return (codes * e.double()[..., None]).view(x.shape)
+
+
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 9), groups=st.integers(1, 12), seed=st.integers(0, 2**16),
+       magnitude=st.sampled_from([0.0, 1e-39, 1e-30, 1e-3, 1.0, 3e4]))  # fmt: skip
+def test_the_activation_quantization_is_the_documented_one_and_keeps_16_bits(rows, groups, seed, magnitude):
+    x = torch.randn(rows, 32 * groups, generator=torch.Generator().manual_seed(seed)) * magnitude
+    x[0, :32] = 0  # an all-zero group
+    kernel, documented = native.library().quantize_activations(x), native.quantize_activations(x)
+    assert all(torch.equal(a, b) for a, b in zip(kernel, documented))
+    high, low, e, s = documented
+    assert int(high.abs().max()) <= 127 and int(low.abs().max()) <= 127
+    largest = x.view(rows, groups, 32).abs().amax(-1, keepdim=True).double()
+    error = (_dequantized_activations(x) - x.double()).view(rows, groups, 32).abs()
+    normal = e[..., None] >= torch.finfo(torch.float32).tiny  # below: the group is taken as zero
+    assert bool(torch.where(normal, error <= largest * (2.0**-16 + 2.0**-22), error <= largest).all())
+    codes = (high.float() * 255 + low.float()).view(rows, groups, 32)
+    assert torch.equal(s, e * codes.sum(-1))
+
+
 @settings(max_examples=30, deadline=None)
 @given(fmt=st.sampled_from(quant.FORMATS), dtype=st.sampled_from(DTYPES), panels=st.integers(1, 40),
        groups=st.integers(1, 24), rows=st.integers(1, 40), seed=st.integers(0, 2**16))  # fmt: skip
-def test_product_is_the_dequantized_weights_to_float32_rounding(fmt, dtype, panels, groups, rows, seed):
+def test_product_is_the_dequantized_operands_to_float32_rounding(fmt, dtype, panels, groups, rows, seed):
     weight = _weight(fmt, 8 * panels, 32 * groups, seed)
     x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
     got = _linear(weight, dtype)(x)
     assert got.dtype == dtype and got.shape == (rows, weight.shape[0])
-    dense = weight.dequantize().double()
-    exact = x.double() @ dense.t()
-    # float32 accumulation over K: a few units of rounding of the sum of |products|, and the output
+    dense, xq = weight.dequantize().double(), _dequantized_activations(x)
+    exact = xq @ dense.t()
+    # float32 steps a group over K: a few units of rounding of the sum of |products|, and the output
     # rounding of the activation dtype
-    bound = (x.double().abs() @ dense.abs().t()) * weight.shape[1] * 2.0**-24 + exact.abs() * torch.finfo(dtype).eps
+    bound = (xq.abs() @ dense.abs().t()) * weight.shape[1] * 2.0**-24 + exact.abs() * torch.finfo(dtype).eps
     assert bool(((got.double() - exact).abs() <= bound).all())
+    # and x itself to ~2^-16 of each group's largest input
+    assert bool(((got.double() - x.double() @ dense.t()).abs() <= bound + (x.double().abs() @ dense.abs().t())
+                 * 2.0**-14).all())  # fmt: skip
 
 
 @settings(max_examples=12, deadline=None)
@@ -59,12 +88,13 @@ def test_a_rows_bits_do_not_depend_on_its_call(fmt, dtype, rows, offset, shape):
 
 @pytest.mark.parametrize("fmt", quant.FORMATS)
 def test_the_probe_sees_another_summation_order(fmt):
-    """Negative control for the test above: on its operands, the same dequantized weights summed in
+    """Negative control for the test above: on its operands, the same dequantized operands summed in
     another order (a float32 matmul) give other bits, so equal bits there mean the same order."""
     weight, x = calibration.probe_quantized(192, 576, 64, fmt, torch.float32, CPU)
     native_bits = _linear(weight, torch.float32)(x)
-    other_order = x @ weight.dequantize().t()
-    rounding = (x.abs() @ weight.dequantize().abs().t()) * x.shape[1] * 2.0**-24  # the same sum, to rounding
+    xq = _dequantized_activations(x).float()
+    other_order = xq @ weight.dequantize().t()
+    rounding = (xq.abs() @ weight.dequantize().abs().t()) * x.shape[1] * 2.0**-24  # the same sum, to rounding
     assert bool(((native_bits - other_order).abs() <= rounding).all())
     assert not torch.equal(native_bits, other_order)
 

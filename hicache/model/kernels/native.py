@@ -29,7 +29,7 @@ logger = logging.getLogger(__name__)
 
 # Bump on any change of csrc/qgemm.cpp's arithmetic: the version names the library and enters the
 # calibration's platform fingerprint, so plans and builds of another version are never reused.
-VERSION = 1
+VERSION = 2
 # Bump on any change of csrc/attention.cpp's arithmetic: it names the library and enters every model's
 # identity on a CPU (`attention_family`), so KV attended otherwise is never shared or paired with.
 ATTENTION_VERSION = 2
@@ -43,6 +43,8 @@ CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", f"-DHICACHE
 LDFLAGS = ["-fopenmp"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
 PANEL = 8  # output rows the kernel stores together (csrc/qgemm.cpp)
+STEPS = quant.INT4_GROUP // 4  # 4-input steps a group of 32 inputs (csrc/qgemm.cpp)
+ACTIVATION_CODE_MAX = 127 * 255  # activation codes 255 h + l, both halves int8 in [-127, 127] (csrc/qgemm.cpp)
 
 
 def _cpu_flags() -> set[str]:
@@ -84,8 +86,8 @@ def build(verbose: bool = False) -> None:
 
 @functools.cache
 def library() -> Any:
-    """The loaded ops (`int8_linear`, `int4_linear`, `block_attend`, `combine_blocks`, `parallel_threads`),
-    built first if needed; None (after one warning) where they cannot be built here."""
+    """The loaded ops (`int8_linear`, `int4_linear`, `quantize_activations`, `block_attend`, `combine_blocks`,
+    `parallel_threads`), built first if needed; None (after one warning) where they cannot be built here."""
     try:
         build()
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the aten kernels"
@@ -95,30 +97,50 @@ def library() -> Any:
     return getattr(torch.ops, LIBRARY)
 
 
-# ---- the kernel's weight layout (csrc/qgemm.cpp's header) ------------------------------------------
+# ---- the kernel's operands (csrc/qgemm.cpp's header) -------------------------------------------------
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernels' first stage, bitwise (csrc/qgemm.cpp's header): rows of x [M, K] float32 in groups of 32
+    inputs as 16-bit codes Q = 255 high + low, the halves int8 [M, K], with a scale e = max |x| / 32385
+    and s = e * sum(Q) [M, K/32]: x = e Q to 2^-16 of the group's largest input."""
+    m, k = x.shape
+    groups = x.float().view(m, k // quant.INT4_GROUP, quant.INT4_GROUP)
+    e = groups.abs().amax(-1) / ACTIVATION_CODE_MAX
+    inverse = torch.where(e >= torch.finfo(torch.float32).tiny, torch.ones_like(e) / e, torch.zeros_like(e))
+    codes = torch.round(groups * inverse[..., None]).clamp(-ACTIVATION_CODE_MAX, ACTIVATION_CODE_MAX)
+    high = torch.round(codes / 255)
+    low = codes - 255 * high  # integers below 2^15: exact in float32, as are their sums over 32
+    return high.to(torch.int8).view(m, k), low.to(torch.int8).view(m, k), e, e * codes.sum(-1)
 
 
 def int8_operands(weight: quant.QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor]:
-    """int8_linear's weight operands: codes in panels, and the float32 scale of each output row."""
-    return _panels(weight.codes, quant.INT4_GROUP), weight.scale[:, 0].float().contiguous()
+    """int8_linear's weight operands: codes in panels of 4-input steps, and the float32 scale of each
+    output row."""
+    return _steps(weight.codes), weight.scale[:, 0].float().contiguous()
 
 
 def int4_operands(weight: quant.QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """int4_linear's: codes two to a byte in GGUF Q4_1's order (byte j of a 32-input group holds inputs
-    j and j + 16), and a float32 scale and offset per group, each in panels."""
-    n, k = weight.shape
-    halves = weight.codes.view(n, k // quant.INT4_GROUP, 2, quant.INT4_GROUP // 2).to(torch.uint8)
-    packed = (halves[:, :, 0] | (halves[:, :, 1] << 4)).reshape(n, k // 2)
+    """int4_linear's: codes in panels of 4-input steps, two steps to a byte (step 2t in the low nibbles
+    of chunk t, 2t + 1 in the high), and a float32 scale and offset per group, in panels."""
+    steps = _steps(weight.codes).to(torch.uint8)
+    pairs = steps.view(*steps.shape[:2], STEPS // 2, 2, 4 * PANEL)
+    packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous()
     assert weight.offset is not None  # the int4 format is asymmetric
-    return (_panels(packed, quant.INT4_GROUP // 2), _panels(weight.scale.float(), 1),
-            _panels(weight.offset.float(), 1))  # fmt: skip
+    return packed, _panels(weight.scale.float()), _panels(weight.offset.float())
 
 
-def _panels(per_row: torch.Tensor, group_width: int) -> torch.Tensor:
-    """[N, G * group_width] per output row -> [N/8, G, 8, group_width]: panels of 8 rows, so that a pass
-    over a panel's groups reads one contiguous stream."""
-    rows = per_row.reshape(per_row.shape[0] // PANEL, PANEL, -1, group_width)
-    return rows.transpose(1, 2).contiguous()
+def _steps(codes: torch.Tensor) -> torch.Tensor:
+    """Codes [N, K] -> [N/8, K/32, 8, 32]: panel, group, 4-input step, and byte 4 r + i holding output
+    row r's code for input 4 step + i of the group (one broadcast of 4 inputs meets 8 outputs)."""
+    n, k = codes.shape
+    rows = codes.reshape(n // PANEL, PANEL, k // quant.INT4_GROUP, STEPS, 4)
+    return rows.permute(0, 2, 3, 1, 4).reshape(n // PANEL, k // quant.INT4_GROUP, STEPS, 4 * PANEL).contiguous()
+
+
+def _panels(per_group: torch.Tensor) -> torch.Tensor:
+    """[N, G] per output row and group -> [N/8, G, 8]: a panel's 8 values of one group side by side."""
+    return per_group.reshape(per_group.shape[0] // PANEL, PANEL, -1).transpose(1, 2).contiguous()
 
 
 def main() -> None:

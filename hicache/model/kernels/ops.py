@@ -176,12 +176,13 @@ class Int4PackBackend(_PackedBackend):
 
 class _NativeBackend(LinearBackend):
     """hicache's own weight-only quantized GEMMs (csrc/qgemm.cpp, built by native.py) for float32 and
-    bfloat16 activations, accumulating in float32; read each weight byte once per call at any row
-    count (a tile of the weight is dequantized into registers and met by every row of x).
-    Mechanism: row-invariant by construction, at every row count and thread count: each output is
-    one dot product over K in a fixed order (input k in SIMD lane k mod 8, one FMA per 8 inputs in
-    increasing k, the lanes summed by one fixed tree), whatever rows share the call; threads split
-    the outputs only. The calibration still measures it like any backend (granule 1 passes)."""
+    bfloat16 activations: each row quantized in groups of 32 inputs to 16-bit integer codes, a group's
+    products integer dot products, scaled to float32 once a group; each weight byte read once per call
+    at any row count (a panel's step of codes meets every row of x).
+    Mechanism: row-invariant by construction, at every row count and thread count: a row's codes depend
+    on that row alone, the integer sums are exact, and each output's float steps are one fixed sequence
+    (group by group in increasing order) whatever rows share the call; threads split the outputs only.
+    The calibration still measures it like any backend (granule 1 passes)."""
 
     op = ""
 

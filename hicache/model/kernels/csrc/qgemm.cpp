@@ -1,23 +1,35 @@
 // Weight-only quantized GEMMs y = x @ W.T for CPUs with AVX2 + FMA (hicache/model/kernels/native.py
-// builds this file; ops.py's NativeInt8Backend / NativeInt4Backend call it).
+// builds this file; ops.py's NativeInt8Backend / NativeInt4Backend call it). Integer arithmetic, as
+// llama.cpp's CPU kernels: each row of x is quantized in groups of 32 inputs, a group's products are
+// integer dot products (exact), scaled to float once per group.
 //
-// Weights (hicache/model/kernels/quant.py's two kernel formats), in panels of 8 output rows so that a
-// pass over a panel reads one contiguous stream (native.py lays them out):
-//   int8: codes [N/8, K/32, 8, 32] int8 (panel, group, row, input), scale [N] float32: w = code * scale
-//   int4: codes [N/8, K/32, 8, 16] uint8, byte j of a row's group holding inputs 32g+j (low nibble)
-//         and 32g+16+j (high nibble) (GGUF Q4_1's order); scale and offset [N/8, K/32, 8] float32:
-//         w = code * scale + offset
+// Weights (hicache/model/kernels/quant.py's two kernel formats), in panels of 8 output rows. Within a
+// panel's group of 32 inputs the codes are in "steps" of 4 inputs: step s holds 32 bytes, byte b the code
+// of output row b / 4 for input 32g + 4s + b % 4, so that one broadcast of 4 activation bytes meets the
+// panel's 8 outputs in one instruction, the 8 outputs in the 8 lanes of one accumulator:
+//   int8: codes [N/8, K/32, 8 steps, 32] int8, scale [N] float32: w = code * scale
+//   int4: codes [N/8, K/32, 4, 32] uint8, byte b of chunk t holding step 2t's code in its low nibble and
+//         step 2t + 1's in its high; scale and offset [N/8, K/32, 8] float32: w = code * scale + offset
 // Activations x [M, K] float32 (bf16 is widened exactly before and the result rounded after).
 //
-// Batch invariance by construction: every output y[m, n] is one dot product over K computed by the
-// same sequence of instructions whatever the call: input k goes to SIMD lane k mod 8 of one
-// accumulator, the lane accumulates with one FMA per 8 inputs in increasing k, each weight is first
-// dequantized exactly as QuantizedWeight.dequantize() does (a multiply, then an add: no contraction,
-// the file is compiled with -ffp-contract=off), and the 8 lanes are summed by one fixed tree at the
-// end. The register blocking (how many rows and outputs share a pass over K) only decides which
-// accumulators are live together, never an accumulator's arithmetic; threads split the outputs N
-// only, so no reduction is ever split. Hence a row's bits do not depend on M, on its position in the
-// call, on the other rows, or on the thread count.
+// Activation quantization (`quantize_rows`; bitwise native.quantize_activations in Python): per row and
+// group of 32 inputs a scale e = max|x| / 32385 and 16-bit codes Q = round(x * (1 / e)) in [-32385, 32385]
+// (1 / e = 0 where e is below the smallest normal float), rounded half to even, so x = e Q to 2^-16 of the
+// group's largest input (llama.cpp's Q8_1 codes keep 2^-8); Q is kept as two int8 halves Q = 255 h + l,
+// h = round(Q / 255) and l in [-127, 127] (maddubs multiplies bytes); and s = e * sum(Q).
+//
+// Arithmetic of one output n of row m, group by group in increasing g (two explicit FMAs a group), with
+// dot = sum_i c_i Q_i over the group in int32 (exact: the halves' integer dot products, the high one
+// times 255 in the multiply-add) and float(dot) its conversion (exact for int4, below 2^24):
+//   int4: acc = fma(float(dot), scale[n,g] * e[g], acc); acc = fma(offset[n,g], s[g], acc); y = acc
+//   int8: acc = fma(float(dot), e[g], acc); y = acc * scale[n]
+// The integer sums are exact (int4's 16-bit partial sums are at most 16 * 15 * 127 < 2^15), so the order
+// in which the instructions add them does not matter; the float steps are one fixed sequence per output.
+//
+// Batch invariance by construction: a row's quantization depends on that row alone, each output's float
+// steps are the same whatever the call (the register blocking only decides which rows share a pass over a
+// panel), and threads split the outputs N only (and the rows' quantization by row). Hence a row's bits
+// do not depend on M, on its position in the call, on the other rows, or on the thread count.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -25,144 +37,183 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cfloat>
 #include <cstdint>
-#include <vector>
+#include <cstring>
+#include <tuple>
 
 namespace {
 
-constexpr int64_t LANES = 8;
-constexpr int64_t GROUP = 32;  // int4 group, and the unit of every loop over K
+constexpr int64_t GROUP = 32;  // inputs per activation scale and per int4 weight scale
+constexpr int64_t STEPS = GROUP / 4;  // 4-input steps a group
 constexpr int64_t PANEL = 8;   // output rows stored together; threads split whole panels
-constexpr int64_t X_BLOCK_BYTES = 128 * 1024;  // activation rows kept in L2 while the weights stream by
+constexpr int32_t HIGH_WEIGHT = 255;  // an activation code Q = 255 h + l, h and l int8 in [-127, 127]
+constexpr int32_t CODE_MAX = 127 * HIGH_WEIGHT;
+constexpr int64_t ROWS = 4;    // rows of x that share one pass over a panel
+constexpr int64_t X_BLOCK_BYTES = 128 * 1024;  // quantized rows (2 bytes an input) kept in L2 while the weights stream by
 
-inline float sum_lanes(__m256 v) {
-  // One fixed tree: (lane i + lane i+4), then pairs, then the last two.
-  __m128 q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-  q = _mm_add_ss(q, _mm_shuffle_ps(q, q, 1));
-  return _mm_cvtss_f32(q);
-}
-
-// A format's weights: `load(p, g, r, part)` = the dequantized weights of panel p's row r, inputs
-// 32g + 8 part .. 32g + 8 part + 7, computed exactly as QuantizedWeight.dequantize() computes them;
-// `load_group(p, g, r, w)` the four parts of group g at once, each by the same instructions as `load`
-// (the codes read once: a one-row call is bound by these instructions, not by its bytes).
-struct Int8Weights {
-  const int8_t* codes;
-  const float* scale;
-  int64_t groups;
-  inline __m256 load(int64_t p, int64_t g, int64_t r, int part) const {
-    const int8_t* at = codes + ((p * groups + g) * PANEL + r) * GROUP + part * LANES;
-    __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at))));
-    return _mm256_mul_ps(v, _mm256_broadcast_ss(scale + p * PANEL + r));
-  }
-  inline void load_group(int64_t p, int64_t g, int64_t r, __m256* w) const {
-    const int8_t* at = codes + ((p * groups + g) * PANEL + r) * GROUP;
-    const __m256i all = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at));
-    const __m128i low = _mm256_castsi256_si128(all), high = _mm256_extracti128_si256(all, 1);
-    const __m128i quarters[4] = {low, _mm_srli_si128(low, 8), high, _mm_srli_si128(high, 8)};
-    const __m256 s = _mm256_broadcast_ss(scale + p * PANEL + r);
-    for (int part = 0; part < 4; ++part)
-      w[part] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(quarters[part])), s);
-  }
+// Rows of x quantized (the file's header): codes [2, M, K] int8 (high, then low) and scales [2, M, K/32]
+// float32 (e, then s), with pointers to each part.
+struct QuantizedRows {
+  at::Tensor codes, scales;
+  int8_t *high, *low;
+  float *e, *s;
+  int64_t k, groups;
 };
 
+void quantize_group(const float* x, int8_t* high, int8_t* low, float* e_out, float* s_out) {
+  const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+  __m256 v[4], amax = _mm256_setzero_ps();
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(x + 8 * i);
+    amax = _mm256_max_ps(amax, _mm256_and_ps(v[i], abs_mask));
+  }
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  const float e = _mm_cvtss_f32(m) / static_cast<float>(CODE_MAX);
+  const __m256 inverse = _mm256_set1_ps(e >= FLT_MIN ? 1.0f / e : 0.0f), base = _mm256_set1_ps(HIGH_WEIGHT);
+  const __m256i top = _mm256_set1_epi32(CODE_MAX), bottom = _mm256_set1_epi32(-CODE_MAX);
+  __m256i sum = _mm256_setzero_si256();
+  alignas(32) int32_t lanes[2][8];
+  for (int i = 0; i < 4; ++i) {
+    // cvtps rounds half to even (the default rounding mode). Q / 255 is never within float rounding of a
+    // half-integer, so |Q - 255 h| <= 127.
+    const __m256i q = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse)), top), bottom);
+    const __m256i h = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_cvtepi32_ps(q), base));
+    const __m256i l = _mm256_sub_epi32(q, _mm256_mullo_epi32(h, _mm256_set1_epi32(HIGH_WEIGHT)));
+    sum = _mm256_add_epi32(sum, q);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[0]), h);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[1]), l);
+    for (int j = 0; j < 8; ++j) {
+      high[8 * i + j] = static_cast<int8_t>(lanes[0][j]);
+      low[8 * i + j] = static_cast<int8_t>(lanes[1][j]);
+    }
+  }
+  _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[0]), sum);
+  int32_t total = 0;
+  for (int j = 0; j < 8; ++j) total += lanes[0][j];
+  *e_out = e;
+  *s_out = e * static_cast<float>(total);
+}
+
+QuantizedRows quantize_rows(const at::Tensor& x) {
+  const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
+  QuantizedRows rows{at::empty({2, m, k}, x.options().dtype(at::kChar)), at::empty({2, m, groups}, x.options())};
+  rows.high = rows.codes.data_ptr<int8_t>(), rows.low = rows.high + m * k;
+  rows.e = rows.scales.data_ptr<float>(), rows.s = rows.e + m * groups;
+  rows.k = k, rows.groups = groups;
+  const float* xp = x.data_ptr<float>();
+  at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t m0, int64_t m1) {
+    for (int64_t i = m0; i < m1; ++i)
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t at = i * k + g * GROUP, scale_at = i * groups + g;
+        quantize_group(xp + at, rows.high + at, rows.low + at, rows.e + scale_at, rows.s + scale_at);
+      }
+  });
+  return rows;
+}
+
+inline __m256i broadcast_step(const int8_t* q) {
+  int32_t four;
+  std::memcpy(&four, q, 4);
+  return _mm256_set1_epi32(four);
+}
+
+// R rows of quantized x, from group 0, and where their 8 outputs of a panel go.
+template <int R>
+struct Rows {
+  const int8_t *high[R], *low[R];
+  const float *e[R], *s[R];
+  float* y[R];
+};
+
+// A format's panel pass: R rows times the 8 outputs of panel p over all groups, each output's arithmetic as
+// in the file's header (the high codes' partial sums times 255 in the integer multiply-add).
 struct Int4Weights {
   const uint8_t* codes;
   const float* scale;
   const float* offset;
   int64_t groups;
-  inline __m256 load(int64_t p, int64_t g, int64_t r, int part) const {
-    const int64_t row = (p * groups + g) * PANEL + r;
-    const uint8_t* at = codes + row * (GROUP / 2) + (part & 1) * LANES;
-    __m256i bytes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(at)));
-    __m256i code = part < 2 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xF)) : _mm256_srli_epi32(bytes, 4);
-    __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(code), _mm256_broadcast_ss(scale + row));
-    return _mm256_add_ps(v, _mm256_broadcast_ss(offset + row));
-  }
-  inline void load_group(int64_t p, int64_t g, int64_t r, __m256* w) const {
-    const int64_t row = (p * groups + g) * PANEL + r;
-    const __m128i all = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + row * (GROUP / 2)));
-    const __m256i first = _mm256_cvtepu8_epi32(all), second = _mm256_cvtepu8_epi32(_mm_srli_si128(all, 8));
-    const __m256i mask = _mm256_set1_epi32(0xF);
-    const __m256i code[4] = {_mm256_and_si256(first, mask), _mm256_and_si256(second, mask), _mm256_srli_epi32(first, 4),
-                             _mm256_srli_epi32(second, 4)};
-    const __m256 s = _mm256_broadcast_ss(scale + row), o = _mm256_broadcast_ss(offset + row);
-    for (int part = 0; part < 4; ++part) w[part] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(code[part]), s), o);
-  }
-};
-
-// One panel's weights dequantized once into floats [8, K], for calls with several rows to share.
-struct DequantizedPanel {
-  const float* values;
-  int64_t k;
-  inline __m256 load(int64_t, int64_t g, int64_t r, int part) const {
-    return _mm256_loadu_ps(values + r * k + g * GROUP + part * LANES);
-  }
-};
-
-template <typename W>
-void dequantize_panel(const W& w, int64_t p, int64_t k, float* out) {
-  for (int64_t r = 0; r < PANEL; ++r)
-    for (int64_t g = 0; g < k / GROUP; ++g)
-      for (int part = 0; part < 4; ++part) _mm256_storeu_ps(out + r * k + g * GROUP + part * LANES, w.load(p, g, r, part));
-}
-
-// The register block: ROWS rows of x (from m0) times COLS rows of panel p (from r0), over all of K.
-template <int ROWS, int COLS, typename W>
-inline void block(const W& w, const float* x, float* y, int64_t m0, int64_t p, int64_t r0, int64_t k, int64_t n) {
-  __m256 acc[ROWS][COLS];
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < COLS; ++j) acc[i][j] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < k / GROUP; ++g) {
-    for (int part = 0; part < 4; ++part) {
-      __m256 xs[ROWS];
-      for (int i = 0; i < ROWS; ++i) xs[i] = _mm256_loadu_ps(x + (m0 + i) * k + g * GROUP + part * LANES);
-      for (int j = 0; j < COLS; ++j) {
-        const __m256 wv = w.load(p, g, r0 + j, part);
-        for (int i = 0; i < ROWS; ++i) acc[i][j] = _mm256_fmadd_ps(xs[i], wv, acc[i][j]);
+  template <int R>
+  inline void pass(int64_t p, const Rows<R>& x) const {
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), high_weight = _mm256_set1_epi16(HIGH_WEIGHT);
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = p * groups + g;
+      const uint8_t* c = codes + at * (GROUP / 2) * PANEL;
+      __m256i high[R], low[R];  // 16-bit partial sums: at most 16 products of 15 * 127 each
+      for (int i = 0; i < R; ++i) high[i] = low[i] = _mm256_setzero_si256();
+      for (int t = 0; t < STEPS / 2; ++t) {
+        const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t));
+        const __m256i first = _mm256_and_si256(both, nibble);
+        const __m256i second = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
+        for (int i = 0; i < R; ++i) {
+          const int64_t k = g * GROUP + 8 * t;
+          high[i] = _mm256_add_epi16(high[i], _mm256_maddubs_epi16(first, broadcast_step(x.high[i] + k)));
+          high[i] = _mm256_add_epi16(high[i], _mm256_maddubs_epi16(second, broadcast_step(x.high[i] + k + 4)));
+          low[i] = _mm256_add_epi16(low[i], _mm256_maddubs_epi16(first, broadcast_step(x.low[i] + k)));
+          low[i] = _mm256_add_epi16(low[i], _mm256_maddubs_epi16(second, broadcast_step(x.low[i] + k + 4)));
+        }
+      }
+      const __m256 scales = _mm256_loadu_ps(scale + at * PANEL), offsets = _mm256_loadu_ps(offset + at * PANEL);
+      for (int i = 0; i < R; ++i) {
+        const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(high[i], high_weight), _mm256_madd_epi16(low[i], ones));
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scales, _mm256_set1_ps(x.e[i][g])), acc[i]);
+        acc[i] = _mm256_fmadd_ps(offsets, _mm256_set1_ps(x.s[i][g]), acc[i]);
       }
     }
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(x.y[i], acc[i]);
   }
-  for (int i = 0; i < ROWS; ++i)
-    for (int j = 0; j < COLS; ++j) y[(m0 + i) * n + p * PANEL + r0 + j] = sum_lanes(acc[i][j]);
-}
+};
 
-// One row times the 8 outputs of panel p straight from the codes (each weight is used once): a group's
-// four parts dequantized together, then each output's four FMAs in increasing k, as `block` orders them.
-template <typename W>
-inline void one_row(const W& w, const float* x, float* y, int64_t p, int64_t k) {
-  __m256 acc[PANEL];
-  for (int r = 0; r < PANEL; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < k / GROUP; ++g) {
-    __m256 xs[4];
-    for (int part = 0; part < 4; ++part) xs[part] = _mm256_loadu_ps(x + g * GROUP + part * LANES);
-    for (int r = 0; r < PANEL; ++r) {
-      __m256 wv[4];
-      w.load_group(p, g, r, wv);
-      for (int part = 0; part < 4; ++part) acc[r] = _mm256_fmadd_ps(xs[part], wv[part], acc[r]);
+struct Int8Weights {
+  const int8_t* codes;
+  const float* scale;
+  int64_t groups;
+  template <int R>
+  inline void pass(int64_t p, const Rows<R>& x) const {
+    const __m256i ones = _mm256_set1_epi16(1), high_weight = _mm256_set1_epi16(HIGH_WEIGHT);
+    __m256 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const int8_t* c = codes + (p * groups + g) * GROUP * PANEL;
+      __m256i sums[R];
+      for (int i = 0; i < R; ++i) sums[i] = _mm256_setzero_si256();
+      for (int step = 0; step < STEPS; ++step) {
+        // maddubs takes one unsigned operand: |code| against q with the code's sign (llama.cpp's trick);
+        // a pair of products is at most 2 * 128 * 127 < 2^15.
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * step));
+        const __m256i magnitude = _mm256_abs_epi8(w);
+        for (int i = 0; i < R; ++i) {
+          const int64_t k = g * GROUP + 4 * step;
+          const __m256i high = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast_step(x.high[i] + k), w));
+          const __m256i low = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast_step(x.low[i] + k), w));
+          sums[i] = _mm256_add_epi32(sums[i], _mm256_add_epi32(_mm256_madd_epi16(high, high_weight),
+                                                               _mm256_madd_epi16(low, ones)));
+        }
+      }
+      for (int i = 0; i < R; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i]), _mm256_set1_ps(x.e[i][g]), acc[i]);
     }
+    const __m256 scales = _mm256_loadu_ps(scale + p * PANEL);
+    for (int i = 0; i < R; ++i) _mm256_storeu_ps(x.y[i], _mm256_mul_ps(acc[i], scales));
   }
-  for (int r = 0; r < PANEL; ++r) y[p * PANEL + r] = sum_lanes(acc[r]);
-}
+};
 
-// Rows [m0, m1) times the 8 outputs of panel p: blocks of 4 rows, then the rest.
-template <typename W>
-void rows_times_panel(const W& w, const float* x, float* y, int64_t m0, int64_t m1, int64_t p, int64_t k, int64_t n) {
-  int64_t m = m0;
-  for (; m + 4 <= m1; m += 4)
-    for (int64_t r = 0; r < PANEL; r += 2) block<4, 2>(w, x, y, m, p, r, k, n);
-  switch (m1 - m) {
-    case 3:
-      for (int64_t r = 0; r < PANEL; r += 2) block<3, 2>(w, x, y, m, p, r, k, n);
-      break;
-    case 2:
-      for (int64_t r = 0; r < PANEL; r += 4) block<2, 4>(w, x, y, m, p, r, k, n);
-      break;
-    case 1:
-      block<1, 8>(w, x, y, m, p, 0, k, n);
-      break;
+// Rows m0 .. m0 + R times panel p.
+template <int R, typename W>
+inline void rows_pass(const W& w, const QuantizedRows& x, float* y, int64_t m0, int64_t p, int64_t n) {
+  Rows<R> rows;
+  for (int i = 0; i < R; ++i) {
+    rows.high[i] = x.high + (m0 + i) * x.k;
+    rows.low[i] = x.low + (m0 + i) * x.k;
+    rows.e[i] = x.e + (m0 + i) * x.groups;
+    rows.s[i] = x.s + (m0 + i) * x.groups;
+    rows.y[i] = y + (m0 + i) * n + p * PANEL;
   }
+  w.template pass<R>(p, rows);
 }
 
 template <typename W>
@@ -172,30 +223,31 @@ at::Tensor run(const W& w, const at::Tensor& x_in, int64_t n, int64_t k, int64_t
   const int64_t m = x.size(0);
   at::Tensor y = at::empty({m, n}, x.options());
   if (m == 0) return y.to(x_in.scalar_type());
-  const float* xp = x.data_ptr<float>();
+  const QuantizedRows rows = quantize_rows(x);
   float* yp = y.data_ptr<float>();
   // Blocking and thread split: caches and cores only, never arithmetic (see the file's header).
-  const int64_t m_block = std::max<int64_t>(4, X_BLOCK_BYTES / (k * 4) / 4 * 4);
+  const int64_t m_block = std::max<int64_t>(ROWS, X_BLOCK_BYTES / (2 * k) / ROWS * ROWS);
   // A thread takes at least ~64 KB of weights: below that, waking a second one costs more than it saves.
   const int64_t grain = std::max<int64_t>(1, 65536 / panel_bytes);
   at::parallel_for(0, n / PANEL, grain, [&](int64_t p0, int64_t p1) {
-    if (m == 1) {  // one row: each weight is used once, straight from its codes
-      for (int64_t p = p0; p < p1; ++p) one_row(w, xp, yp, p, k);
-      return;
-    }
-    std::vector<float> panel(PANEL * k);
-    const DequantizedPanel dequantized{panel.data(), k};
-    for (int64_t mb = 0; mb < m; mb += m_block)
+    for (int64_t mb = 0; mb < m; mb += m_block) {
+      const int64_t m1 = std::min(m, mb + m_block);
       for (int64_t p = p0; p < p1; ++p) {
-        dequantize_panel(w, p, k, panel.data());
-        rows_times_panel(dequantized, xp, yp, mb, std::min(m, mb + m_block), p, k, n);
+        int64_t i = mb;
+        for (; i + ROWS <= m1; i += ROWS) rows_pass<ROWS>(w, rows, yp, i, p, n);
+        switch (m1 - i) {
+          case 3: rows_pass<3>(w, rows, yp, i, p, n); break;
+          case 2: rows_pass<2>(w, rows, yp, i, p, n); break;
+          case 1: rows_pass<1>(w, rows, yp, i, p, n); break;
+        }
       }
+    }
   });
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
-  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == PANEL && codes.size(3) == GROUP &&
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == STEPS && codes.size(3) == 4 * PANEL &&
                   codes.scalar_type() == at::kChar && codes.is_contiguous(),
               "int8 codes [N/8, K/32, 8, 32] int8");
   const int64_t n = codes.size(0) * PANEL, groups = codes.size(1), k = groups * GROUP;
@@ -206,9 +258,9 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                        const at::Tensor& offset) {
-  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == PANEL && codes.size(3) == GROUP / 2 &&
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == STEPS / 2 && codes.size(3) == 4 * PANEL &&
                   codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "int4 codes [N/8, K/32, 8, 16] uint8");
+              "int4 codes [N/8, K/32, 4, 32] uint8");
   const int64_t n = codes.size(0) * PANEL, groups = codes.size(1), k = groups * GROUP;
   for (const at::Tensor* t : {&scale, &offset})
     TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n * groups,
@@ -217,10 +269,19 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
   return run(w, x, n, k, PANEL * (k / 2 + groups * 8));
 }
 
+// The kernels' first stage alone, for tests: (high, low, e, s) of x [M, K] float32 (the file's header).
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % GROUP == 0 && x.scalar_type() == at::kFloat,
+              "quantize_activations: x must be [M, K] float32 with K a multiple of 32");
+  const QuantizedRows rows = quantize_rows(x.contiguous());
+  return {rows.codes[0], rows.codes[1], rows.scales[0], rows.scales[1]};
+}
+
 }  // namespace
 
 // The library name carries the kernel's version (native.py's VERSION): two builds never collide.
 TORCH_LIBRARY(HICACHE_QGEMM_LIBRARY, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor", &int8_linear);
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scale, Tensor offset) -> Tensor", &int4_linear);
+  m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor, Tensor)", &quantize_activations);
 }
