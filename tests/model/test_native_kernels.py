@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hicache.model.kernels import calibration, native, ops, quant
+from hicache.model.kernels import calibration, native, ops, quant, tp_groups
 
 CPU = torch.device("cpu")
 DTYPES = (torch.float32, torch.bfloat16)
@@ -124,3 +124,18 @@ def test_the_kernels_run_on_torchs_threads(threads):
         assert native.library().parallel_threads(1) == 1
     finally:
         torch.set_num_threads(before)
+
+
+@settings(max_examples=20, deadline=None)
+@given(fmt=st.sampled_from(quant.FORMATS), dtype=st.sampled_from(DTYPES), groups=st.integers(1, 5),
+       rows=st.integers(0, 9), seed=st.integers(0, 2**16))  # fmt: skip
+def test_a_linear_sum_is_the_calls_one_by_one_and_their_pairwise_sum(fmt, dtype, groups, rows, seed):
+    """RowGroups' one call (ops.linear_sum): each group's product with its slice of x, rounded to x's dtype,
+    then tp_groups.pairwise_sum in float32, bit for bit."""
+    linears = [_linear(_weight(fmt, 24, 64, seed + g), dtype) for g in range(groups)]
+    x = torch.randn(rows, 64 * groups, generator=torch.Generator().manual_seed(seed)).to(dtype)
+    one_by_one = [lin(x[:, 64 * g : 64 * (g + 1)]).float() for g, lin in enumerate(linears)]
+    summed = ops.linear_sum(linears)
+    assert summed is not None
+    got = summed(x)
+    assert got.dtype == torch.float32 and torch.equal(got, tp_groups.pairwise_sum(one_by_one))

@@ -185,9 +185,15 @@ class _NativeBackend(LinearBackend):
     The calibration still measures it like any backend (granule 1 passes)."""
 
     op = ""
+    sum_op = ""  # the op of `run_sum`
 
     def available(self, dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native.library() is not None
+
+    def run_sum(self, prepared: list[Any], x: torch.Tensor) -> torch.Tensor:
+        """`LinearSum`'s arithmetic in one call: weight g times x's g-th slice of inputs, each rounded
+        to x's dtype, the partials summed by `tp_groups.pairwise_sum`, float32 (csrc/qgemm.cpp)."""
+        return getattr(native.library(), self.sum_op)(x, *(list(operand) for operand in zip(*prepared)))
 
     def accepts(self, shape: tuple[int, int]) -> bool:
         n, k = shape
@@ -200,7 +206,7 @@ class _NativeBackend(LinearBackend):
 class NativeInt8Backend(_NativeBackend):
     """Symmetric int8 codes [N, K] with one float32 scale per output row."""
 
-    name, weight_format, op = "native-int8", "int8", "int8_linear"
+    name, weight_format, op, sum_op = "native-int8", "int8", "int8_linear", "int8_linear_sum"
 
     def prepare(self, weight: quant.QuantizedWeight, dtype: torch.dtype) -> Any:
         return native.int8_operands(weight)
@@ -210,7 +216,7 @@ class NativeInt4Backend(_NativeBackend):
     """4-bit codes two to a byte in GGUF Q4_1's order (byte j of a 32-input group: inputs j and j + 16),
     a float32 scale and offset per group: value = code * scale + offset, bitwise quant.py's."""
 
-    name, weight_format, op = "native-int4", "int4", "int4_linear"
+    name, weight_format, op, sum_op = "native-int4", "int4", "int4_linear", "int4_linear_sum"
 
     def prepare(self, weight: quant.QuantizedWeight, dtype: torch.dtype) -> Any:
         return native.int4_operands(weight)
@@ -286,6 +292,31 @@ class Linear:
         flat = x.reshape(-1, self.in_features)
         out = shaped_call(lambda rows: self._backend.run(self._prepared, rows), plan, flat.contiguous())
         return out.view(*lead, self.out_features)
+
+
+class LinearSum:
+    """The float32 sum of each linear's product with its slice of x's inputs (equal slices, in order),
+    added adjacent pair by adjacent pair (`tp_groups.pairwise_sum`), each product rounded to x's dtype
+    first: what a TP rank's row groups add (tp_groups.RowGroups), in one kernel call (`linear_sum`)."""
+
+    def __init__(self, linears: list[Linear]) -> None:
+        self._backend = linears[0]._backend
+        self._prepared = [linear._prepared for linear in linears]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._backend.run_sum(self._prepared, x)
+
+
+def linear_sum(linears: list[Linear]) -> LinearSum | None:
+    """A `LinearSum` of `linears` where their kernel has one (the native quantized ones): the same bits as
+    the calls one by one, whose plans are one call of any row count; None otherwise."""
+    first = linears[0]
+    if not isinstance(first._backend, _NativeBackend) or first.plan.tile or first.plan.granule != 1:
+        return None
+    if any((lin.plan, lin.out_features, lin.in_features) != (first.plan, first.out_features, first.in_features)
+           for lin in linears):  # fmt: skip
+        return None
+    return LinearSum(linears)
 
 
 # ---- attention: block_attention.py (re-exported: the model reaches every kernel through this layer) -----

@@ -61,21 +61,31 @@ def tp_reduce(partials: list[torch.Tensor], pctx: ParallelContext) -> torch.Tens
     """The pairwise sum of every TP rank's group partials (this rank's `partials`, float32, in group
     order), the same bits on every rank and at every TP size."""
     t = pctx.tp_size
-    if t == 1:
-        return pairwise_sum(partials)
-    per_rank = len(partials)
-    if per_rank & (per_rank - 1) == 0:  # this rank's groups are one subtree of the order
-        local = pairwise_sum(partials)
-        if t == 2:
-            torch.distributed.all_reduce(local, group=pctx.tp_group)
-            return local
-        subtrees = [torch.empty_like(local) for _ in range(t)]
-        torch.distributed.all_gather(subtrees, local, group=pctx.tp_group)
-        return pairwise_sum(subtrees)
+    if t == 1 or _one_subtree(len(partials)):
+        return reduce_subtrees(pairwise_sum(partials), pctx)
     mine = torch.stack(partials)
     everyone = [torch.empty_like(mine) for _ in range(t)]
     torch.distributed.all_gather(everyone, mine, group=pctx.tp_group)
     return pairwise_sum([partial for rank in everyone for partial in rank.unbind(0)])
+
+
+def _one_subtree(per_rank: int) -> bool:
+    """Whether a rank's groups are one subtree of the pairwise order (their count a power of two)."""
+    return per_rank & (per_rank - 1) == 0
+
+
+def reduce_subtrees(local: torch.Tensor, pctx: ParallelContext) -> torch.Tensor:
+    """`tp_reduce` given this rank's own pairwise sum `local`, where its groups are one subtree of the order
+    (or TP is 1): the ranks' subtrees added in the order's tree."""
+    t = pctx.tp_size
+    if t == 1:
+        return local
+    if t == 2:
+        torch.distributed.all_reduce(local, group=pctx.tp_group)
+        return local
+    subtrees = [torch.empty_like(local) for _ in range(t)]
+    torch.distributed.all_gather(subtrees, local, group=pctx.tp_group)
+    return pairwise_sum(subtrees)
 
 
 class ColumnGroups:
@@ -107,6 +117,8 @@ class RowGroups:
     def __init__(self, weights: list[Any], make_linear: MakeLinear, pctx: ParallelContext) -> None:
         self.groups = [make_linear(w) for w in weights]
         self.pctx = pctx
+        # One kernel call for the rank's partials and their sum, where the kernel has one (same bits).
+        self.summed = ops.linear_sum(self.groups) if pctx.tp_size == 1 or _one_subtree(len(self.groups)) else None
 
     @property
     def plan(self) -> ops.LinearPlan:
@@ -114,6 +126,8 @@ class RowGroups:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[T, groups * group inputs] -> [T, out] in x's dtype."""
+        if self.summed is not None and x.dim() == 2:
+            return reduce_subtrees(self.summed(x), self.pctx).to(x.dtype)
         width = self.groups[0].in_features
         partials = [g(x[:, i * width : (i + 1) * width]).float() for i, g in enumerate(self.groups)]
         return tp_reduce(partials, self.pctx).to(x.dtype)

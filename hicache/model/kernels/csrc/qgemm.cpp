@@ -41,6 +41,7 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <vector>
 
 namespace {
 
@@ -58,7 +59,7 @@ struct QuantizedRows {
   at::Tensor codes, scales;
   int8_t *high, *low;
   float *e, *s;
-  int64_t k, groups;
+  int64_t m, k, groups;  // rows, inputs, groups a row
 };
 
 void quantize_group(const float* x, int8_t* high, int8_t* low, float* e_out, float* s_out) {
@@ -102,7 +103,7 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   QuantizedRows rows{at::empty({2, m, k}, x.options().dtype(at::kChar)), at::empty({2, m, groups}, x.options())};
   rows.high = rows.codes.data_ptr<int8_t>(), rows.low = rows.high + m * k;
   rows.e = rows.scales.data_ptr<float>(), rows.s = rows.e + m * groups;
-  rows.k = k, rows.groups = groups;
+  rows.m = m, rows.k = k, rows.groups = groups;
   const float* xp = x.data_ptr<float>();
   at::parallel_for(0, m, std::max<int64_t>(1, 16384 / k), [&](int64_t m0, int64_t m1) {
     for (int64_t i = m0; i < m1; ++i)
@@ -134,7 +135,9 @@ struct Int4Weights {
   const uint8_t* codes;
   const float* scale;
   const float* offset;
-  int64_t groups;
+  int64_t groups, n;
+  int64_t k() const { return groups * GROUP; }
+  int64_t panel_bytes() const { return PANEL * (k() / 2 + groups * 8); }
   template <int R>
   inline void pass(int64_t p, const Rows<R>& x) const {
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), high_weight = _mm256_set1_epi16(HIGH_WEIGHT);
@@ -171,7 +174,9 @@ struct Int4Weights {
 struct Int8Weights {
   const int8_t* codes;
   const float* scale;
-  int64_t groups;
+  int64_t groups, n;
+  int64_t k() const { return groups * GROUP; }
+  int64_t panel_bytes() const { return PANEL * (k() + 4); }
   template <int R>
   inline void pass(int64_t p, const Rows<R>& x) const {
     const __m256i ones = _mm256_set1_epi16(1), high_weight = _mm256_set1_epi16(HIGH_WEIGHT);
@@ -202,71 +207,134 @@ struct Int8Weights {
   }
 };
 
-// Rows m0 .. m0 + R times panel p.
+// Rows m0 .. m0 + R of x, its inputs from `first` on, times panel p of w.
 template <int R, typename W>
-inline void rows_pass(const W& w, const QuantizedRows& x, float* y, int64_t m0, int64_t p, int64_t n) {
+inline void rows_pass(const W& w, const QuantizedRows& x, int64_t first, float* y, int64_t m0, int64_t p) {
   Rows<R> rows;
   for (int i = 0; i < R; ++i) {
-    rows.high[i] = x.high + (m0 + i) * x.k;
-    rows.low[i] = x.low + (m0 + i) * x.k;
-    rows.e[i] = x.e + (m0 + i) * x.groups;
-    rows.s[i] = x.s + (m0 + i) * x.groups;
-    rows.y[i] = y + (m0 + i) * n + p * PANEL;
+    rows.high[i] = x.high + (m0 + i) * x.k + first;
+    rows.low[i] = x.low + (m0 + i) * x.k + first;
+    rows.e[i] = x.e + (m0 + i) * x.groups + first / GROUP;
+    rows.s[i] = x.s + (m0 + i) * x.groups + first / GROUP;
+    rows.y[i] = y + (m0 + i) * w.n + p * PANEL;
   }
   w.template pass<R>(p, rows);
 }
 
+// y [M, w.n] float32 = x[:, first : first + w.k] @ W.T.
 template <typename W>
-at::Tensor run(const W& w, const at::Tensor& x_in, int64_t n, int64_t k, int64_t panel_bytes) {
-  TORCH_CHECK(x_in.dim() == 2 && x_in.size(1) == k, "qgemm: x must be [M, ", k, "]");
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();
-  const int64_t m = x.size(0);
-  at::Tensor y = at::empty({m, n}, x.options());
-  if (m == 0) return y.to(x_in.scalar_type());
-  const QuantizedRows rows = quantize_rows(x);
-  float* yp = y.data_ptr<float>();
+void multiply(const W& w, const QuantizedRows& x, int64_t first, float* y) {
+  const int64_t m = x.m;
   // Blocking and thread split: caches and cores only, never arithmetic (see the file's header).
-  const int64_t m_block = std::max<int64_t>(ROWS, X_BLOCK_BYTES / (2 * k) / ROWS * ROWS);
+  const int64_t m_block = std::max<int64_t>(ROWS, X_BLOCK_BYTES / (2 * w.k()) / ROWS * ROWS);
   // A thread takes at least ~64 KB of weights: below that, waking a second one costs more than it saves.
-  const int64_t grain = std::max<int64_t>(1, 65536 / panel_bytes);
-  at::parallel_for(0, n / PANEL, grain, [&](int64_t p0, int64_t p1) {
+  const int64_t grain = std::max<int64_t>(1, 65536 / w.panel_bytes());
+  at::parallel_for(0, w.n / PANEL, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t mb = 0; mb < m; mb += m_block) {
       const int64_t m1 = std::min(m, mb + m_block);
       for (int64_t p = p0; p < p1; ++p) {
         int64_t i = mb;
-        for (; i + ROWS <= m1; i += ROWS) rows_pass<ROWS>(w, rows, yp, i, p, n);
+        for (; i + ROWS <= m1; i += ROWS) rows_pass<ROWS>(w, x, first, y, i, p);
         switch (m1 - i) {
-          case 3: rows_pass<3>(w, rows, yp, i, p, n); break;
-          case 2: rows_pass<2>(w, rows, yp, i, p, n); break;
-          case 1: rows_pass<1>(w, rows, yp, i, p, n); break;
+          case 3: rows_pass<3>(w, x, first, y, i, p); break;
+          case 2: rows_pass<2>(w, x, first, y, i, p); break;
+          case 1: rows_pass<1>(w, x, first, y, i, p); break;
         }
       }
     }
   });
+}
+
+at::Tensor as_float_rows(const at::Tensor& x, int64_t k) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == k, "qgemm: x must be [M, ", k, "]");
+  return x.to(at::kFloat).contiguous();
+}
+
+// x @ W.T in x's dtype.
+template <typename W>
+at::Tensor run(const W& w, const at::Tensor& x_in) {
+  const at::Tensor x = as_float_rows(x_in, w.k());
+  at::Tensor y = at::empty({x.size(0), w.n}, x.options());
+  if (x.size(0) > 0) multiply(w, quantize_rows(x), 0, y.data_ptr<float>());
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
+// Row-parallel groups (hicache/model/kernels/tp_groups.py's RowGroups): group g's weights times x's g-th
+// slice of inputs, each partial rounded to x's dtype as its own call would return it, then added in
+// float32 adjacent pair by adjacent pair, level by level, an odd last one carried up (`pairwise_sum`):
+// the bits of the calls one by one and their sum. One quantization of x serves every slice, since a
+// slice starts on a 32-input group and a group's codes are its own inputs' alone.
+template <typename W>
+at::Tensor run_sum(const std::vector<W>& ws, const at::Tensor& x_in) {
+  const int64_t width = ws[0].k();
+  for (const W& w : ws) TORCH_CHECK(w.k() == width && w.n == ws[0].n, "qgemm: groups of one shape");
+  const at::Tensor x = as_float_rows(x_in, width * static_cast<int64_t>(ws.size()));
+  const int64_t count = static_cast<int64_t>(ws.size()), size = x.size(0) * ws[0].n;
+  at::Tensor partials = at::empty({count, x.size(0), ws[0].n}, x.options());
+  if (size == 0) return partials[0];
+  const QuantizedRows rows = quantize_rows(x);
+  for (int64_t g = 0; g < count; ++g) multiply(ws[g], rows, g * width, partials.data_ptr<float>() + g * size);
+  if (x_in.scalar_type() != at::kFloat) partials = partials.to(x_in.scalar_type()).to(at::kFloat);
+  // The pairwise order, each sum written over its left operand (plain float adds, as torch's).
+  std::vector<float*> level;
+  for (int64_t g = 0; g < count; ++g) level.push_back(partials.data_ptr<float>() + g * size);
+  while (level.size() > 1) {
+    std::vector<float*> paired;
+    for (size_t i = 0; i + 1 < level.size(); i += 2) {
+      float *a = level[i], *b = level[i + 1];
+      at::parallel_for(0, size, 16384, [&](int64_t j0, int64_t j1) {
+        for (int64_t j = j0; j < j1; ++j) a[j] += b[j];
+      });
+      paired.push_back(a);
+    }
+    if (level.size() % 2) paired.push_back(level.back());
+    level = std::move(paired);
+  }
+  return partials[0];
+}
+
+Int8Weights int8_weights(const at::Tensor& codes, const at::Tensor& scale) {
   TORCH_CHECK(codes.dim() == 4 && codes.size(2) == STEPS && codes.size(3) == 4 * PANEL &&
                   codes.scalar_type() == at::kChar && codes.is_contiguous(),
               "int8 codes [N/8, K/32, 8, 32] int8");
-  const int64_t n = codes.size(0) * PANEL, groups = codes.size(1), k = groups * GROUP;
+  const int64_t n = codes.size(0) * PANEL;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n, "int8 scale [N] float32");
-  const Int8Weights w{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), groups};
-  return run(w, x, n, k, PANEL * (k + 4));
+  return Int8Weights{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), codes.size(1), n};
+}
+
+Int4Weights int4_weights(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset) {
+  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == STEPS / 2 && codes.size(3) == 4 * PANEL &&
+                  codes.scalar_type() == at::kByte && codes.is_contiguous(),
+              "int4 codes [N/8, K/32, 4, 32] uint8");
+  const int64_t n = codes.size(0) * PANEL, groups = codes.size(1);
+  for (const at::Tensor* t : {&scale, &offset})
+    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n * groups,
+                "int4 scale and offset [N/8, K/32, 8] float32");
+  return Int4Weights{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), offset.data_ptr<float>(), groups, n};
+}
+
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
+  return run(int8_weights(codes, scale), x);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                        const at::Tensor& offset) {
-  TORCH_CHECK(codes.dim() == 4 && codes.size(2) == STEPS / 2 && codes.size(3) == 4 * PANEL &&
-                  codes.scalar_type() == at::kByte && codes.is_contiguous(),
-              "int4 codes [N/8, K/32, 4, 32] uint8");
-  const int64_t n = codes.size(0) * PANEL, groups = codes.size(1), k = groups * GROUP;
-  for (const at::Tensor* t : {&scale, &offset})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n * groups,
-                "int4 scale and offset [N/8, K/32, 8] float32");
-  const Int4Weights w{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), offset.data_ptr<float>(), groups};
-  return run(w, x, n, k, PANEL * (k / 2 + groups * 8));
+  return run(int4_weights(codes, scale, offset), x);
+}
+
+at::Tensor int8_linear_sum(const at::Tensor& x, at::TensorList codes, at::TensorList scale) {
+  TORCH_CHECK(!codes.empty() && scale.size() == codes.size(), "int8_linear_sum: one scale per group's codes");
+  std::vector<Int8Weights> ws;
+  for (size_t g = 0; g < codes.size(); ++g) ws.push_back(int8_weights(codes[g], scale[g]));
+  return run_sum(ws, x);
+}
+
+at::Tensor int4_linear_sum(const at::Tensor& x, at::TensorList codes, at::TensorList scale, at::TensorList offset) {
+  TORCH_CHECK(!codes.empty() && scale.size() == codes.size() && offset.size() == codes.size(),
+              "int4_linear_sum: one scale and offset per group's codes");
+  std::vector<Int4Weights> ws;
+  for (size_t g = 0; g < codes.size(); ++g) ws.push_back(int4_weights(codes[g], scale[g], offset[g]));
+  return run_sum(ws, x);
 }
 
 // The kernels' first stage alone, for tests: (high, low, e, s) of x [M, K] float32 (the file's header).
@@ -283,5 +351,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_activations(
 TORCH_LIBRARY(HICACHE_QGEMM_LIBRARY, m) {
   m.def("int8_linear(Tensor x, Tensor codes, Tensor scale) -> Tensor", &int8_linear);
   m.def("int4_linear(Tensor x, Tensor codes, Tensor scale, Tensor offset) -> Tensor", &int4_linear);
+  m.def("int8_linear_sum(Tensor x, Tensor[] codes, Tensor[] scale) -> Tensor", &int8_linear_sum);
+  m.def("int4_linear_sum(Tensor x, Tensor[] codes, Tensor[] scale, Tensor[] offset) -> Tensor", &int4_linear_sum);
   m.def("quantize_activations(Tensor x) -> (Tensor, Tensor, Tensor, Tensor)", &quantize_activations);
 }
