@@ -1,4 +1,4 @@
-"""Where one batch-1 decode step's time goes: the model's forward at one row after `context` keys, built as
+"""Where one decode step's time goes: the model's forward at `--batch` rows (default 1), each after `context` keys, built as
 the engine builds it (weight format, attention family, invariant plans, the engine's threads), timed bare
 and then under torch.profiler (not a test).
 
@@ -43,23 +43,24 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def build(model: str, quantization: str, context: int):
+def build(model: str, quantization: str, context: int, batch: int = 1):
     device, dtype = torch.device("cpu"), torch.float32
     loaded = load_model(model)
     resolved = resolve_quantization(quantization, loaded, dtype, device)
     loaded = with_attention_family(with_weight_format(loaded, resolved, device), device)
     decoder = build_decoder(loaded, ParallelContext(), dtype, device)
-    pages = -(-(context + 1) // PAGE) + 1
-    pool = DeviceKVPool(decoder.kv_layout, decoder.num_local_layers, pages, PAGE, dtype, device)
+    per_sequence = (-(-(context + 1) // PAGE) + 1) * PAGE  # each sequence's own pages
+    pool = DeviceKVPool(decoder.kv_layout, decoder.num_local_layers, batch * per_sequence // PAGE, PAGE, dtype, device)
     gen = torch.Generator().manual_seed(0)
     for buffer in pool.buffers:
         buffer.copy_(torch.randn(buffer.shape, generator=gen))
+    firsts = [i * per_sequence for i in range(batch)]
     step = ForwardBatch(
-        input_ids=torch.tensor([7]),
-        positions=torch.tensor([context]),
-        out_slots=torch.tensor([context]),
-        seqs=[SeqSlice(0, 1, torch.arange(context + 1))],
-        logit_rows=torch.tensor([0]),
+        input_ids=torch.full((batch,), 7),
+        positions=torch.full((batch,), context),
+        out_slots=torch.tensor([first + context for first in firsts]),
+        seqs=[SeqSlice(i, 1, torch.arange(first, first + context + 1)) for i, first in enumerate(firsts)],
+        logit_rows=torch.arange(batch),
     )
     return decoder, pool, step, resolved
 
@@ -104,10 +105,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quantization", default="auto")
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--batch", type=int, default=1, help="sequences a step decodes, each after `context` keys")
     parser.add_argument("--threads", type=int, default=0, help="kernel threads (0: the engine's choice)")
     args = parser.parse_args(argv)
     use_threads(args.threads or cpu_threads())
-    decoder, pool, step, resolved = build(args.model, args.quantization, args.context)
+    decoder, pool, step, resolved = build(args.model, args.quantization, args.context, args.batch)
     gbps = copy_gbps_read_write(1 << 28)  # the byte limit's denominator: a 256 MiB copy, best of 5
     with torch.inference_mode():
         for _ in range(3):
@@ -117,8 +119,9 @@ def main(argv: list[str] | None = None) -> None:
         cpu = (time.process_time() - cpu_start) * 1e3 / args.steps
     wall = statistics.median(times)
     weights = weight_bytes(decoder)
-    kv = (args.context + 1) * pool.buffers[0][0].numel() * 4 * decoder.num_local_layers
-    print(f"{args.model} {resolved} float32, {torch.get_num_threads()} threads, context {args.context}: step median "
+    kv = args.batch * (args.context + 1) * pool.buffers[0][0].numel() * 4 * decoder.num_local_layers
+    print(f"{args.model} {resolved} float32, {torch.get_num_threads()} threads, batch {args.batch}, context "
+          f"{args.context}: step median "
           f"{wall:.2f} ms, best {min(times):.2f} ms, process CPU {cpu:.2f} ms a step; "
           f"copy {gbps:.1f} GB/s (read + write)")
     # A step only reads them: the limit is the bytes over the copy's read + write rate.

@@ -9,6 +9,7 @@ Pools, host tiers and storage only ever move whole rows, so they never need to k
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -39,9 +40,18 @@ class KVLayout:
         the same bytes serve every attention head, so every attention-TP rank would hold the same row."""
         return cls((KVComponent("latent", (latent_dim,)), KVComponent("rope", (rope_dim,))))
 
-    @property
+    @functools.cached_property
     def row_numel(self) -> int:
         return sum(c.numel for c in self.components)
+
+    @functools.cached_property
+    def _spans(self) -> tuple[tuple[str, int, int, tuple[int, ...]], ...]:
+        """(name, offset, numel, shape) of each component: `unpack` runs twice a layer every step."""
+        spans, offset = [], 0
+        for c in self.components:
+            spans.append((c.name, offset, c.numel, c.shape))
+            offset += c.numel
+        return tuple(spans)
 
     def span(self, name: str) -> tuple[int, int]:
         """(offset, numel) of component `name` within a row."""
@@ -62,8 +72,5 @@ class KVLayout:
 
     def unpack(self, rows: torch.Tensor) -> dict[str, torch.Tensor]:
         """[T, row_numel] -> views [T, *shape] per component."""
-        out, offset = {}, 0
-        for c in self.components:
-            out[c.name] = rows[:, offset : offset + c.numel].view(rows.shape[0], *c.shape)
-            offset += c.numel
-        return out
+        count = rows.shape[0]
+        return {name: rows[:, offset : offset + numel].view(count, *shape) for name, offset, numel, shape in self._spans}

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from hicache.errors import UserError
+from hicache.model.kernels import ops
 
 SCALED_TYPES = ("linear", "llama3", "yarn")
 
@@ -161,11 +162,6 @@ def attention_factor(scaling: RopeScaling | None) -> float:
     return mscale(scaling.factor)
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class RotaryEmbedding:
     """Rotates heads by their positions (Hugging Face's rotate-half order), computing cos/sin per step:
     every layer of a forward pass rotates by the same positions, so the last positions' cos/sin are kept
@@ -193,4 +189,4 @@ class RotaryEmbedding:
         else:
             cos, sin = (t.to(x.dtype).unsqueeze(1) for t in self.cos_sin(positions))
             self._last = (positions.clone(), x.dtype, cos, sin)
-        return x * cos + rotate_half(x) * sin
+        return ops.rotate(x, cos, sin)

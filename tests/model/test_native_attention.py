@@ -166,6 +166,7 @@ def test_native_and_aten_attention_differ_so_identities_do():
     assert not torch.equal(native_out, aten_out.transpose(1, 2))
     assert torch.allclose(native_out, aten_out.transpose(1, 2), atol=1e-5)
     tiny = load_model("tiny")
-    assert native_attention.attention_family(CPU) == f"native-attention-v{native.ATTENTION_VERSION}"
+    family = f"native-attention-v{native.ATTENTION_VERSION}-rows-v{native.ROW_OPS_VERSION}"
+    assert native_attention.attention_family(CPU) == family
     assert with_attention_family(tiny, CPU).identity != tiny.identity
     assert with_attention_family(tiny, torch.device("meta")).identity == tiny.identity

@@ -17,7 +17,6 @@ computes and collects every rank's rows after the last layer; the model itself i
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVLayout
@@ -215,5 +214,4 @@ class LlamaModel:
         attn = self._attention(local, layer, x, positions, meta, pool)
         hidden = hidden + layer.o_proj(attn)
         x = ops.rms_norm(hidden, layer.post_norm, eps)
-        gate, up = layer.gate_up(x).chunk(2, dim=-1)  # [T, groups, columns] each
-        return hidden + layer.down_proj((F.silu(gate) * up).reshape(x.shape[0], -1))
+        return hidden + layer.down_proj(ops.silu_mul(layer.gate_up(x)))  # gate_up: [T, groups, gate | up]

@@ -87,8 +87,9 @@ class _Combined:
         R, H = q.shape[:2]
         self.q, self.rows = q, R
         self.single = len(plan.steps) == 1
-        self.top = q.new_full((R, H), float("-inf"), dtype=torch.float32)
-        self.total = q.new_zeros((R, H), dtype=torch.float32)
+        if not self.single:  # a single block's result is its output: nothing to combine
+            self.top = q.new_full((R, H), float("-inf"), dtype=torch.float32)
+            self.total = q.new_zeros((R, H), dtype=torch.float32)
         self.acc: torch.Tensor | None = None
         self.out: torch.Tensor | None = None  # the one block's output, when single
 

@@ -1,5 +1,5 @@
-"""hicache's native kernels: the weight-only quantized GEMMs of csrc/qgemm.cpp and the key-block attention
-of csrc/attention.cpp, compiled with the system C++ compiler through torch's cpp_extension and loaded as
+"""hicache's native kernels: the weight-only quantized GEMMs of csrc/qgemm.cpp, the key-block attention
+of csrc/attention.cpp and the per-row ops of csrc/rowops.cpp (RMSNorm, SiLU times up, RoPE), compiled with the system C++ compiler through torch's cpp_extension and loaded as
 torch ops (`torch.ops.<LIBRARY>`).
 
 `make setup` builds them once (`python -m hicache.model.kernels.native --build`); an engine that finds no
@@ -33,9 +33,12 @@ VERSION = 2
 # Bump on any change of csrc/attention.cpp's arithmetic: it names the library and enters every model's
 # identity on a CPU (`attention_family`), so KV attended otherwise is never shared or paired with.
 ATTENTION_VERSION = 2
-LIBRARY = f"hicache_qgemm_v{VERSION}_attention_v{ATTENTION_VERSION}"
+# Bump on any change of csrc/rowops.cpp's own arithmetic (RMSNorm, SiLU): like the attention's, it enters
+# every model's identity on a CPU (`attention_family`).
+ROW_OPS_VERSION = 1
+LIBRARY = f"hicache_qgemm_v{VERSION}_attention_v{ATTENTION_VERSION}_rows_v{ROW_OPS_VERSION}"
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "qgemm.cpp"
-SOURCES = (SOURCE, SOURCE.parent / "attention.cpp", SOURCE.parent / "threads.cpp")
+SOURCES = (SOURCE, SOURCE.parent / "attention.cpp", SOURCE.parent / "rowops.cpp", SOURCE.parent / "threads.cpp")
 # -ffp-contract=off: a multiply and an add stay two roundings (the dequantization is bitwise quant.py's).
 # -fopenmp: at::parallel_for's OpenMP pragma is compiled into the caller; without it every kernel runs on
 # one thread (csrc/threads.cpp). The library links libgomp.so.1, which resolves to torch's own copy.
@@ -86,8 +89,9 @@ def build(verbose: bool = False) -> None:
 
 @functools.cache
 def library() -> Any:
-    """The loaded ops (`int8_linear`, `int4_linear`, `quantize_activations`, `block_attend`, `combine_blocks`,
-    `parallel_threads`), built first if needed; None (after one warning) where they cannot be built here."""
+    """The loaded ops (`int8_linear`, `int4_linear`, their `_sum`s, `quantize_activations`, `block_attend`,
+    `combine_blocks`, `rms_norm`, `silu_mul`, `rope`, `parallel_threads`), built first if needed; None (after
+    one warning) where they cannot be built here."""
     try:
         build()
     except Exception as exc:  # noqa: BLE001 - any build failure means "use the aten kernels"

@@ -8,23 +8,31 @@ so one server attends every row with one kernel family, named in its identity (`
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from hicache.model.kernels import key_blocks, native
 
 
 def attention_family(device: torch.device) -> str:
-    """The kernel family that attends on `device`: a model's identity names it, since the native kernel
-    and aten's flash kernel round differently (KV computed with one is never served to the other)."""
+    """The kernel family that attends (and normalizes, ops.rms_norm / silu_mul) on `device`: a model's
+    identity names it, since the native kernels and aten's round differently (KV computed with one is
+    never served to the other)."""
     if device.type == "cpu" and native.library() is not None:
-        return f"native-attention-v{native.ATTENTION_VERSION}"
+        return f"native-attention-v{native.ATTENTION_VERSION}-rows-v{native.ROW_OPS_VERSION}"
     return "aten"
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    return (q.device.type == "cpu" and q.dtype in (torch.float32, torch.bfloat16) and k.dtype == q.dtype
-            and v.dtype == q.dtype and q.shape[-1] % 8 == 0 and v.shape[-1] % 8 == 0
-            and native.library() is not None)  # fmt: skip
+    return (q.is_cpu and k.dtype == q.dtype and v.dtype == q.dtype
+            and _takes(q.dtype, q.shape[-1], v.shape[-1]))  # fmt: skip
+
+
+@functools.cache
+def _takes(dtype: torch.dtype, d: int, dv: int) -> bool:
+    # Cached: asked twice a layer every step, and the answer depends on these and the build alone.
+    return dtype in (torch.float32, torch.bfloat16) and d % 8 == 0 and dv % 8 == 0 and native.library() is not None
 
 
 def attend_calls(

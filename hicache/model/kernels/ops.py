@@ -12,6 +12,7 @@ every CPU code path.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -325,10 +326,47 @@ def linear_sum(linears: list[Linear]) -> LinearSum | None:
 # ---- per-row reductions ------------------------------------------------------------------------------------
 
 
+def _native_rows(x: torch.Tensor, width: int) -> bool:
+    """Whether csrc/rowops.cpp takes rows of `x` `width` wide: on a CPU with the native build, the
+    activation dtypes it has, widths a multiple of its 8 lanes (a model's shapes are fixed, so one model
+    always takes one path; the family is in its identity, native_attention.attention_family)."""
+    return x.is_cpu and _native_rows_for(x.dtype, width)
+
+
+@functools.cache
+def _native_rows_for(dtype: torch.dtype, width: int) -> bool:
+    # Cached: a decode step asks ~150 times, and the answer depends on these two and the build alone.
+    return dtype in (torch.float32, torch.bfloat16) and width % 8 == 0 and native.library() is not None
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm in float32 like the reference implementations, then back to the activation dtype.
-    Mechanism: a mean over each row alone; torch reduces a row in an order fixed by its length, and
-    the row count only changes how rows are shared among threads."""
+    Mechanism: a mean over each row alone. Natively (csrc/rowops.cpp) the row's squares are summed in a
+    fixed lane order and tree; in torch a row is reduced in an order fixed by its length, and the row
+    count only changes how rows are shared among threads."""
+    if _native_rows(x, x.shape[-1]):
+        if x.dim() == 2 and x.is_contiguous():
+            return native.library().rms_norm(x, weight, eps)
+        return native.library().rms_norm(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's silu(gate) * up of gate_up [T, G, 2C] (each group's gate columns, then its up columns):
+    [T, G * C]. Mechanism: elementwise, each element by the same arithmetic in any call."""
+    if _native_rows(gate_up, gate_up.shape[-1] // 2):
+        return native.library().silu_mul(gate_up if gate_up.is_contiguous() else gate_up.contiguous())
+    gate, up = gate_up.chunk(2, dim=-1)
+    return (F.silu(gate) * up).reshape(gate_up.shape[0], -1)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in Hugging Face's rotate-half order: x * cos + rotate_half(x) * sin for x [T, heads, dim] and
+    cos, sin [T, 1, dim] in x's dtype. Mechanism: elementwise; natively (csrc/rowops.cpp) the same three
+    roundings in one call, bit for bit the torch expression."""
+    half = x.shape[-1] // 2
+    if x.dim() == 3 and _native_rows(x, half):
+        return native.library().rope(x if x.is_contiguous() else x.contiguous(), cos, sin)
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
