@@ -181,12 +181,15 @@ class RotaryEmbedding:
         cos, sin = angles.cos() * self.scale, angles.sin() * self.scale
         return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
 
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, dim] in `dtype`, kept for the next call at equal positions."""
+        last = self._last
+        if last is not None and last[1] == dtype and torch.equal(last[0], positions):
+            return last[2], last[3]
+        cos, sin = (t.to(dtype).unsqueeze(1) for t in self.cos_sin(positions))
+        self._last = (positions.clone(), dtype, cos, sin)
+        return cos, sin
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """x: [T, heads, dim]."""
-        last = self._last
-        if last is not None and last[1] == x.dtype and torch.equal(last[0], positions):
-            cos, sin = last[2], last[3]
-        else:
-            cos, sin = (t.to(x.dtype).unsqueeze(1) for t in self.cos_sin(positions))
-            self._last = (positions.clone(), x.dtype, cos, sin)
-        return ops.rotate(x, cos, sin)
+        return ops.rotate(x, *self.tables(positions, x.dtype))

@@ -92,9 +92,9 @@ def test_the_native_row_ops_round_otherwise_than_torch_so_identities_differ():
     with mock.patch.object(native, "ROW_OPS_VERSION", native.ROW_OPS_VERSION + 1):
         assert with_attention_family(tiny, torch.device("cpu")).identity != native_identity
     with mock.patch.object(native, "library", return_value=None):
-        ops._native_rows_for.cache_clear()
+        ops.native_rows_for.cache_clear()
         try:
             assert torch.equal(ops.rms_norm(x, weight, 1e-5), _torch_rms_norm(x, weight, 1e-5))
             assert with_attention_family(tiny, torch.device("cpu")).identity == tiny.identity
         finally:
-            ops._native_rows_for.cache_clear()
+            ops.native_rows_for.cache_clear()

@@ -24,6 +24,7 @@ from hicache.model.attention.backends import ATTENTION_BACKENDS, AttentionBacken
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
 from hicache.model.kernels import ops
+from hicache.model.kernels.fused_layer import LayerHead, LayerTail, layer_head, layer_tail
 from hicache.model.kernels.invariance import InvarianceReport
 from hicache.model.kernels.tp_groups import ColumnGroups, MakeLinear, RowGroups, group_slices, tp_group_count
 from hicache.model.rope import RotaryEmbedding
@@ -49,6 +50,9 @@ class DecoderLayer:
         self.gate_up = ColumnGroups([torch.cat([w[m + "gate_proj.weight"][c], w[m + "up_proj.weight"][c]])
                                      for c in columns], linear)  # fmt: skip
         self.down_proj = RowGroups([w[m + "down_proj.weight"][:, c] for c in columns], linear, pctx)
+        # What comes before and after attention in one native call each (set by the model; kernels/fused_layer.py).
+        self.head: LayerHead | None = None
+        self.tail: LayerTail | None = None
 
 
 class LlamaLayer(DecoderLayer):
@@ -116,6 +120,10 @@ class LlamaModel:
         self.tp_groups = tp_group_count(self._tp_split_heads(), cfg.intermediate_size)
         self.layers = [self._build_layer(cfg, weights, f"model.layers.{i}.", cast, make_linear)
                        for i in range(*self.layer_range)]  # fmt: skip
+        fusable_head = type(self)._attention is LlamaModel._attention  # what layer_head computes
+        for layer in self.layers:
+            layer.head = layer_head(layer, cfg.rms_norm_eps, dtype) if fusable_head else None
+            layer.tail = layer_tail(layer, cfg.rms_norm_eps, pctx, dtype)
         self.embed = cast(weights["model.embed_tokens.weight"]) if pctx.is_first_stage else None
         if pctx.is_last_stage:
             self.norm = cast(weights["model.norm.weight"])
@@ -151,8 +159,11 @@ class LlamaModel:
     def _attention(self, local: int, layer, x: torch.Tensor, positions: torch.Tensor, meta, pool) -> torch.Tensor:
         """This rank's heads' attention output [T, heads * dv] for normed inputs x [T, hidden]."""
         q, k, v = self._qkv(layer, x, positions)
-        kv = self.attention_layout.pack({"k": k, "v": v})
-        return self.attention.forward(local, q, kv, meta, pool, UnpackKV(self.kv_layout)).reshape(x.shape[0], -1)
+        return self._attend(local, q, self.attention_layout.pack({"k": k, "v": v}), meta, pool)
+
+    def _attend(self, local: int, q: torch.Tensor, kv: torch.Tensor, meta, pool) -> torch.Tensor:
+        """Attention output [T, heads * dv] of queries q [T, heads, d], the step's packed KV rows written first."""
+        return self.attention.forward(local, q, kv, meta, pool, UnpackKV(self.kv_layout)).reshape(q.shape[0], -1)
 
     def _qkv(self, layer, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated queries [T, heads, d] and keys [T, kv heads, d], and values, of normed inputs x."""
@@ -210,8 +221,12 @@ class LlamaModel:
         self, local: int, layer: DecoderLayer, hidden: torch.Tensor, positions: torch.Tensor, meta, pool: DeviceKVPool
     ) -> torch.Tensor:
         eps = self.cfg.rms_norm_eps
-        x = ops.rms_norm(hidden, layer.input_norm, eps)
-        attn = self._attention(local, layer, x, positions, meta, pool)
+        if layer.head is not None:  # _attention's projections in one call, the same bits (kernels/fused_layer.py)
+            attn = self._attend(local, *layer.head(hidden, *self.rope.tables(positions, hidden.dtype)), meta, pool)
+        else:
+            attn = self._attention(local, layer, ops.rms_norm(hidden, layer.input_norm, eps), positions, meta, pool)
+        if layer.tail is not None:  # the lines below in one call, the same bits (kernels/fused_layer.py)
+            return layer.tail(hidden, attn)
         hidden = hidden + layer.o_proj(attn)
         x = ops.rms_norm(hidden, layer.post_norm, eps)
         return hidden + layer.down_proj(ops.silu_mul(layer.gate_up(x)))  # gate_up: [T, groups, gate | up]

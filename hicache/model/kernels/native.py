@@ -38,7 +38,7 @@ ATTENTION_VERSION = 2
 ROW_OPS_VERSION = 1
 LIBRARY = f"hicache_qgemm_v{VERSION}_attention_v{ATTENTION_VERSION}_rows_v{ROW_OPS_VERSION}"
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "qgemm.cpp"
-SOURCES = (SOURCE, SOURCE.parent / "attention.cpp", SOURCE.parent / "rowops.cpp", SOURCE.parent / "threads.cpp")
+SOURCES = tuple(SOURCE.parent / name for name in ("qgemm.cpp", "attention.cpp", "rowops.cpp", "layer.cpp", "threads.cpp"))
 # -ffp-contract=off: a multiply and an add stay two roundings (the dequantization is bitwise quant.py's).
 # -fopenmp: at::parallel_for's OpenMP pragma is compiled into the caller; without it every kernel runs on
 # one thread (csrc/threads.cpp). The library links libgomp.so.1, which resolves to torch's own copy.
@@ -90,7 +90,7 @@ def build(verbose: bool = False) -> None:
 @functools.cache
 def library() -> Any:
     """The loaded ops (`int8_linear`, `int4_linear`, their `_sum`s, `quantize_activations`, `block_attend`,
-    `combine_blocks`, `rms_norm`, `silu_mul`, `rope`, `parallel_threads`), built first if needed; None (after
+    `combine_blocks`, `rms_norm`, `silu_mul`, `rope`, `layer_tail`, `parallel_threads`), built first if needed; None (after
     one warning) where they cannot be built here."""
     try:
         build()

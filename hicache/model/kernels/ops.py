@@ -70,6 +70,11 @@ class LinearBackend:
     def run(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def bind(self, prepared: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`run` of `prepared` as one callable (a decode step makes hundreds of calls: what can be looked
+        up once is)."""
+        return lambda x: self.run(prepared, x)
+
     def fast_for(self, dtype: torch.dtype) -> bool:
         """Whether the kernel is faster than a dense one for activations of `dtype` (what
         `--quantization auto` asks before keeping a checkpoint's codes)."""
@@ -175,7 +180,7 @@ class Int4PackBackend(_PackedBackend):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, packed, quant.INT4_GROUP, scales_and_zeros)
 
 
-class _NativeBackend(LinearBackend):
+class NativeBackend(LinearBackend):
     """hicache's own weight-only quantized GEMMs (csrc/qgemm.cpp, built by native.py) for float32 and
     bfloat16 activations: each row quantized in groups of 32 inputs to 16-bit integer codes, a group's
     products integer dot products, scaled to float32 once a group; each weight byte read once per call
@@ -191,10 +196,11 @@ class _NativeBackend(LinearBackend):
     def available(self, dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native.library() is not None
 
-    def run_sum(self, prepared: list[Any], x: torch.Tensor) -> torch.Tensor:
-        """`LinearSum`'s arithmetic in one call: weight g times x's g-th slice of inputs, each rounded
-        to x's dtype, the partials summed by `tp_groups.pairwise_sum`, float32 (csrc/qgemm.cpp)."""
-        return getattr(native.library(), self.sum_op)(x, *(list(operand) for operand in zip(*prepared)))
+    def bind_sum(self, prepared: list[Any]) -> Callable[[torch.Tensor], torch.Tensor]:
+        """`LinearSum`'s arithmetic as one call: weight g times x's g-th slice of inputs, each rounded to
+        x's dtype, the partials summed by `tp_groups.pairwise_sum`, float32 (csrc/qgemm.cpp)."""
+        op, operands = getattr(native.library(), self.sum_op), [list(operand) for operand in zip(*prepared)]
+        return lambda x: op(x, *operands)
 
     def accepts(self, shape: tuple[int, int]) -> bool:
         n, k = shape
@@ -203,8 +209,12 @@ class _NativeBackend(LinearBackend):
     def run(self, prepared: Any, x: torch.Tensor) -> torch.Tensor:
         return getattr(native.library(), self.op)(x, *prepared)
 
+    def bind(self, prepared: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        op = getattr(native.library(), self.op)
+        return lambda x: op(x, *prepared)
 
-class NativeInt8Backend(_NativeBackend):
+
+class NativeInt8Backend(NativeBackend):
     """Symmetric int8 codes [N, K] with one float32 scale per output row."""
 
     name, weight_format, op, sum_op = "native-int8", "int8", "int8_linear", "int8_linear_sum"
@@ -213,7 +223,7 @@ class NativeInt8Backend(_NativeBackend):
         return native.int8_operands(weight)
 
 
-class NativeInt4Backend(_NativeBackend):
+class NativeInt4Backend(NativeBackend):
     """4-bit codes two to a byte in GGUF Q4_1's order (byte j of a 32-input group: inputs j and j + 16),
     a float32 scale and offset per group: value = code * scale + offset, bitwise quant.py's."""
 
@@ -274,6 +284,7 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self._backend = BACKENDS[plan.backend]
         self._prepared = self._backend.prepare(weight, dtype)
+        self._run = self._backend.bind(self._prepared)
 
     @property
     def weight_format(self) -> str:
@@ -283,15 +294,24 @@ class Linear:
     def weight_bytes(self) -> int:
         return self._backend.weight_bytes(self._prepared)
 
+    @property
+    def backend(self) -> LinearBackend:
+        return self._backend
+
+    @property
+    def operands(self) -> tuple[torch.Tensor, ...]:
+        """What the backend's kernel takes for the weight (a native kernel's codes, scales, offsets)."""
+        return self._prepared if isinstance(self._prepared, tuple) else (self._prepared,)
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         plan = self.plan
         if x.dim() == 2 and not plan.tile and x.shape[0] % plan.granule == 0 and x.is_contiguous():
             # Already the call shape the plan prescribes: what shaped_call would run, without its
             # Python (a decode step makes hundreds of these calls; ~15 us each at one row).
-            return self._backend.run(self._prepared, x)
+            return self._run(x)
         lead = x.shape[:-1]
         flat = x.reshape(-1, self.in_features)
-        out = shaped_call(lambda rows: self._backend.run(self._prepared, rows), plan, flat.contiguous())
+        out = shaped_call(self._run, plan, flat.contiguous())
         return out.view(*lead, self.out_features)
 
 
@@ -301,18 +321,17 @@ class LinearSum:
     first: what a TP rank's row groups add (tp_groups.RowGroups), in one kernel call (`linear_sum`)."""
 
     def __init__(self, linears: list[Linear]) -> None:
-        self._backend = linears[0]._backend
-        self._prepared = [linear._prepared for linear in linears]
+        self._run = linears[0]._backend.bind_sum([linear._prepared for linear in linears])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._backend.run_sum(self._prepared, x)
+        return self._run(x)
 
 
 def linear_sum(linears: list[Linear]) -> LinearSum | None:
     """A `LinearSum` of `linears` where their kernel has one (the native quantized ones): the same bits as
     the calls one by one, whose plans are one call of any row count; None otherwise."""
     first = linears[0]
-    if not isinstance(first._backend, _NativeBackend) or first.plan.tile or first.plan.granule != 1:
+    if not isinstance(first._backend, NativeBackend) or first.plan.tile or first.plan.granule != 1:
         return None
     if any((lin.plan, lin.out_features, lin.in_features) != (first.plan, first.out_features, first.in_features)
            for lin in linears):  # fmt: skip
@@ -330,11 +349,11 @@ def _native_rows(x: torch.Tensor, width: int) -> bool:
     """Whether csrc/rowops.cpp takes rows of `x` `width` wide: on a CPU with the native build, the
     activation dtypes it has, widths a multiple of its 8 lanes (a model's shapes are fixed, so one model
     always takes one path; the family is in its identity, native_attention.attention_family)."""
-    return x.is_cpu and _native_rows_for(x.dtype, width)
+    return x.is_cpu and native_rows_for(x.dtype, width)
 
 
 @functools.cache
-def _native_rows_for(dtype: torch.dtype, width: int) -> bool:
+def native_rows_for(dtype: torch.dtype, width: int) -> bool:
     # Cached: a decode step asks ~150 times, and the answer depends on these two and the build alone.
     return dtype in (torch.float32, torch.bfloat16) and width % 8 == 0 and native.library() is not None
 
