@@ -13,6 +13,7 @@ through `ATTENTION_BACKENDS` and is the same code for both.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -57,9 +58,18 @@ class LocalMetadata:
     out_slots: torch.Tensor  # [T] pool slot of each new token's KV
     plan: key_blocks.KeyBlockPlan
     # Per read of the plan, the pool slots it reads: views of the sequences' slots, and slot 0 (masked)
-    # past an end. Joined per layer, when read, so a step holds a block's slots per sequence at a time,
-    # not every block's.
+    # past an end. Joined when first read and kept for the forward pass's other layers (`joined`): a
+    # layer then reads the very tensors the first one did (what key_block_attention.py's replay checks);
+    # they hold 8 bytes a key of the step, as the sequences' own slots do.
     slots: list[list[torch.Tensor]]
+    joined: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+
+    def read_slots(self, i: int) -> torch.Tensor:
+        joined = self.joined.get(i)
+        if joined is None:
+            parts = self.slots[i]
+            joined = self.joined[i] = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return joined
 
 
 class AttentionBackend(Protocol):
@@ -129,14 +139,12 @@ class LocalAttention:
             if native_attention.takes(q, k, v):  # it reads the pool by slot: each KV byte once a step
 
                 def in_place(i: int) -> tuple[torch.Tensor, ...]:
-                    parts = meta.slots[i]
-                    return k, v, parts[0] if len(parts) == 1 else torch.cat(parts)
+                    return k, v, meta.read_slots(i)
 
                 return ops.block_attention(q, meta.plan, in_place, self.scale)
 
         def read(i: int) -> tuple[torch.Tensor, ...]:
-            parts = meta.slots[i]
-            return expand(pool.read_rows(layer, parts[0] if len(parts) == 1 else torch.cat(parts)))
+            return expand(pool.read_rows(layer, meta.read_slots(i)))
 
         return ops.block_attention(q, meta.plan, read, self.scale)
 

@@ -33,16 +33,26 @@ def block_attention(q: torch.Tensor, plan: key_blocks.KeyBlockPlan, read: ReadBl
     strides); the blocks' normalized outputs and log-sum-exps are combined in float32 in block order by
     the same elementwise arithmetic for every row (`_Combined`). Memory: one step's reads at a time (at
     most MERGED_BLOCKS in place), at most a block of keys per sequence."""
+    if plan.native_calls is not None:
+        replayed = _replay(q, plan, read, scale)
+        if replayed is not None:
+            return replayed
     combined = _Combined(q, plan)
     native = False  # decided at the first read: whether the native kernel takes these heads
     pending: list[tuple[key_blocks.BlockCall, tuple[torch.Tensor, ...]]] = []  # in-place calls of one shape
+    # What each kernel call was, but the layer's q, k and v: replayed by the plan's next layers while every
+    # call is an in-place native one (None once one is not).
+    recorded: list[native_attention.NativeCalls] | None = []
 
     def flush() -> None:
         if pending:
             first, (k, v, _) = pending[0]
-            indexes = [kv[2] for _, kv in pending]
-            outs, lses = native_attention.attend_calls(q, first, k, v, indexes, plan.reads[first.read].length, scale)
+            calls = native_attention.native_calls(first, [call.read for call, _ in pending],
+                                                  [kv[2] for _, kv in pending], plan.reads[first.read].length)
+            outs, lses = native_attention.attend(calls, q, k, v, scale)
             combined.add(first, outs, lses, native=True)
+            if recorded is not None:
+                recorded.append(calls)
             pending.clear()
 
     for step in plan.steps:
@@ -61,9 +71,28 @@ def block_attention(q: torch.Tensor, plan: key_blocks.KeyBlockPlan, read: ReadBl
                     flush()
                 continue
             flush()
+            recorded = None
             out, lse = _attend_call(q, call, kv, plan.reads[call.read].length, scale, native)
             combined.add(call, out.unsqueeze(0), lse.unsqueeze(0), native)
     flush()
+    plan.native_calls = recorded or None
+    return combined.result()
+
+
+def _replay(q: torch.Tensor, plan: key_blocks.KeyBlockPlan, read: ReadBlock, scale: float) -> torch.Tensor | None:
+    """`block_attention` by the kernel calls an earlier layer made over the same plan (the same calls, reads
+    and combine, in the same order: the same bits), where every read still gives those slots in place and
+    each call's reads one pool layer; None where one does not (the caller then runs the plan afresh)."""
+    combined = _Combined(q, plan)
+    assert plan.native_calls is not None
+    for calls in plan.native_calls:
+        kvs = [read(i) for i in calls.reads]
+        k, v = kvs[0][0], kvs[0][1]
+        if any(len(kv) != 3 or kv[2] is not index or kv[0] is not k or kv[1] is not v
+               for kv, index in zip(kvs, calls.indexes)):  # fmt: skip
+            return None
+        outs, lses = native_attention.attend(calls, q, k, v, scale)
+        combined.add(calls.call, outs, lses, native=True)
     return combined.result()
 
 
@@ -147,7 +176,8 @@ def _attend_call(
     k, v = kv[0], kv[1]
     if native:
         index = torch.arange(k.shape[0], device=q.device)
-        outs, lses = native_attention.attend_calls(q, call, k, v, [index], length, scale)
+        outs, lses = native_attention.attend(native_attention.native_calls(call, [call.read], [index], length), q, k,
+                                             v, scale)  # fmt: skip
         return outs[0], lses[0]
     if len(kv) == 3:
         k, v = k.index_select(0, kv[2]), v.index_select(0, kv[2])

@@ -13,6 +13,7 @@ sequence: a step's memory is bounded by the block size and its rows, not by cont
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
 
@@ -81,6 +82,8 @@ class KeyBlockPlan:
     rows: int  # R: the query rows attended
     reads: list[BlockRead]
     steps: list[list[BlockCall]]  # per key block in order; a step's calls grouped by read
+    # The native kernel calls the plan's first layer made (key_block_attention.py), for the next layers.
+    native_calls: list[Any] | None = None
 
 
 @dataclass

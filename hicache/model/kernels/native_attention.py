@@ -9,6 +9,7 @@ so one server attends every row with one kernel family, named in its identity (`
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 
@@ -35,21 +36,41 @@ def _takes(dtype: torch.dtype, d: int, dv: int) -> bool:
     return dtype in (torch.float32, torch.bfloat16) and d % 8 == 0 and dv % 8 == 0 and native.library() is not None
 
 
-def attend_calls(
-    q: torch.Tensor, call: key_blocks.BlockCall, k: torch.Tensor, v: torch.Tensor, indexes: list[torch.Tensor],
-    length: int, scale: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Call `call` of a plan over keys k [N, Hkv, d] and values v [N, Hkv, dv] once for each of its reads
-    whose rows are `indexes` (each [E * length] rows of k and v, in place: a pool's layer and its
-    slots), all in one kernel call: the outputs [B, m, H, dv] and log-sum-exps [B, m, H] of the call's
-    rows `call.dest` for each of the B reads. Padding rows are not computed. A (row, head)'s result is
-    its own keys' alone whatever the kernel's threads split, so B reads in one call give each read's
-    bits alone."""
-    (E, n), H, d, B = call.rows.shape, q.shape[1], q.shape[2], len(indexes)
-    rows = q.index_select(0, call.rows.view(-1)).view(E, n, H, d)
-    seen = call.seen if call.seen is not None else torch.empty(0, dtype=torch.int64)
-    keys = [index.view(E, length)[:, : call.keys] for index in indexes]  # views: the kernel takes strided rows
-    out, lse = native.library().block_attend(rows, k, v, keys, seen, call.live, scale)
+@dataclass(frozen=True)
+class NativeCalls:
+    """Call `call` of a plan over B reads as one kernel call, all of it but the layer's q, k and v: what
+    every layer of a forward pass repeats (key_block_attention.py replays it from the second layer on)."""
+
+    call: key_blocks.BlockCall
+    reads: tuple[int, ...]  # the plan's reads, in the call's order
+    indexes: tuple[torch.Tensor, ...]  # each read's rows of k and v [E * length]
+    rows: torch.Tensor  # the call's query rows, flattened [E * n]
+    keys: list[torch.Tensor]  # each read's [E, keys] views of its rows (the kernel takes strided rows)
+    seen: torch.Tensor
+
+
+_ALL_SEEN = torch.empty(0, dtype=torch.int64)  # the kernel's "every row sees all `keys`"
+
+
+def native_calls(call: key_blocks.BlockCall, reads: list[int], indexes: list[torch.Tensor], length: int) -> NativeCalls:
+    """`call` over the reads `reads` whose rows are `indexes` (each [E * length] rows of k and v, in place: a
+    pool's layer and its slots)."""
+    E = call.rows.shape[0]
+    keys = [index.view(E, length)[:, : call.keys] for index in indexes]
+    seen = call.seen if call.seen is not None else _ALL_SEEN
+    return NativeCalls(call, tuple(reads), tuple(indexes), call.rows.view(-1), keys, seen)
+
+
+def attend(calls: NativeCalls, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+           scale: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """`calls` over keys k [N, Hkv, d] and values v [N, Hkv, dv], in one kernel call: the outputs [B, m, H,
+    dv] and log-sum-exps [B, m, H] of the call's rows `call.dest` for each of the B reads. Padding rows are
+    not computed. A (row, head)'s result is its own keys' alone whatever the kernel's threads split, so B
+    reads in one call give each read's bits alone."""
+    call, B = calls.call, len(calls.keys)
+    (E, n), H, d = call.rows.shape, q.shape[1], q.shape[2]
+    rows = q.index_select(0, calls.rows).view(E, n, H, d)
+    out, lse = native.library().block_attend(rows, k, v, calls.keys, calls.seen, call.live, scale)
     out, lse = out.view(B, E * n, H, -1), lse.view(B, E * n, H)
     if call.pick is not None:
         out, lse = out.index_select(1, call.pick), lse.index_select(1, call.pick)
