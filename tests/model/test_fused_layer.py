@@ -46,6 +46,9 @@ def test_the_head_and_tail_are_the_layers_python_path_bit_for_bit(name, fmt, dty
                 expected_q, k, v = model._qkv(layer, ops.rms_norm(hidden, layer.input_norm, eps), positions)
                 assert torch.equal(q, expected_q)
                 assert torch.equal(kv, model.attention_layout.pack({"k": k, "v": v}))
+                strided = torch.stack([hidden, hidden], -1)[..., 0]  # the same rows, not contiguous
+                assert all(torch.equal(a, b) for a, b in zip(layer.head(strided, *model.rope.tables(positions, dtype)),
+                                                             (q, kv)))  # fmt: skip
 
 
 def test_no_tail_where_a_part_is_not_native():

@@ -79,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor> layer_head(const at::Tensor& hidden, const at
   static const auto rope = op<Rope>(HICACHE_NAME(HICACHE_QGEMM_LIBRARY, "rope"));
   TORCH_CHECK(heads.size() == 3, "layer_head: heads are (query heads a group, KV heads a group, head size)");
   const int64_t tokens = hidden.size(0), nq = heads[0], nkv = heads[1], d = heads[2];
-  const at::Tensor x = norm.call(hidden, input_norm, eps);
+  const at::Tensor x = norm.call(hidden.contiguous(), input_norm, eps);  // a no-op on the usual contiguous rows
   at::Tensor columns = column_groups(x, qkv, format, groups).view({tokens, groups, nq + 2 * nkv, d});
   const at::Tensor qk = rope.call(columns.slice(2, 0, nq + nkv).reshape({tokens, -1, d}), cos, sin)
                             .view({tokens, groups, nq + nkv, d});
