@@ -191,7 +191,7 @@ class NativeBackend(LinearBackend):
     The calibration still measures it like any backend (granule 1 passes)."""
 
     op = ""
-    sum_op = ""  # the op of `run_sum`
+    sum_op = ""  # the op of `bind_sum`
 
     def available(self, dtype: torch.dtype, device: torch.device) -> bool:
         return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native.library() is not None

@@ -51,7 +51,8 @@ constexpr int64_t PANEL = 8;   // output rows stored together; threads split who
 constexpr int32_t HIGH_WEIGHT = 255;  // an activation code Q = 255 h + l, h and l int8 in [-127, 127]
 constexpr int32_t CODE_MAX = 127 * HIGH_WEIGHT;
 constexpr int64_t ROWS = 4;    // rows of x that share one pass over a panel
-constexpr int64_t X_BLOCK_BYTES = 128 * 1024;  // quantized rows (2 bytes an input) kept in L2 while the weights stream by
+// Quantized rows (2 bytes an input) kept in L2 while the weights stream by.
+constexpr int64_t X_BLOCK_BYTES = 128 * 1024;
 
 // Rows of x quantized (the file's header): codes [2, M, K] int8 (high, then low) and scales [2, M, K/32]
 // float32 (e, then s), with pointers to each part.
@@ -140,7 +141,8 @@ struct Int4Weights {
   int64_t panel_bytes() const { return PANEL * (k() / 2 + groups * 8); }
   template <int R>
   inline void pass(int64_t p, const Rows<R>& x) const {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), high_weight = _mm256_set1_epi16(HIGH_WEIGHT);
+    const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+    const __m256i high_weight = _mm256_set1_epi16(HIGH_WEIGHT);
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
@@ -298,7 +300,8 @@ Int8Weights int8_weights(const at::Tensor& codes, const at::Tensor& scale) {
                   codes.scalar_type() == at::kChar && codes.is_contiguous(),
               "int8 codes [N/8, K/32, 8, 32] int8");
   const int64_t n = codes.size(0) * PANEL;
-  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n, "int8 scale [N] float32");
+  TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
+              "int8 scale [N] float32");
   return Int8Weights{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), codes.size(1), n};
 }
 
