@@ -26,7 +26,7 @@ class LayerTail:
 
     def __init__(self, o_proj: RowGroups, post_norm: torch.Tensor, eps: float, gate_up: ColumnGroups,
                  down: RowGroups) -> None:  # fmt: skip
-        columns = _columns(gate_up)
+        columns = gate_up.calls
         formats = [_bits(o_proj.groups), _bits(columns), _bits(down.groups)]
         self._operands = (_operands(o_proj.groups), post_norm, eps, _operands(columns), gate_up.count,
                           _operands(down.groups), formats)  # fmt: skip
@@ -42,7 +42,7 @@ class LayerHead:
     KVLayout.mha's pack give them from rms_norm(hidden), one call."""
 
     def __init__(self, input_norm: torch.Tensor, eps: float, qkv: ColumnGroups, heads: tuple[int, int, int]) -> None:
-        columns = _columns(qkv)
+        columns = qkv.calls
         self._operands = (input_norm, eps, _operands(columns), _bits(columns), qkv.count, list(heads))
         self._op = native.library().layer_head
 
@@ -57,8 +57,8 @@ def layer_head(layer: object, eps: float, dtype: torch.dtype) -> LayerHead | Non
     qkv, norm = getattr(layer, "qkv_proj", None), getattr(layer, "input_norm", None)
     if not isinstance(qkv, ColumnGroups) or norm is None or not _native_rows(norm, dtype):
         return None
-    columns = _columns(qkv)
-    if not all(_one_call(linear) for linear in columns) or _bits(columns) is None:
+    columns = qkv.calls
+    if not all(ops.native_one_call(linear) for linear in columns) or _bits(columns) is None:
         return None
     d = layer.head_dim
     if not ops.native_rows_for(dtype, d // 2) or d % 2:
@@ -78,8 +78,8 @@ def layer_tail(layer: object, eps: float, pctx: ParallelContext, dtype: torch.dt
         return None
     if o_proj.summed is None or down.summed is None or not _native_rows(post_norm, dtype):
         return None
-    columns = _columns(gate_up)
-    if not all(_one_call(linear) for linear in columns) or None in (_bits(columns), _bits(o_proj.groups),
+    columns = gate_up.calls
+    if not all(ops.native_one_call(linear) for linear in columns) or None in (_bits(columns), _bits(o_proj.groups),
                                                                    _bits(down.groups)):  # fmt: skip
         return None
     if (columns[0].out_features * len(columns) // gate_up.count // 2) % 8:  # silu_mul's lanes
@@ -87,17 +87,8 @@ def layer_tail(layer: object, eps: float, pctx: ParallelContext, dtype: torch.dt
     return LayerTail(o_proj, post_norm, eps, gate_up, down)
 
 
-def _columns(gate_up: ColumnGroups) -> list[ops.Linear]:
-    return [gate_up.fused] if gate_up.fused is not None else gate_up.groups
-
-
 def _native_rows(norm: torch.Tensor, dtype: torch.dtype) -> bool:
     return norm.is_cpu and norm.dtype == dtype and ops.native_rows_for(dtype, norm.shape[0])
-
-
-def _one_call(linear: ops.Linear) -> bool:
-    """A native quantized linear whose plan is one call of any row count (ops.Linear's direct path)."""
-    return linear.plan == ops.LinearPlan(linear.plan.backend, 1) and isinstance(linear.backend, ops.NativeBackend)
 
 
 def _bits(linears: list[ops.Linear]) -> int | None:

@@ -83,8 +83,8 @@ def _replay(q: torch.Tensor, plan: key_blocks.KeyBlockPlan, read: ReadBlock, sca
     """`block_attention` by the kernel calls an earlier layer made over the same plan (the same calls, reads
     and combine, in the same order: the same bits), where every read still gives those slots in place and
     each call's reads one pool layer; None where one does not (the caller then runs the plan afresh)."""
-    combined = _Combined(q, plan)
     assert plan.native_calls is not None
+    combined = _Combined(q, plan)
     for calls in plan.native_calls:
         kvs = [read(i) for i in calls.reads]
         k, v = kvs[0][0], kvs[0][1]

@@ -327,11 +327,17 @@ class LinearSum:
         return self._run(x)
 
 
+def native_one_call(linear: Linear) -> bool:
+    """Whether `linear` runs on a native quantized kernel in one call of any row count (its plan neither
+    pads nor tiles): its op is then what `Linear.__call__` runs, which one native call may run instead."""
+    return isinstance(linear.backend, NativeBackend) and not linear.plan.tile and linear.plan.granule == 1
+
+
 def linear_sum(linears: list[Linear]) -> LinearSum | None:
     """A `LinearSum` of `linears` where their kernel has one (the native quantized ones): the same bits as
     the calls one by one, whose plans are one call of any row count; None otherwise."""
     first = linears[0]
-    if not isinstance(first._backend, NativeBackend) or first.plan.tile or first.plan.granule != 1:
+    if not native_one_call(first):
         return None
     if any((lin.plan, lin.out_features, lin.in_features) != (first.plan, first.out_features, first.in_features)
            for lin in linears):  # fmt: skip

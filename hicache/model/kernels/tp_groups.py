@@ -100,7 +100,12 @@ class ColumnGroups:
 
     @property
     def plan(self) -> ops.LinearPlan:
-        return (self.fused or self.groups[0]).plan
+        return self.calls[0].plan
+
+    @property
+    def calls(self) -> list[ops.Linear]:
+        """The linears a call runs, in order: the fused one, or one a group."""
+        return [self.fused] if self.fused is not None else self.groups
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """[T, in] -> [T, groups, group outputs]."""
