@@ -135,8 +135,14 @@ class DeviceKVPool:
         in a row's first `width` columns: attention's components lead the row, and state beside them
         (written by the layer owning it) follows."""
         mine = rows if where.index is None else rows.index_select(0, where.index)
-        dst = self.buffers[layer] if rows.shape[1] == self.layout.row_numel else self.buffers[layer][:, : rows.shape[1]]
-        dst.index_copy_(0, self.layer_rows(layer, where.rows), mine.to(self.dtype))
+        dst, at = self.write_target(layer, where, rows.shape[1])
+        dst.index_copy_(0, at, mine.to(self.dtype))
+
+    def write_target(self, layer: int, where: OwnedSlots, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where `write_rows` stores rows `width` wide of the slots `where` was made from: the layer's
+        buffer (its first `width` columns) and the rows of it, dst.index_copy_(0, rows, ...)."""
+        dst = self.buffers[layer] if width == self.layout.row_numel else self.buffers[layer][:, :width]
+        return dst, self.layer_rows(layer, where.rows)
 
     def read_rows(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
         """Packed rows of slots this rank holds."""

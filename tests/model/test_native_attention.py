@@ -153,6 +153,54 @@ def test_reading_the_pool_in_place_gives_the_gathered_bits(dtype, case):
     assert torch.equal(in_place, gathered)
 
 
+# Plans the native replay takes: a one-block plan (a decode step's: its result is the block's output,
+# rows picked from padded calls) and ones combining blocks, in order and by row (IN_PLACE_CASES).
+REPLAY_CASES = {"a decode step": ((129,), (40,), (300,)), "prefill rows": ((1, 2, 3, 200, 511),),
+                **IN_PLACE_CASES}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", REPLAY_CASES)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_the_native_replay_is_the_layer_the_plan_would_run(dtype, case):
+    """A forward pass's second layer through `Replay` (one native call: the KV write and the recorded
+    calls) writes the pool rows index_copy_ writes and attends with the bits of the same plan run afresh
+    and of its Python replay."""
+    H, Hkv, d, dv = WIDTHS[2]
+    sequences = REPLAY_CASES[case]
+    slots = max(seen[-1] for seen in sequences) + 8
+    gen = torch.Generator().manual_seed(7)
+    queries, start, slot_of = [], 0, []
+    for i, seen in enumerate(sequences):
+        queries.append(key_blocks.QueryRows(i, start, seen))
+        start += len(seen)
+        slot_of.append(torch.cat([torch.randperm(slots, generator=gen), torch.zeros(512, dtype=torch.int64)]))
+    plan = key_blocks.plan(queries, start, CPU, 512)
+    reads = [torch.cat([slot_of[seq][first : first + plan.reads[i].length] for seq, first in plan.reads[i].entries])
+             for i in range(len(plan.reads))]  # fmt: skip
+    layers = [torch.randn(slots, Hkv * (d + dv), generator=gen).to(dtype) for _ in range(2)]
+
+    def views(pool):
+        return pool[:, : Hkv * d].view(slots, Hkv, d), pool[:, Hkv * d :].view(slots, Hkv, dv)
+
+    def attend(pool, q):  # the plan's reads give the same slot tensors layer after layer, as the backend's do
+        k, v = views(pool)
+        return ops.block_attention(q, plan, lambda i: (k, v, reads[i]), d**-0.5)
+
+    q0, q1 = (torch.randn(start, H, d, generator=gen).to(dtype) for _ in range(2))
+    attend(layers[0], q0)  # the first layer records its calls
+    assert plan.native_calls is not None
+    replay = native_attention.Replay(plan)
+    where = torch.randperm(slots, generator=gen)[:3]
+    kv = torch.randn(3, Hkv * (d + dv), generator=gen)  # float32: written in the pool's dtype
+    written = layers[1].clone()
+    replayed = replay(q1, kv, written, where, *views(written), d**-0.5)
+    layers[1].index_copy_(0, where, kv.to(dtype))
+    assert torch.equal(written, layers[1])
+    python_replay = attend(layers[1], q1)
+    plan.native_calls = None
+    assert torch.equal(replayed, python_replay) and torch.equal(replayed, attend(layers[1], q1))
+
+
 def test_native_and_aten_attention_differ_so_identities_do():
     """The negative control of the identity: the two kernel families give other bits for the same rows,
     hence a model's identity on a CPU with the native build names it (and on another device not)."""

@@ -63,6 +63,8 @@ class LocalMetadata:
     # they hold 8 bytes a key of the step, as the sequences' own slots do.
     slots: list[list[torch.Tensor]]
     joined: dict[int, torch.Tensor] = dataclasses.field(default_factory=dict)
+    # The plan's layers after the first in one native call each, once the first ran every call in place.
+    replay: native_attention.Replay | None = None
 
     def read_slots(self, i: int) -> torch.Tensor:
         joined = self.joined.get(i)
@@ -133,7 +135,11 @@ class LocalAttention:
     def forward(
         self, layer: int, q: torch.Tensor, kv: torch.Tensor, meta: LocalMetadata, pool: DeviceKVPool, expand: Expand
     ) -> torch.Tensor:
-        pool.write_rows(layer, pool.owned(meta.out_slots), kv)
+        where = pool.owned(meta.out_slots)
+        if meta.replay is not None:  # an earlier layer ran the plan in place: this one's bits in one call
+            k, v = expand(pool.buffers[layer])
+            return meta.replay(q, kv, *pool.write_target(layer, where, kv.shape[1]), k, v, self.scale)
+        pool.write_rows(layer, where, kv)
         if isinstance(expand, UnpackKV) and not pool.sharded:
             k, v = expand(pool.buffers[layer])
             if native_attention.takes(q, k, v):  # it reads the pool by slot: each KV byte once a step
@@ -141,7 +147,10 @@ class LocalAttention:
                 def in_place(i: int) -> tuple[torch.Tensor, ...]:
                     return k, v, meta.read_slots(i)
 
-                return ops.block_attention(q, meta.plan, in_place, self.scale)
+                out = ops.block_attention(q, meta.plan, in_place, self.scale)
+                if meta.plan.native_calls is not None:  # recorded: every call was native and in place
+                    meta.replay = native_attention.Replay(meta.plan)
+                return out
 
         def read(i: int) -> tuple[torch.Tensor, ...]:
             return expand(pool.read_rows(layer, meta.read_slots(i)))

@@ -49,7 +49,7 @@ class NativeCalls:
     seen: torch.Tensor
 
 
-_ALL_SEEN = torch.empty(0, dtype=torch.int64)  # the kernel's "every row sees all `keys`"
+_NONE = torch.empty(0, dtype=torch.int64)  # the kernels' "every row sees all `keys`", "no pick", "every row"
 
 
 def native_calls(call: key_blocks.BlockCall, reads: list[int], indexes: list[torch.Tensor], length: int) -> NativeCalls:
@@ -57,7 +57,7 @@ def native_calls(call: key_blocks.BlockCall, reads: list[int], indexes: list[tor
     pool's layer and its slots)."""
     E = call.rows.shape[0]
     keys = [index.view(E, length)[:, : call.keys] for index in indexes]
-    seen = call.seen if call.seen is not None else _ALL_SEEN
+    seen = call.seen if call.seen is not None else _NONE
     return NativeCalls(call, tuple(reads), tuple(indexes), call.rows.view(-1), keys, seen)
 
 
@@ -83,3 +83,31 @@ def combine(top: torch.Tensor, total: torch.Tensor, acc: torch.Tensor, dest: tor
     acc [R, H, dv], float32) of rows `dest` [m] (empty: all R rows in order), block 0 first, in place
     (csrc/attention.cpp's `combine_blocks`)."""
     native.library().combine_blocks(top, total, acc, dest, outs.contiguous(), lses.contiguous())
+
+
+class Replay:
+    """A layer of a forward pass whose key-block plan an earlier layer ran, every call in place and native
+    (`plan.native_calls`, key_block_attention.py): the step's KV rows written and the recorded calls replayed,
+    combined as `_Combined` does, in one native call (csrc/attention.cpp's `replay_attention`): the same ops
+    in the same order as the Python replay, so its bits, at one dispatch a layer."""
+
+    def __init__(self, plan: key_blocks.KeyBlockPlan) -> None:
+        assert plan.native_calls is not None
+        recorded: list[NativeCalls] = plan.native_calls
+        single = len(plan.steps) == 1  # `_Combined.single`: the one block's output is the result
+
+        def dest(call: key_blocks.BlockCall) -> torch.Tensor:  # `_Combined.add`'s "whole": every row in order
+            return _NONE if call.in_order and call.dest.shape[0] == plan.rows else call.dest
+
+        self._operands = ([c.call.rows for c in recorded], [key for c in recorded for key in c.keys],
+                          [len(c.keys) for c in recorded], [c.seen for c in recorded],
+                          [c.call.live for c in recorded],
+                          [c.call.pick if c.call.pick is not None else _NONE for c in recorded],
+                          [dest(c.call) for c in recorded], single)  # fmt: skip
+        self._op = native.library().replay_attention
+
+    def __call__(self, q: torch.Tensor, kv: torch.Tensor, dst: torch.Tensor, where: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
+        """Writes kv [T, w] to dst's rows `where` (dst.index_copy_), then attends q [R, H, d] over k [N, Hkv, d]
+        and v [N, Hkv, dv], the pool layer's views, as the plan's recorded calls did: [R, H, dv]."""
+        return self._op(q, kv, dst, where, k, v, *self._operands, scale)

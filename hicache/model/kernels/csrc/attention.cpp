@@ -34,6 +34,16 @@
 // place, block 0 first: row dest[i] (i when dest is empty) takes now = max(top, lse), kept = e^(top -
 // now), added = e^(lse - now), acc = acc kept + out added, total = total kept + added, top = now, each
 // element by itself with exp8 below, so a row's combine is the same arithmetic in any call.
+//
+//   replay_attention(q [R, H, d], kv [T, w], dst [N, w], where [T], k [N, Hkv, d], v [N, Hkv, dv], then per
+//                    recorded call c: rows[c] [E, n], reads[c] of `keys`' [E, keys] views, seen[c], live[c],
+//                    pick[c] and dest[c] (empty: none, every row in order), single, scale) -> [R, H, dv]
+//
+// A layer of a forward pass whose key-block plan an earlier layer ran (native_attention.Replay): the step's
+// packed KV rows written to the pool (as dst.index_copy_(0, where, kv), DeviceKVPool.write_rows), then each
+// recorded call attended in place and combined as key_block_attention.py's `_Combined` does, by the same ops
+// in the same order (q.index_select, block_attend, the pick, `combine_blocks`; a one-block plan's output + 0.0
+// and its rows copied in): the Python replay's bits, without its ~100 us of Python a layer.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -46,6 +56,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
 #include <tuple>
 #include <vector>
@@ -365,6 +376,75 @@ void combine_blocks(at::Tensor& top, at::Tensor& total, at::Tensor& acc, const a
     AT_DISPATCH_CASE(at::kBFloat16, [&] { fold(tp, sp, ap, rows, out.data_ptr<c10::BFloat16>(), lp, B, m, H, dv); }));
 }
 
+// dst.index_copy_(0, where, kv.to(dst's dtype)): a row copy each where the dtypes agree (the same bytes,
+// without index_copy_'s ~7 us of dispatch for a decode step's row or two).
+void write_rows(at::Tensor& dst, const at::Tensor& where, const at::Tensor& kv) {
+  TORCH_CHECK(dst.dim() == 2 && kv.dim() == 2 && kv.size(1) == dst.size(1) && where.dim() == 1 &&
+                  where.size(0) == kv.size(0) && where.scalar_type() == at::kLong,
+              "replay_attention: kv [T, w], dst [N, w] and where [T] int64");
+  if (kv.scalar_type() != dst.scalar_type() || kv.stride(1) != 1 || dst.stride(1) != 1 || !where.is_contiguous()) {
+    dst.index_copy_(0, where, kv.to(dst.scalar_type()));
+    return;
+  }
+  const int64_t* rows = where.data_ptr<int64_t>();
+  const int64_t N = dst.size(0), bytes = kv.size(1) * kv.element_size();
+  auto* base = static_cast<char*>(dst.data_ptr());
+  const auto* src = static_cast<const char*>(kv.data_ptr());
+  for (int64_t i = 0; i < kv.size(0); ++i) {
+    TORCH_CHECK(rows[i] >= 0 && rows[i] < N, "replay_attention: a row outside the pool");
+    std::memcpy(base + rows[i] * dst.stride(0) * dst.element_size(), src + i * kv.stride(0) * kv.element_size(),
+                bytes);
+  }
+}
+
+at::Tensor replay_attention(const at::Tensor& q, const at::Tensor& kv, at::Tensor dst, const at::Tensor& where,
+                            const at::Tensor& k, const at::Tensor& v, at::TensorList rows, at::TensorList keys,
+                            at::IntArrayRef reads, at::TensorList seen, at::TensorList live, at::TensorList pick,
+                            at::TensorList dest, bool single, double scale) {
+  const size_t calls = rows.size();
+  TORCH_CHECK(calls > 0 && reads.size() == calls && seen.size() == calls && live.size() == calls &&
+                  pick.size() == calls && dest.size() == calls,
+              "replay_attention: rows, reads, seen, live, pick and dest per call");
+  TORCH_CHECK(q.dim() == 3, "replay_attention: q [R, H, d]");
+  write_rows(dst, where, kv);
+  const int64_t R = q.size(0), H = q.size(1), d = q.size(2), dv = v.size(2);
+  at::Tensor out, top, total, acc;
+  if (!single) {
+    const auto f32 = q.options().dtype(at::kFloat);
+    top = at::full({R, H}, -std::numeric_limits<double>::infinity(), f32);
+    total = at::zeros({R, H}, f32);
+    acc = at::zeros({R, H, dv}, f32);
+  }
+  int64_t first = 0;  // the first of call c's views in `keys`
+  for (size_t c = 0; c < calls; ++c) {
+    const int64_t E = rows[c].size(0), n = rows[c].size(1), B = reads[c];
+    TORCH_CHECK(B > 0 && first + B <= static_cast<int64_t>(keys.size()), "replay_attention: reads beyond keys");
+    const std::vector<at::Tensor> index(keys.begin() + first, keys.begin() + first + B);
+    first += B;
+    auto [outs, lses] = block_attend(q.index_select(0, rows[c].view(-1)).view({E, n, H, d}), k, v, index, seen[c],
+                                     live[c], scale);
+    outs = outs.view({B, E * n, H, -1});
+    lses = lses.view({B, E * n, H});
+    if (pick[c].numel()) {
+      outs = outs.index_select(1, pick[c]);
+      lses = lses.index_select(1, pick[c]);
+    }
+    if (!single) {
+      combine_blocks(top, total, acc, dest[c], outs.contiguous(), lses.contiguous());
+      continue;
+    }
+    const at::Tensor block = outs[0] + 0.0;  // as the one block's result in Python (`_Combined.add`)
+    if (!dest[c].numel()) {
+      out = block;
+      continue;
+    }
+    if (!out.defined()) out = at::empty({R, H, dv}, block.options());
+    out.index_copy_(0, dest[c], block);
+  }
+  TORCH_CHECK(first == static_cast<int64_t>(keys.size()), "replay_attention: keys beyond the calls' reads");
+  return single ? out : (acc / total.unsqueeze(-1)).to(q.scalar_type());
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(HICACHE_QGEMM_LIBRARY, m) {
@@ -372,4 +452,8 @@ TORCH_LIBRARY_FRAGMENT(HICACHE_QGEMM_LIBRARY, m) {
         " -> (Tensor, Tensor)", &block_attend);
   m.def("combine_blocks(Tensor(a!) top, Tensor(b!) total, Tensor(c!) acc, Tensor dest, Tensor out, Tensor lse) -> ()",
         &combine_blocks);
+  m.def("replay_attention(Tensor q, Tensor kv, Tensor(a!) dst, Tensor where, Tensor k, Tensor v, Tensor[] rows, "
+        "Tensor[] keys, int[] reads, Tensor[] seen, Tensor[] live, Tensor[] pick, Tensor[] dest, bool single, "
+        "float scale) -> Tensor",
+        &replay_attention);
 }
