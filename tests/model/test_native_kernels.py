@@ -4,6 +4,8 @@ dequantized weights' product with the quantized activations to float32 rounding,
 depend on the call it is in (rows, position, thread count), they run on torch's threads, the calibration
 picks them first, and plans measured without them are not reused."""
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -139,3 +141,22 @@ def test_a_linear_sum_is_the_calls_one_by_one_and_their_pairwise_sum(fmt, dtype,
     assert summed is not None
     got = summed(x)
     assert got.dtype == torch.float32 and torch.equal(got, tp_groups.pairwise_sum(one_by_one))
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 9), groups=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_float16_int4_scales_are_the_float32_ones_at_fewer_bytes(rows, groups, seed):
+    """A weight whose scales and offsets are all float16 values (a GGUF Q4_1's) gets float16 operands, 5/6
+    of the bytes, and the float32 operands' bits, alone and summed; any other keeps float32."""
+    w = _weight("int4", 24, 64, seed)
+    gguf_like = dataclasses.replace(w, scale=w.scale.half().float(), offset=w.offset.half().float())
+    codes, scale, offset = native.int4_operands(gguf_like)
+    assert scale.dtype == offset.dtype == torch.float16
+    assert native.int4_operands(_weight("int4", 24, 64, seed))[1].dtype == torch.float32  # float32 scales
+    wide = (codes, scale.float(), offset.float())
+    assert codes.numel() + 2 * scale.numel() * scale.element_size() == 5 * sum(t.nbytes for t in wide) // 6
+    x = torch.randn(rows, 64 * groups, generator=torch.Generator().manual_seed(seed))
+    lib = native.library()
+    assert torch.equal(lib.int4_linear(x[:, :64], codes, scale, offset), lib.int4_linear(x[:, :64], *wide))
+    assert torch.equal(lib.int4_linear_sum(x, [codes] * groups, [scale] * groups, [offset] * groups),
+                       lib.int4_linear_sum(x, [codes] * groups, [wide[1]] * groups, [wide[2]] * groups))  # fmt: skip

@@ -42,9 +42,9 @@ SOURCES = tuple(SOURCE.parent / name for name in ("qgemm.cpp", "attention.cpp", 
 # -ffp-contract=off: a multiply and an add stay two roundings (the dequantization is bitwise quant.py's).
 # -fopenmp: at::parallel_for's OpenMP pragma is compiled into the caller; without it every kernel runs on
 # one thread (csrc/threads.cpp). The library links libgomp.so.1, which resolves to torch's own copy.
-CFLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-ffp-contract=off", f"-DHICACHE_QGEMM_LIBRARY={LIBRARY}"]
+CFLAGS = ["-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-ffp-contract=off", f"-DHICACHE_QGEMM_LIBRARY={LIBRARY}"]
 LDFLAGS = ["-fopenmp"]
-REQUIRED_CPU_FLAGS = ("avx2", "fma")
+REQUIRED_CPU_FLAGS = ("avx2", "fma", "f16c")  # f16c: int4 scales stored as float16 (every AVX2 CPU has it)
 PANEL = 8  # output rows the kernel stores together (csrc/qgemm.cpp)
 STEPS = quant.INT4_GROUP // 4  # 4-input steps a group of 32 inputs (csrc/qgemm.cpp)
 ACTIVATION_CODE_MAX = 127 * 255  # activation codes 255 h + l, both halves int8 in [-127, 127] (csrc/qgemm.cpp)
@@ -126,12 +126,21 @@ def int8_operands(weight: quant.QuantizedWeight) -> tuple[torch.Tensor, torch.Te
 
 def int4_operands(weight: quant.QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """int4_linear's: codes in panels of 4-input steps, two steps to a byte (step 2t in the low nibbles
-    of chunk t, 2t + 1 in the high), and a float32 scale and offset per group, in panels."""
+    of chunk t, 2t + 1 in the high), and a scale and offset per group, in panels: float16 where every one
+    is a float16 (a GGUF Q4_1's: the same values, which the kernel widens exactly, at 5/6 of a one-row
+    call's bytes), else float32."""
     steps = _steps(weight.codes).to(torch.uint8)
     pairs = steps.view(*steps.shape[:2], STEPS // 2, 2, 4 * PANEL)
     packed = (pairs[:, :, :, 0] | (pairs[:, :, :, 1] << 4)).contiguous()
     assert weight.offset is not None  # the int4 format is asymmetric
-    return packed, _panels(weight.scale.float()), _panels(weight.offset.float())
+    scale, offset = weight.scale.float(), weight.offset.float()
+    if _is_half(scale) and _is_half(offset):
+        scale, offset = scale.half(), offset.half()
+    return packed, _panels(scale), _panels(offset)
+
+
+def _is_half(t: torch.Tensor) -> bool:
+    return torch.equal(t.half().float(), t)  # an overflow (inf) or a NaN compares unequal: float32 kept
 
 
 def _steps(codes: torch.Tensor) -> torch.Tensor:

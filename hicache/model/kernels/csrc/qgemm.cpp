@@ -9,7 +9,9 @@
 // panel's 8 outputs in one instruction, the 8 outputs in the 8 lanes of one accumulator:
 //   int8: codes [N/8, K/32, 8 steps, 32] int8, scale [N] float32: w = code * scale
 //   int4: codes [N/8, K/32, 4, 32] uint8, byte b of chunk t holding step 2t's code in its low nibble and
-//         step 2t + 1's in its high; scale and offset [N/8, K/32, 8] float32: w = code * scale + offset
+//         step 2t + 1's in its high; scale and offset [N/8, K/32, 8] float32: w = code * scale + offset;
+//         or float16 where every one is a float16 (a GGUF Q4_1's are): widened exactly as they are loaded,
+//         the same arithmetic at 5/6 of the bytes a weight (one-row calls stream their weights)
 // Activations x [M, K] float32 (bf16 is widened exactly before and the result rounded after).
 //
 // Activation quantization (`quantize_rows`; bitwise native.quantize_activations in Python): per row and
@@ -130,15 +132,22 @@ struct Rows {
   float* y[R];
 };
 
+// A group's 8 int4 scales (or offsets) of a panel as float32: stored so, or float16 widened (exact).
+inline __m256 load_scales(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load_scales(const at::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
 // A format's panel pass: R rows times the 8 outputs of panel p over all groups, each output's arithmetic as
 // in the file's header (the high codes' partial sums times 255 in the integer multiply-add).
+template <typename Scale>
 struct Int4Weights {
   const uint8_t* codes;
-  const float* scale;
-  const float* offset;
+  const Scale* scale;
+  const Scale* offset;
   int64_t groups, n;
   int64_t k() const { return groups * GROUP; }
-  int64_t panel_bytes() const { return PANEL * (k() / 2 + groups * 8); }
+  int64_t panel_bytes() const { return PANEL * (k() / 2 + groups * 2 * static_cast<int64_t>(sizeof(Scale))); }
   template <int R>
   inline void pass(int64_t p, const Rows<R>& x) const {
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
@@ -162,7 +171,7 @@ struct Int4Weights {
           low[i] = _mm256_add_epi16(low[i], _mm256_maddubs_epi16(second, broadcast_step(x.low[i] + k + 4)));
         }
       }
-      const __m256 scales = _mm256_loadu_ps(scale + at * PANEL), offsets = _mm256_loadu_ps(offset + at * PANEL);
+      const __m256 scales = load_scales(scale + at * PANEL), offsets = load_scales(offset + at * PANEL);
       for (int i = 0; i < R; ++i) {
         const __m256i sum = _mm256_add_epi32(_mm256_madd_epi16(high[i], high_weight), _mm256_madd_epi16(low[i], ones));
         acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scales, _mm256_set1_ps(x.e[i][g])), acc[i]);
@@ -305,15 +314,17 @@ Int8Weights int8_weights(const at::Tensor& codes, const at::Tensor& scale) {
   return Int8Weights{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), codes.size(1), n};
 }
 
-Int4Weights int4_weights(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset) {
+template <typename Scale>
+Int4Weights<Scale> int4_weights(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& offset) {
   TORCH_CHECK(codes.dim() == 4 && codes.size(2) == STEPS / 2 && codes.size(3) == 4 * PANEL &&
                   codes.scalar_type() == at::kByte && codes.is_contiguous(),
               "int4 codes [N/8, K/32, 4, 32] uint8");
   const int64_t n = codes.size(0) * PANEL, groups = codes.size(1);
   for (const at::Tensor* t : {&scale, &offset})
-    TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n * groups,
-                "int4 scale and offset [N/8, K/32, 8] float32");
-  return Int4Weights{codes.data_ptr<uint8_t>(), scale.data_ptr<float>(), offset.data_ptr<float>(), groups, n};
+    TORCH_CHECK(t->scalar_type() == c10::CppTypeToScalarType<Scale>::value && t->is_contiguous() &&
+                    t->numel() == n * groups,
+                "int4 scale and offset [N/8, K/32, 8], both float32 or both float16 (every group's alike)");
+  return Int4Weights<Scale>{codes.data_ptr<uint8_t>(), scale.data_ptr<Scale>(), offset.data_ptr<Scale>(), groups, n};
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
@@ -322,7 +333,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
                        const at::Tensor& offset) {
-  return run(int4_weights(codes, scale, offset), x);
+  if (scale.scalar_type() == at::kHalf) return run(int4_weights<at::Half>(codes, scale, offset), x);
+  return run(int4_weights<float>(codes, scale, offset), x);
 }
 
 at::Tensor int8_linear_sum(const at::Tensor& x, at::TensorList codes, at::TensorList scale) {
@@ -335,9 +347,13 @@ at::Tensor int8_linear_sum(const at::Tensor& x, at::TensorList codes, at::Tensor
 at::Tensor int4_linear_sum(const at::Tensor& x, at::TensorList codes, at::TensorList scale, at::TensorList offset) {
   TORCH_CHECK(!codes.empty() && scale.size() == codes.size() && offset.size() == codes.size(),
               "int4_linear_sum: one scale and offset per group's codes");
-  std::vector<Int4Weights> ws;
-  for (size_t g = 0; g < codes.size(); ++g) ws.push_back(int4_weights(codes[g], scale[g], offset[g]));
-  return run_sum(ws, x);
+  const auto groups = [&](auto scale_type) {
+    using Scale = decltype(scale_type);
+    std::vector<Int4Weights<Scale>> ws;
+    for (size_t g = 0; g < codes.size(); ++g) ws.push_back(int4_weights<Scale>(codes[g], scale[g], offset[g]));
+    return run_sum(ws, x);
+  };
+  return scale[0].scalar_type() == at::kHalf ? groups(at::Half{}) : groups(float{});
 }
 
 // The kernels' first stage alone, for tests: (high, low, e, s) of x [M, K] float32 (the file's header).
