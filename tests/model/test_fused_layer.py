@@ -1,14 +1,17 @@
 """A decoder layer's head and tail as one native call each (hicache/model/kernels/fused_layer.py, csrc/layer.cpp):
 they give the bits of the layer's Python path (the input RMSNorm, q/k/v, RoPE and the packed KV row; o_proj
 and its residual, the post-attention RMSNorm, the SwiGLU MLP and its residual), at any row count, in both
-activation dtypes and both quantized formats; and they exist only where every part runs natively (at TP 1)."""
+activation dtypes and both quantized formats; and they exist only where every part runs natively (at TP 1).
+The layers after the first as one call (LayerStack) give the forward pass's logits and pool bits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from hicache.model.build import build_decoder, with_weight_format
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.model.batch import ForwardBatch, SeqSlice
+from hicache.model.build import build_decoder, with_attention_family, with_weight_format
 from hicache.model.kernels import native, ops
 from hicache.model.loading.loader import load_model
 from hicache.parallel.parallel import ParallelContext
@@ -55,3 +58,46 @@ def test_no_tail_where_a_part_is_not_native():
     """Dense weights run on oneDNN or aten: the layer keeps its Python path."""
     model = build_decoder(load_model("tiny"), ParallelContext(), torch.float32, CPU)
     assert all(layer.head is None and layer.tail is None for layer in model.layers)
+
+
+def _step(lengths: list[int], new: list[int], page: int) -> tuple[ForwardBatch, int]:
+    """A step of sequences with `lengths` keys, the last `new[i]` of them this step's rows, each sequence's
+    slots its own pages; and the pool's pages."""
+    ids, positions, out_slots, seqs, first, start = [], [], [], [], 0, 0
+    for length, rows in zip(lengths, new):
+        slots = torch.arange(first, first + length)
+        seqs.append(SeqSlice(start, rows, slots))
+        positions += range(length - rows, length)
+        out_slots += slots[length - rows :].tolist()
+        ids += [(7 * length + i) % 200 + 5 for i in range(rows)]  # below tiny's vocabulary
+        first += -(-length // page) * page
+        start += rows
+    as_long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
+    logits = as_long([seq.start + seq.length - 1 for seq in seqs])
+    return ForwardBatch(as_long(ids), as_long(positions), as_long(out_slots), seqs, logits), first // page
+
+
+@pytest.mark.parametrize(("fmt", "dtype"), [("int4", torch.float32), ("int8", torch.bfloat16)], ids=str)
+@pytest.mark.parametrize(("lengths", "new"), [([129, 40, 700], [1, 1, 1]), ([300, 77], [37, 77])], ids=str)
+def test_the_layer_stack_is_the_forward_pass_bit_for_bit(fmt, dtype, lengths, new):
+    """A decode batch and prefill chunks through the layers after the first in one call: the logits and every
+    pool row of the Python layers (whose attention replays the plan's calls layer by layer)."""
+    loaded = with_attention_family(with_weight_format(load_model("tiny"), fmt, CPU), CPU)
+    model = build_decoder(loaded, ParallelContext(), dtype, CPU)
+    assert model.layer_stack is not None and len(model.layers) > 1
+    page = 16
+    batch, pages = _step(lengths, new, page)
+    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, pages, page, dtype, CPU)
+    gen = torch.Generator().manual_seed(1)
+    before = [torch.randn(buffer.shape, generator=gen).to(dtype) for buffer in pool.buffers]
+    results = []
+    with torch.inference_mode():
+        for stack in (model.layer_stack, None):
+            model.layer_stack = stack
+            for buffer, values in zip(pool.buffers, before):
+                buffer.copy_(values)
+            results.append((model.forward(batch, pool), [buffer.clone() for buffer in pool.buffers]))
+    (logits, rows), (expected_logits, expected_rows) = results
+    assert torch.equal(logits, expected_logits)
+    assert all(torch.equal(a, b) for a, b in zip(rows, expected_rows))
+    assert not all(torch.equal(a, b) for a, b in zip(rows, before))  # the step wrote its KV rows

@@ -90,6 +90,11 @@ class AttentionBackend(Protocol):
     def collect(self, hidden: torch.Tensor, meta: Any) -> torch.Tensor:
         """This rank's rows' output -> every row of the batch (the identity when it computed them all)."""
 
+    def replayed_layers(self, meta: Any, pool: DeviceKVPool, expand: Expand, width: int, layers: int) -> tuple | None:
+        """What fused_layer.LayerStack needs to run the attention of `layers` layers (local indexes 0 ..) as
+        the replay of the plan an earlier layer ran: per layer, where its KV rows `width` wide are written
+        and its k/v views, then the recorded calls and the scale; None where the backend does not replay."""
+
     def close(self, meta: Any) -> None:
         """The forward pass ended, done or failed (background work of `meta` stops)."""
 
@@ -111,6 +116,16 @@ class LocalAttention:
 
     def close(self, meta: LocalMetadata) -> None:
         pass
+
+    def replayed_layers(self, meta: LocalMetadata, pool: DeviceKVPool, expand: Expand, width: int,
+                        layers: int) -> tuple | None:  # fmt: skip
+        if meta.replay is None:  # set by the first layer that ran the plan natively in place (`forward`)
+            return None
+        where = pool.owned(meta.out_slots)
+        targets = [pool.write_target(layer, where, width) for layer in range(layers)]
+        views = [expand(pool.buffers[layer]) for layer in range(layers)]
+        return ([dst for dst, _ in targets], [k for k, _ in views], [v for _, v in views], [at for _, at in targets],
+                *meta.replay.operands, self.scale)  # fmt: skip
 
     def prepare(self, batch: ForwardBatch, pool: DeviceKVPool | None = None) -> LocalMetadata:
         plan = key_blocks.plan(step_queries(batch), batch.num_tokens, self.device)

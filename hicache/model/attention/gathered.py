@@ -184,6 +184,10 @@ class GatheredAttention:
             self.stats.attend_s += time.perf_counter() - attending
             self.stats.attended_layers += 1
 
+    def replayed_layers(self, meta: GatheredMetadata, pool: DeviceKVPool, expand: Expand, width: int,
+                        layers: int) -> None:  # fmt: skip
+        return None  # each layer gathers its own pages: nothing to replay in one call
+
     def collect(self, hidden: torch.Tensor, meta: GatheredMetadata) -> torch.Tensor:
         return self._all_rows(hidden, meta)
 

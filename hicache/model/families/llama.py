@@ -24,7 +24,7 @@ from hicache.model.attention.backends import ATTENTION_BACKENDS, AttentionBacken
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
 from hicache.model.kernels import ops
-from hicache.model.kernels.fused_layer import LayerHead, LayerTail, layer_head, layer_tail
+from hicache.model.kernels.fused_layer import LayerHead, LayerTail, layer_head, layer_stack, layer_tail
 from hicache.model.kernels.invariance import InvarianceReport
 from hicache.model.kernels.tp_groups import ColumnGroups, MakeLinear, RowGroups, group_slices, tp_group_count
 from hicache.model.rope import RotaryEmbedding
@@ -124,6 +124,8 @@ class LlamaModel:
         for layer in self.layers:
             layer.head = layer_head(layer, cfg.rms_norm_eps, dtype) if fusable_head else None
             layer.tail = layer_tail(layer, cfg.rms_norm_eps, pctx, dtype)
+        # The layers after the first in one native call, where each is head, attention and tail (`_layer`).
+        self.layer_stack = layer_stack(self.layers) if type(self)._layer is LlamaModel._layer else None
         self.embed = cast(weights["model.embed_tokens.weight"]) if pctx.is_first_stage else None
         if pctx.is_last_stage:
             self.norm = cast(weights["model.norm.weight"])
@@ -206,6 +208,12 @@ class LlamaModel:
             for local, layer in enumerate(self.layers):
                 if batch.before_layer is not None:
                     batch.before_layer(local)
+                elif local and self.layer_stack is not None:
+                    replayed = self.attention.replayed_layers(meta, pool, UnpackKV(self.kv_layout),
+                                                              self.attention_layout.row_numel, len(self.layers))
+                    if replayed is not None:  # layer 0 ran the plan in place: the rest in one native call
+                        hidden = self.layer_stack(hidden, *self.rope.tables(positions, hidden.dtype), local, replayed)
+                        break
                 hidden = self._layer(local, layer, hidden, positions, meta, pool)
             hidden = self.attention.collect(hidden, meta)
         finally:

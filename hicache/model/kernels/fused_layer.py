@@ -28,12 +28,12 @@ class LayerTail:
                  down: RowGroups) -> None:  # fmt: skip
         columns = gate_up.calls
         formats = [_bits(o_proj.groups), _bits(columns), _bits(down.groups)]
-        self._operands = (_operands(o_proj.groups), post_norm, eps, _operands(columns), gate_up.count,
-                          _operands(down.groups), formats)  # fmt: skip
+        self.operands = (_operands(o_proj.groups), post_norm, eps, _operands(columns), gate_up.count,
+                         _operands(down.groups), formats)  # fmt: skip
         self._op = native.library().layer_tail
 
     def __call__(self, hidden: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        o_proj, post_norm, eps, gate_up, groups, down, formats = self._operands
+        o_proj, post_norm, eps, gate_up, groups, down, formats = self.operands
         return self._op(hidden, attn, o_proj, post_norm, eps, gate_up, groups, down, formats)
 
 
@@ -43,12 +43,38 @@ class LayerHead:
 
     def __init__(self, input_norm: torch.Tensor, eps: float, qkv: ColumnGroups, heads: tuple[int, int, int]) -> None:
         columns = qkv.calls
-        self._operands = (input_norm, eps, _operands(columns), _bits(columns), qkv.count, list(heads))
+        self.operands = (input_norm, eps, _operands(columns), _bits(columns), qkv.count, list(heads))
         self._op = native.library().layer_head
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        input_norm, eps, qkv, bits, groups, heads = self._operands
+        input_norm, eps, qkv, bits, groups, heads = self.operands
         return self._op(hidden, input_norm, eps, qkv, bits, groups, heads, cos, sin)
+
+
+class LayerStack:
+    """A model's layers, each its head, its attention replayed (native_attention.Replay) and its tail, in one
+    native call for the forward pass's layers after the one that ran the key-block plan (csrc/layer.cpp):
+    the ops each layer's three calls make, in the same order, so their bits, without ~30 layers' Python and
+    dispatches a step. The layers' weights are bound once; a call takes the pool's views (the attention
+    backend's `replayed_layers`)."""
+
+    def __init__(self, heads: list[LayerHead], tails: list[LayerTail]) -> None:
+        self._stack = getattr(torch.classes, native.LIBRARY).LayerStack()
+        for head, tail in zip(heads, tails, strict=True):
+            self._stack.add(*head.operands, *tail.operands)
+
+    def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, first: int,
+                 replayed: tuple) -> torch.Tensor:  # fmt: skip
+        """hidden after layers `first` .. the last, `replayed` the backend's `replayed_layers`."""
+        return self._stack.run(hidden, cos, sin, first, *replayed)
+
+
+def layer_stack(layers: list) -> LayerStack | None:
+    """`layers` in one call, where every one has a native head and tail."""
+    heads, tails = [layer.head for layer in layers], [layer.tail for layer in layers]
+    if not layers or None in heads or None in tails:
+        return None
+    return LayerStack(heads, tails)
 
 
 def layer_head(layer: object, eps: float, dtype: torch.dtype) -> LayerHead | None:

@@ -99,7 +99,9 @@ class Replay:
         def dest(call: key_blocks.BlockCall) -> torch.Tensor:  # `_Combined.add`'s "whole": every row in order
             return _NONE if call.in_order and call.dest.shape[0] == plan.rows else call.dest
 
-        self._operands = ([c.call.rows for c in recorded], [key for c in recorded for key in c.keys],
+        # What `replay_attention` takes after the layer's operands: the calls' rows, keys, reads a call,
+        # seen, live, pick and dest, and `single` (csrc/layer.cpp's LayerStack passes them on).
+        self.operands = ([c.call.rows for c in recorded], [key for c in recorded for key in c.keys],
                           [len(c.keys) for c in recorded], [c.seen for c in recorded],
                           [c.call.live for c in recorded],
                           [c.call.pick if c.call.pick is not None else _NONE for c in recorded],
@@ -110,4 +112,4 @@ class Replay:
                  v: torch.Tensor, scale: float) -> torch.Tensor:  # fmt: skip
         """Writes kv [T, w] to dst's rows `where` (dst.index_copy_), then attends q [R, H, d] over k [N, Hkv, d]
         and v [N, Hkv, dv], the pool layer's views, as the plan's recorded calls did: [R, H, dv]."""
-        return self._op(q, kv, dst, where, k, v, *self._operands, scale)
+        return self._op(q, kv, dst, where, k, v, *self.operands, scale)

@@ -12,8 +12,15 @@
 // in the order the kernels take them (int4: codes, scale, offset; int8: codes, scale), `format(s)` the bits
 // of each. Every part is the registered op llama.py / tp_groups.py / ops.py would call, in the same order,
 // the copies and residual adds torch's: the bits of the Python layer, without the Python between its ops.
+//
+//   LayerStack: a model's layers' operands, bound once (`add`, a layer's head's then tail's operands);
+//   run(hidden, cos, sin, first, dst, k, v, where, then replay_attention's recorded calls and scale)
+//       -> the hidden rows after layers first .. end, each layer_head, replay_attention over its pool layer
+//       (dst[l], k[l], v[l]: that layer's views, where its rows) and layer_tail: the forward pass's layers
+//       after the one that ran the key-block plan in Python (LlamaModel.forward), in one call.
 
 #include <ATen/ATen.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <tuple>
@@ -30,7 +37,8 @@ using Sum4 = at::Tensor(const at::Tensor&, at::TensorList, at::TensorList, at::T
 using Sum8 = at::Tensor(const at::Tensor&, at::TensorList, at::TensorList);
 using Norm = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using Rows = at::Tensor(const at::Tensor&);
-using Rope = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&);
+using RopeQKV = std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+                                                    int64_t);
 
 template <typename Signature>
 c10::TypedOperatorHandle<Signature> op(const char* name) {
@@ -76,17 +84,12 @@ std::tuple<at::Tensor, at::Tensor> layer_head(const at::Tensor& hidden, const at
                                               at::TensorList qkv, int64_t format, int64_t groups, at::IntArrayRef heads,
                                               const at::Tensor& cos, const at::Tensor& sin) {
   static const auto norm = op<Norm>(HICACHE_NAME(HICACHE_QGEMM_LIBRARY, "rms_norm"));
-  static const auto rope = op<Rope>(HICACHE_NAME(HICACHE_QGEMM_LIBRARY, "rope"));
+  static const auto rope_qkv = op<RopeQKV>(HICACHE_NAME(HICACHE_QGEMM_LIBRARY, "rope_qkv"));
   TORCH_CHECK(heads.size() == 3, "layer_head: heads are (query heads a group, KV heads a group, head size)");
   const int64_t tokens = hidden.size(0), nq = heads[0], nkv = heads[1], d = heads[2];
   const at::Tensor x = norm.call(hidden.contiguous(), input_norm, eps);  // a no-op on the usual contiguous rows
-  at::Tensor columns = column_groups(x, qkv, format, groups).view({tokens, groups, nq + 2 * nkv, d});
-  const at::Tensor qk = rope.call(columns.slice(2, 0, nq + nkv).reshape({tokens, -1, d}), cos, sin)
-                            .view({tokens, groups, nq + nkv, d});
-  const at::Tensor q = qk.slice(2, 0, nq).reshape({tokens, groups * nq, d});
-  const at::Tensor k = qk.slice(2, nq).reshape({tokens, -1});
-  const at::Tensor v = columns.slice(2, nq + nkv).reshape({tokens, -1});
-  return {q, at::cat({k, v}, 1)};
+  const at::Tensor columns = column_groups(x, qkv, format, groups).view({tokens, groups, nq + 2 * nkv, d});
+  return rope_qkv.call(columns, cos, sin, nq, nkv);  // q, and k rotated then v: the packed KV row
 }
 
 at::Tensor layer_tail(const at::Tensor& hidden, const at::Tensor& attn, at::TensorList o_proj,
@@ -100,9 +103,65 @@ at::Tensor layer_tail(const at::Tensor& hidden, const at::Tensor& attn, at::Tens
   return h + linear_sum(silu_mul.call(column_groups(x, gate_up, formats[1], groups)), down, formats[2]);
 }
 
+using Replay = at::Tensor(const at::Tensor&, const at::Tensor&, at::Tensor, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, at::TensorList, at::TensorList, at::IntArrayRef, at::TensorList,
+                          at::TensorList, at::TensorList, at::TensorList, bool, double);
+using Tensors = std::vector<at::Tensor>;
+using Ints = std::vector<int64_t>;
+
+struct LayerStack : torch::CustomClassHolder {
+  struct Layer {
+    at::Tensor input_norm;
+    double input_eps;
+    Tensors qkv;
+    int64_t qkv_format, qkv_groups;
+    Ints heads;
+    Tensors o_proj;
+    at::Tensor post_norm;
+    double post_eps;
+    Tensors gate_up;
+    int64_t gate_up_groups;
+    Tensors down;
+    Ints formats;
+  };
+  std::vector<Layer> layers;
+
+  void add(at::Tensor input_norm, double input_eps, Tensors qkv, int64_t qkv_format, int64_t qkv_groups, Ints heads,
+           Tensors o_proj, at::Tensor post_norm, double post_eps, Tensors gate_up, int64_t gate_up_groups,
+           Tensors down, Ints formats) {
+    layers.push_back({std::move(input_norm), input_eps, std::move(qkv), qkv_format, qkv_groups, std::move(heads),
+                      std::move(o_proj), std::move(post_norm), post_eps, std::move(gate_up), gate_up_groups,
+                      std::move(down), std::move(formats)});
+  }
+
+  at::Tensor run(at::Tensor hidden, at::Tensor cos, at::Tensor sin, int64_t first, Tensors dst, Tensors k, Tensors v,
+                 Tensors where, Tensors rows, Tensors keys, Ints reads, Tensors seen, Tensors live, Tensors pick,
+                 Tensors dest, bool single, double scale) {
+    static const auto replay = op<Replay>(HICACHE_NAME(HICACHE_QGEMM_LIBRARY, "replay_attention"));
+    const auto count = static_cast<int64_t>(layers.size());
+    TORCH_CHECK(first >= 0 && first <= count, "LayerStack.run: first layer outside the stack");
+    for (const Tensors* views : {&dst, &k, &v, &where})
+      TORCH_CHECK(static_cast<int64_t>(views->size()) == count, "LayerStack.run: dst, k, v and where per layer");
+    for (int64_t l = first; l < count; ++l) {
+      const Layer& w = layers[l];
+      const auto [q, kv] = layer_head(hidden, w.input_norm, w.input_eps, w.qkv, w.qkv_format, w.qkv_groups, w.heads,
+                                      cos, sin);
+      const at::Tensor attn = replay.call(q, kv, dst[l], where[l], k[l], v[l], rows, keys, reads, seen, live, pick,
+                                          dest, single, scale);
+      hidden = layer_tail(hidden, attn.reshape({q.size(0), -1}), w.o_proj, w.post_norm, w.post_eps, w.gate_up,
+                          w.gate_up_groups, w.down, w.formats);
+    }
+    return hidden;
+  }
+};
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(HICACHE_QGEMM_LIBRARY, m) {
+  m.class_<LayerStack>("LayerStack")
+      .def(torch::init<>())
+      .def("add", &LayerStack::add)
+      .def("run", &LayerStack::run);
   m.def("layer_head(Tensor hidden, Tensor input_norm, float eps, Tensor[] qkv, int format, int groups, int[] heads, "
         "Tensor cos, Tensor sin) -> (Tensor, Tensor)",
         &layer_head);

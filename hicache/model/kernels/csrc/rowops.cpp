@@ -11,6 +11,10 @@
 //       and up u = x[.., C:], with simd.h's exp8: likewise its own arithmetic.
 //   rope(x [T, H, D], cos [T, D], sin [T, D]) -> [T, H, D]: round(x * cos) + round(rotate_half(x) * sin),
 //       rotate_half(x) = (-x[D/2:], x[:D/2]): bit for bit rope.py's torch expression (a negation is exact).
+//   rope_qkv(columns [T, G, nq + 2 nkv, D], cos, sin, nq, nkv) -> (q [T, G nq, D], kv [T, 2 G nkv D]): the q/k/v
+//       projection's heads split as layer_head (csrc/layer.cpp) needs them, q and k rotated as `rope` rotates,
+//       v copied, kv packed k's heads then v's (KVLayout.mha's row): the slices, copies and concatenation
+//       of LlamaModel._qkv and the pack in one pass, the same values.
 //
 // Batch invariance by construction: each row's (token's) result is a function of that row alone, the
 // same instructions in any call; threads split rows only.
@@ -23,6 +27,8 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <tuple>
 
 #include "simd.h"
 
@@ -83,18 +89,41 @@ void silu_mul_rows(const T* x, T* y, int64_t pieces, int64_t c) {
   });
 }
 
+// One head's rotation (the file's header): y = round(x cos) + round(rotate_half(x) sin), d inputs.
+template <typename T>
+inline void rope_row(const T* x, const T* c, const T* s, T* y, int64_t d) {
+  const int64_t half = d / 2;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t i = 0; i < d; i += LANES) {
+    const __m256 other = load8(x + (i < half ? i + half : i - half));
+    const __m256 rotated = i < half ? _mm256_xor_ps(other, sign) : other;
+    const __m256 a = round8(_mm256_mul_ps(load8(x + i), load8(c + i)), x);
+    const __m256 b = round8(_mm256_mul_ps(rotated, load8(s + i)), x);
+    store8(y + i, round8(_mm256_add_ps(a, b), x));
+  }
+}
+
 template <typename T>
 void rope_rows(const T* x, const T* cos, const T* sin, T* y, int64_t tokens, int64_t heads, int64_t d) {
   const int64_t half = d / 2;
   const __m256 sign = _mm256_set1_ps(-0.0f);
   for_rows(tokens * heads, d, [&](int64_t row) {
-    const T *xr = x + row * d, *c = cos + (row / heads) * d, *s = sin + (row / heads) * d;
-    for (int64_t i = 0; i < d; i += LANES) {
-      const __m256 other = load8(xr + (i < half ? i + half : i - half));
-      const __m256 rotated = i < half ? _mm256_xor_ps(other, sign) : other;
-      const __m256 a = round8(_mm256_mul_ps(load8(xr + i), load8(c + i)), xr);
-      const __m256 b = round8(_mm256_mul_ps(rotated, load8(s + i)), xr);
-      store8(y + row * d + i, round8(_mm256_add_ps(a, b), xr));
+    rope_row(x + row * d, cos + (row / heads) * d, sin + (row / heads) * d, y + row * d, d);
+  });
+}
+
+template <typename T>
+void rope_qkv_rows(const T* columns, const T* cos, const T* sin, T* q, T* kv, int64_t tokens, int64_t groups,
+                   int64_t nq, int64_t nkv, int64_t d) {
+  const int64_t per_group = (nq + 2 * nkv) * d, kv_width = 2 * groups * nkv * d;
+  for_rows(tokens, groups * per_group, [&](int64_t t) {
+    const T *c = cos + t * d, *s = sin + t * d;
+    for (int64_t g = 0; g < groups; ++g) {
+      const T* heads = columns + (t * groups + g) * per_group;
+      for (int64_t h = 0; h < nq; ++h) rope_row(heads + h * d, c, s, q + ((t * groups + g) * nq + h) * d, d);
+      T* k = kv + t * kv_width + g * nkv * d;
+      for (int64_t h = 0; h < nkv; ++h) rope_row(heads + (nq + h) * d, c, s, k + h * d, d);
+      std::memcpy(k + groups * nkv * d, heads + (nq + nkv) * d, nkv * d * sizeof(T));
     }
   });
 }
@@ -150,10 +179,30 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return y;
 }
 
+std::tuple<at::Tensor, at::Tensor> rope_qkv(const at::Tensor& columns, const at::Tensor& cos, const at::Tensor& sin,
+                                            int64_t nq, int64_t nkv) {
+  TORCH_CHECK(columns.dim() == 4 && columns.size(2) == nq + 2 * nkv && nq > 0 && nkv > 0,
+              "rope_qkv: columns [T, G, nq + 2 nkv, D]");
+  const int64_t tokens = columns.size(0), groups = columns.size(1), d = columns.size(3);
+  TORCH_CHECK(cos.numel() == tokens * d && sin.numel() == cos.numel(), "rope_qkv: cos and sin [T, D]");
+  check(columns, columns, d / 2, "rope_qkv");
+  check(cos, columns, d, "rope_qkv");
+  check(sin, columns, d, "rope_qkv");
+  at::Tensor q = at::empty({tokens, groups * nq, d}, columns.options());
+  at::Tensor kv = at::empty({tokens, 2 * groups * nkv * d}, columns.options());
+  dispatch(columns, [&](auto* type) {
+    using T = std::remove_pointer_t<decltype(type)>;
+    rope_qkv_rows(columns.const_data_ptr<T>(), cos.const_data_ptr<T>(), sin.const_data_ptr<T>(), q.data_ptr<T>(),
+                  kv.data_ptr<T>(), tokens, groups, nq, nkv, d);
+  });
+  return {q, kv};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(HICACHE_QGEMM_LIBRARY, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor", &rms_norm);
   m.def("silu_mul(Tensor x) -> Tensor", &silu_mul);
   m.def("rope(Tensor x, Tensor cos, Tensor sin) -> Tensor", &rope);
+  m.def("rope_qkv(Tensor columns, Tensor cos, Tensor sin, int nq, int nkv) -> (Tensor, Tensor)", &rope_qkv);
 }
