@@ -5,17 +5,11 @@ from __future__ import annotations
 import json
 import os
 import platform
-import re
 import subprocess
 import sys
-import tempfile
 import time
-from typing import Self
 
-import httpx
 import torch
-
-from hicache.engine.launch import free_port
 
 
 def best_time(fn, repeat: int = 5, warmup: int = 1) -> float:
@@ -84,133 +78,3 @@ def cpu_name() -> str:
         else "?"
     )
     return f"{name} ({isa} in /proc/cpuinfo; torch dispatches {torch.backends.cpu.get_cpu_capability()})"
-
-
-LLAMA_CPP_INSTALL = (
-    "python3 -m venv /work/llama-venv && /work/llama-venv/bin/pip install 'llama-cpp-python[server]' "
-    "(builds llama.cpp from source: ~3.3 min on 2 cores), then pass --llama-cpp-python /work/llama-venv/bin/python"
-)
-
-
-class LlamaCppCompletion:
-    """One completion: its wall time through HTTP, usage counts, and llama.cpp's own timings of it
-    (from the `llama_perf_context_print` lines its verbose server writes to stderr; None if absent)."""
-
-    def __init__(self, seconds: float, body: dict, log: str) -> None:
-        self.seconds = seconds
-        self.prompt_tokens = int(body["usage"]["prompt_tokens"])
-        self.completion_tokens = int(body["usage"]["completion_tokens"])
-        self.text = body["choices"][0]["text"]
-        num = r"\s*=\s*([\d.]+) ms /\s*(\d+)"
-        prompt = re.findall(r"prompt eval time" + num, log)
-        decode = re.findall(r"\beval time" + num + r" runs", log)
-        hit = re.findall(r"(\d+) prefix-match hit", log)
-        self.prompt_eval = (float(prompt[-1][0]) / 1000, int(prompt[-1][1])) if prompt else None  # (s, tokens)
-        self.eval = (float(decode[-1][0]) / 1000, int(decode[-1][1])) if decode else None  # (s, runs)
-        self.prefix_hit = int(hit[-1]) if hit else 0
-
-
-class LlamaCppServer:
-    """llama-cpp-python's OpenAI-compatible server as a subprocess of `python` (an interpreter that can
-    import llama_cpp, kept out of the project's venv), on 127.0.0.1 at a free port; stopped by its pid
-    when the `with` block ends, also on error. Its stdout and stderr go to a temporary log."""
-
-    def __init__(self, python: str, model: str, threads: int, n_ctx: int = 4096, startup_s: float = 300) -> None:
-        self.python, self.model, self.threads, self.n_ctx, self.startup_s = (
-            python,
-            str(model),
-            threads,
-            n_ctx,
-            startup_s,
-        )
-        self.proc = None
-
-    def __enter__(self) -> Self:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-cpp-server-", suffix=".log", delete=False)
-        self.args = [
-            self.python,
-            "-m",
-            "llama_cpp.server",
-            "--model",
-            self.model,
-            "--n_threads",
-            str(self.threads),
-            "--n_threads_batch",
-            str(self.threads),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            str(self.port),
-            "--n_ctx",
-            str(self.n_ctx),
-        ]
-        self.proc = subprocess.Popen(self.args, stdout=self.log, stderr=subprocess.STDOUT)
-        self.client = httpx.Client(base_url=self.url, timeout=600)
-        deadline = time.monotonic() + self.startup_s
-        try:
-            while True:
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"llama.cpp server exited with {self.proc.returncode}: {self._log_tail()}")
-                try:
-                    if self.client.get("/v1/models").status_code == 200:
-                        break
-                except httpx.TransportError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"llama.cpp server not up after {self.startup_s:.0f} s: {self._log_tail()}")
-                time.sleep(0.25)
-            version = subprocess.run(
-                [self.python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
-                check=False,
-                capture_output=True,
-                text=True,
-                timeout=60,
-            )
-            self.version = version.stdout.strip() or "?"
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def complete(self, prompt: str, max_tokens: int, eos: int | None = 2) -> LlamaCppCompletion:
-        """Greedy completion of `prompt`; `eos` (SmolLM2's <|im_end|>) is banned so it runs max_tokens."""
-        start_log = self._log_size()
-        body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
-        if eos is not None:
-            body["logit_bias"] = {str(eos): -100.0}
-        start = time.perf_counter()
-        response = self.client.post("/v1/completions", json=body)
-        seconds = time.perf_counter() - start
-        response.raise_for_status()
-        time.sleep(0.05)  # its timings are printed before the response is sent; let the log catch up
-        return LlamaCppCompletion(seconds, response.json(), self._log_since(start_log))
-
-    def describe(self) -> str:
-        return f"llama-cpp-python {self.version}, `{' '.join(self.args[1:])}`"
-
-    def _log_size(self) -> int:
-        self.log.flush()
-        return os.path.getsize(self.log.name)
-
-    def _log_since(self, offset: int) -> str:
-        with open(self.log.name, errors="replace") as f:
-            f.seek(offset)
-            return f.read()
-
-    def _log_tail(self, n: int = 1500) -> str:
-        return self._log_since(max(0, self._log_size() - n)).strip()
-
-    def __exit__(self, *exc) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if getattr(self, "client", None) is not None:
-            self.client.close()
-        self.log.close()
-        os.unlink(self.log.name)

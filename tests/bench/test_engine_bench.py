@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from benchmarks import engine_bench as eb
-from benchmarks.common import LlamaCppCompletion
+from benchmarks.multiturn import ISSUE_24, MultiTurnResult, TurnRecord
+from benchmarks.peers import Completion, LlamaCppServer
 from hicache.bench.workload import load_tokenizer
 from hicache.model.config import ModelConfig
 
@@ -106,10 +107,10 @@ def test_completion_reads_llama_cpp_timings() -> None:
         "llama_perf_context_print:        eval time =      62.00 ms /    31 runs   (    2.00 ms per token)\n"
     )
     body = {"choices": [{"text": "x"}], "usage": {"prompt_tokens": 2112, "completion_tokens": 32}}
-    c = LlamaCppCompletion(0.3, body, log)
+    c = Completion.from_llama_cpp(0.3, body, log)
     assert c.prompt_eval == (pytest.approx(0.1505), 65) and c.eval == (pytest.approx(0.062), 31)
     assert c.prefix_hit == 2047 and c.prompt_tokens == 2112 and c.completion_tokens == 32
-    bare = LlamaCppCompletion(0.3, body, "")
+    bare = Completion.from_llama_cpp(0.3, body, "")
     assert bare.prompt_eval is None and bare.eval is None and bare.prefix_hit == 0
 
 
@@ -122,8 +123,8 @@ def test_llama_cpp_peer_against_a_stand_in_server(tmp_path: pathlib.Path, monkey
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), str(root)]))
     args_file = tmp_path / "args.json"
     monkeypatch.setenv("FAKE_LLAMA_ARGS_FILE", str(args_file))
-    monkeypatch.setattr("hicache.model.loading.gguf_loader.smollm2_path", lambda: tmp_path / "model.gguf")
-    peer = eb.measure_llama_cpp(sys.executable, 3, eb.QUICK, load_tokenizer("tiny"))
+    server = LlamaCppServer(sys.executable, tmp_path / "model.gguf", 3)
+    peer = eb.measure_peer(server, eb.QUICK, load_tokenizer("tiny"), multiturn=None)
     args = json.loads(args_file.read_text())
     assert args["n_threads"] == args["n_threads_batch"] == "3" and args["n_ctx"] == "4096"
     assert args["host"] == "127.0.0.1" and args["model"] == str(tmp_path / "model.gguf")
@@ -142,7 +143,7 @@ def test_llama_cpp_peer_against_a_stand_in_server(tmp_path: pathlib.Path, monkey
 
 
 def test_printed_timings_that_disagree_with_the_wall_time_are_dropped() -> None:
-    peer = eb.PeerResult()
+    peer = eb.PeerResult("llama.cpp")
     peer.keep_own("prefill 512", (0.00026, 512), 17.8)  # what llama-cpp-python 0.3.36 printed on a first request
     peer.keep_own("prefill 2048", (4.9, 2048), 5.0)
     assert list(peer.own) == ["prefill 2048"] and "0.26 ms for prefill 512" in peer.notes[0]
@@ -160,3 +161,40 @@ def test_auto_counts_the_checkpoints_own_types() -> None:
     # Q4_1 layers -> int4 group 32; the Q8_0 tied embedding -> int8 per channel; f32 norms -> bf16.
     assert auto.layers == LAYER_PARAMS * 0.625 and auto.lm_head == 49152 * 576 + 2 * 49152
     assert auto.norms == 61 * 576 * 2
+
+
+def multiturn_result(turn_ttfts: list[float], cached: int | None) -> MultiTurnResult:
+    """4 conversations x the given turns, every conversation's turn t taking turn_ttfts[t - 1]."""
+    return MultiTurnResult(
+        tuple(
+            TurnRecord(conv, conv % 2, turn, ttft, 100, cached, None)
+            for turn, ttft in enumerate(turn_ttfts, 1)
+            for conv in range(4)
+        )
+    )
+
+
+def test_the_multi_turn_table_and_issue_24s_aims_set_hicache_against_vllm(capsys: pytest.CaptureFixture[str]) -> None:
+    hicache = {"fp32 dense": multiturn_result([0.8, 0.2, 0.2, 0.2], 50)}
+    llama = eb.PeerResult("llama.cpp", multiturn=multiturn_result([2.0, 1.0, 1.0, 1.0], None))
+    vllm = eb.PeerResult(
+        "vLLM",
+        seconds={"ttft hit": 0.5, "decode batch 1": 1.0},
+        tokens={"ttft hit": 64, "decode batch 1": 30},
+        multiturn=multiturn_result([0.5, 0.25, 0.25, 0.25], 40),
+    )
+    eb.print_multiturn(hicache, [llama, vllm], ISSUE_24)
+    measured = eb.Measured(seconds={"ttft hit": 0.3, "decode batch 1": 2.0}, tokens={"decode batch 1": 30})
+    eb.print_vllm_aims({"fp32 dense": measured}, hicache, vllm)
+    out = capsys.readouterr().out
+    assert "4 conversations in 2 groups sharing 600-token system prompts, 4 turns" in out
+    rows = table_rows(out, "| server | median TTFT | p90 TTFT |")
+    # 12 of 16 turns at 200 ms: the median; the 4 first turns at 800 ms are beyond the 90th percentile's rank
+    hicache_row = ["200 ms", "800 ms", "800 ms", "200 ms", "200 ms", "200 ms", "50.0%", "0.80"]
+    assert rows["hicache serve, fp32 dense"] == hicache_row
+    assert rows["llama.cpp"][-2:] == ["", "4.00"]  # it reports no cached tokens
+    assert rows["vLLM"][0] == "250 ms" and rows["vLLM"][-1] == "1.00"
+    aims = table_rows(out, "| aim | target | fp32 dense |")
+    assert aims["multi-turn median TTFT / vLLM's"] == ["<= 0.8", "0.80 (met)"]
+    assert aims["TTFT, 64-token turn after a cached 2K prefix / vLLM's"] == ["<= 0.8", "0.60 (met)"]
+    assert aims["decode batch 1 / vLLM's (no target)"] == ["", "0.50 (15.0 / 30.0 tok/s)"]
