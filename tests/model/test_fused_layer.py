@@ -72,9 +72,9 @@ def _step(lengths: list[int], new: list[int], page: int) -> tuple[ForwardBatch, 
         ids += [(7 * length + i) % 200 + 5 for i in range(rows)]  # below tiny's vocabulary
         first += -(-length // page) * page
         start += rows
-    as_long = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    logits = as_long([seq.start + seq.length - 1 for seq in seqs])
-    return ForwardBatch(as_long(ids), as_long(positions), as_long(out_slots), seqs, logits), first // page
+    ids_, positions_, out_ = (torch.tensor(x, dtype=torch.int64) for x in (ids, positions, out_slots))
+    logits = torch.tensor([seq.start + seq.length - 1 for seq in seqs])
+    return ForwardBatch(ids_, positions_, out_, seqs, logits), first // page
 
 
 @pytest.mark.parametrize(("fmt", "dtype"), [("int4", torch.float32), ("int8", torch.bfloat16)], ids=str)
