@@ -154,7 +154,6 @@ def test_checkpoint_format_keeps_each_tensor_in_its_own(smollm2, tmp_path):
     head = factory(smollm2.quantized["model.embed_tokens.weight"])
     dense = factory(smollm2.weights["model.layers.0.mlp.down_proj.weight"])  # values without codes
     assert (layer.weight_format, head.weight_format, dense.weight_format) == ("int4", "int8", "dense")
-    # 4-bit codes two to a byte plus a scale and an offset per 32 weights: bf16 ones for aten's packed
-    # kernel (0.625 bytes a weight), float32 ones for the native kernel (0.75 bytes a weight)
-    eighths = 6 if layer.plan.backend == "native-int4" else 5
-    assert layer.weight_bytes == 576 * 1536 * eighths // 8
+    # 4-bit codes two to a byte plus a 2-byte scale and offset per 32 weights (0.625 bytes a weight): bf16
+    # ones for aten's packed kernel, the GGUF's float16 ones for the native kernel
+    assert layer.weight_bytes == 576 * 1536 * 5 // 8
