@@ -126,7 +126,7 @@ class _Combined:
         """Folds block results outs [B, m, H, dv] and lses [B, m, H] of the call's rows in, block 0 first:
         with the native kernel's combine when `native` (its exp, so its own attention family), else in
         torch ops."""
-        whole = call.in_order and call.dest.shape[0] == self.rows
+        whole = call.covers(self.rows)
         if self.single:
             out = outs[0]
             if whole:

@@ -67,6 +67,10 @@ class BlockCall:
     live: torch.Tensor  # [E] each entry's own rows (the rest of its n repeat its last)
     in_order: bool = False  # dest is 0, 1, ... m - 1: the step's first m rows in order
 
+    def covers(self, rows: int) -> bool:
+        """Whether its results are a step of `rows` rows' every row, in order (combined whole, not by row)."""
+        return self.in_order and self.dest.shape[0] == rows
+
     def additive_mask(self, dtype: torch.dtype) -> torch.Tensor | None:
         """The mask [E, 1, n, keys] as the kernel takes it (0 visible, -inf not, in the queries' dtype).
         Made per call, not kept: a plan's masks would hold a block of keys for every row of the step."""

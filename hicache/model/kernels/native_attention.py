@@ -96,16 +96,13 @@ class Replay:
         recorded: list[NativeCalls] = plan.native_calls
         single = len(plan.steps) == 1  # `_Combined.single`: the one block's output is the result
 
-        def dest(call: key_blocks.BlockCall) -> torch.Tensor:  # `_Combined.add`'s "whole": every row in order
-            return _NONE if call.in_order and call.dest.shape[0] == plan.rows else call.dest
-
         # What `replay_attention` takes after the layer's operands: the calls' rows, keys, reads a call,
         # seen, live, pick and dest, and `single` (csrc/layer.cpp's LayerStack passes them on).
         self.operands = ([c.call.rows for c in recorded], [key for c in recorded for key in c.keys],
                           [len(c.keys) for c in recorded], [c.seen for c in recorded],
                           [c.call.live for c in recorded],
                           [c.call.pick if c.call.pick is not None else _NONE for c in recorded],
-                          [dest(c.call) for c in recorded], single)  # fmt: skip
+                          [_NONE if c.call.covers(plan.rows) else c.call.dest for c in recorded], single)  # fmt: skip
         self._op = native.library().replay_attention
 
     def __call__(self, q: torch.Tensor, kv: torch.Tensor, dst: torch.Tensor, where: torch.Tensor, k: torch.Tensor,
