@@ -32,7 +32,7 @@ from hicache.engine.deadlines import DeadlineWatch
 from hicache.engine.local import LocalRuntime
 from hicache.engine.rank_front import RankRuntime
 from hicache.engine.snapshot import Snapshot
-from hicache.engine.threads import cpu_threads, use_threads
+from hicache.engine.threads import cpu_threads, on_own_thread, use_threads
 from hicache.errors import UserError
 from hicache.parallel.parallel import ParallelContext
 from hicache.scheduler.request import (
@@ -44,10 +44,11 @@ from hicache.scheduler.request import (
     SamplingParams,
     TokenLogprob,
 )
-from hicache.scheduler.scheduler import check_request_fits
+from hicache.scheduler.scheduler import Scheduler, check_request_fits
 from hicache.spec.stats import SpecStats
 
 logger = logging.getLogger(__name__)
+
 
 A = TypeVar("A")
 T = TypeVar("T")
@@ -156,7 +157,7 @@ class Engine:
         cfg = replace(config or EngineConfig(), **overrides)
         self.config = cfg
         cfg.log()
-        loaded = load_engine_model(cfg)
+        loaded = on_own_thread(lambda: load_engine_model(cfg))
         self.model_name = loaded.name
         self.model_identity = loaded.identity
         self.weight_format = str(loaded.extra.get("weight_format", "none"))  # what --quantization resolved to
@@ -173,8 +174,12 @@ class Engine:
         self._runtime: Runtime
         if cfg.parallel.world_size == 1:
             threads = cpu_threads(1)
-            use_threads(threads)  # where the model is built and calibrated, as where it runs
-            self._runtime = LocalRuntime(build_scheduler(cfg, loaded, ParallelContext()), self._dispatch, threads)
+
+            def build() -> Scheduler:
+                use_threads(threads)  # where the model is built and calibrated, as where it runs
+                return build_scheduler(cfg, loaded, ParallelContext())
+
+            self._runtime = LocalRuntime(on_own_thread(build), self._dispatch, threads)
         else:
             check_topology(cfg, loaded.config)
             del loaded  # every rank loads its own shard; the weights are not kept here meanwhile

@@ -11,10 +11,14 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 
 def usable_cpus() -> int:
@@ -37,3 +41,26 @@ def use_threads(threads: int) -> None:
     if torch.get_num_threads() != threads:
         torch.set_num_threads(threads)
     logger.debug("%d intra-op threads on %s (%d CPUs usable)", threads, threading.current_thread().name, usable_cpus())
+
+
+def on_own_thread(fn: Callable[[], T]) -> T:
+    """fn() on a thread of its own that then exits, its exception raised here. Loading and building the model
+    run so: the OpenMP team a thread's parallel kernels start lives until that thread exits, and while a
+    caller's thread kept one beside the scheduler thread's, libgomp (managing more threads than CPUs)
+    throttled its workers' spin, so every parallel region of a decode step slept and woke them (a smollm2
+    token 10.6-13.8 ms against 10.7-10.9 ms, docs/BENCHMARKS.md section 41; the engine's build runs so)."""
+    result: list[T] = []
+    error: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(fn())
+        except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread below
+            error.append(exc)
+
+    worker = threading.Thread(target=run, name="hicache-build")
+    worker.start()
+    worker.join()
+    if error:
+        raise error[0]
+    return result[0]
