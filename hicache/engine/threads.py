@@ -44,11 +44,11 @@ def use_threads(threads: int) -> None:
 
 
 def on_own_thread(fn: Callable[[], T]) -> T:
-    """fn() on a thread of its own that then exits, its exception raised here. Loading and building the model
-    run so: the OpenMP team a thread's parallel kernels start lives until that thread exits, and while a
-    caller's thread kept one beside the scheduler thread's, libgomp (managing more threads than CPUs)
-    throttled its workers' spin, so every parallel region of a decode step slept and woke them (a smollm2
-    token 10.6-13.8 ms against 10.7-10.9 ms, docs/BENCHMARKS.md section 41; the engine's build runs so)."""
+    """fn() on a thread of its own that then exits, its exception raised here. The engine loads and builds its
+    model so: the OpenMP team a thread's parallel kernels start lives until that thread exits, and a team
+    left on the caller's thread beside the scheduler thread's makes libgomp (managing more threads than
+    CPUs) throttle its workers' spin, so every parallel region of a decode step sleeps and wakes them
+    (docs/BENCHMARKS.md section 41)."""
     result: list[T] = []
     error: list[BaseException] = []
 
