@@ -57,6 +57,7 @@ from hicache import Engine, SamplingParams
 from hicache.bench.launcher import ServerProcess
 from hicache.bench.workload import GSPParams, TextSampler
 from hicache.config import EngineConfig
+from hicache.engine.threads import on_own_thread
 from hicache.model.build import kernel_available
 from hicache.model.config import ModelConfig
 from hicache.model.kernels import quant
@@ -736,8 +737,12 @@ def main(argv: list[str] | None = None) -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # for `hicache serve`, which takes its count from it
     threads = torch.get_num_threads()
     load = os.getloadavg()
-    copy = copy_gbps_read_write(s.copy_bytes)
-    gemms = {name: matmul_gflops(getattr(torch, name)) for name in ("bfloat16", "float32")}
+    # On a thread that then exits: an OpenMP team left on this thread, which calls the engines, would make
+    # libgomp throttle the scheduler's workers (threads.on_own_thread), as no `hicache serve` is.
+    copy, gemms = on_own_thread(
+        lambda: (copy_gbps_read_write(s.copy_bytes),
+                 {name: matmul_gflops(getattr(torch, name)) for name in ("bfloat16", "float32")})
+    )  # fmt: skip
     machine = Machine(copy, {name: gflops for name, (gflops, _) in gemms.items()})
     print(
         f"## engine_bench, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC"

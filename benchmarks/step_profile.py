@@ -1,9 +1,11 @@
-"""Where one decode step's time goes: the model's forward at `--batch` rows (default 1), each after `context` keys, built as
-the engine builds it (weight format, attention family, invariant plans, the engine's threads), timed bare
-and then under torch.profiler (not a test).
+"""Where one decode step's time goes: the model's forward at `--batch` sequences (default 1), each `--rows` new
+rows (default 1: a decode step; 64: a short turn's prefill) after `context` keys, built as the engine builds it
+(weight format, attention family, invariant plans, the engine's threads), timed bare and then under
+torch.profiler (not a test).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/step_profile.py --model smollm2 --quantization auto --context 128
     PYTHONPATH=$PWD .venv/bin/python benchmarks/step_profile.py --model tiny --context 65536
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/step_profile.py --model smollm2 --context 2048 --rows 64
 
 The pool's history holds random KV (a step's time does not depend on the values, and a 64K prefill
 takes minutes). Wall: the median and best of `--steps` forwards on this thread; on a shared machine the
@@ -43,24 +45,24 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def build(model: str, quantization: str, context: int, batch: int = 1):
+def build(model: str, quantization: str, context: int, batch: int = 1, rows: int = 1):
     device, dtype = torch.device("cpu"), torch.float32
     loaded = load_model(model)
     resolved = resolve_quantization(quantization, loaded, dtype, device)
     loaded = with_attention_family(with_weight_format(loaded, resolved, device), device)
     decoder = build_decoder(loaded, ParallelContext(), dtype, device)
-    per_sequence = (-(-(context + 1) // PAGE) + 1) * PAGE  # each sequence's own pages
+    per_sequence = (-(-(context + rows) // PAGE) + 1) * PAGE  # each sequence's own pages
     pool = DeviceKVPool(decoder.kv_layout, decoder.num_local_layers, batch * per_sequence // PAGE, PAGE, dtype, device)
     gen = torch.Generator().manual_seed(0)
     for buffer in pool.buffers:
         buffer.copy_(torch.randn(buffer.shape, generator=gen))
     firsts = [i * per_sequence for i in range(batch)]
     step = ForwardBatch(
-        input_ids=torch.full((batch,), 7),
-        positions=torch.full((batch,), context),
-        out_slots=torch.tensor([first + context for first in firsts]),
-        seqs=[SeqSlice(i, 1, torch.arange(first, first + context + 1)) for i, first in enumerate(firsts)],
-        logit_rows=torch.arange(batch),
+        input_ids=torch.full((batch * rows,), 7),
+        positions=torch.arange(context, context + rows).repeat(batch),
+        out_slots=torch.cat([torch.arange(first + context, first + context + rows) for first in firsts]),
+        seqs=[SeqSlice(i * rows, rows, torch.arange(first, first + context + rows)) for i, first in enumerate(firsts)],
+        logit_rows=torch.arange(rows - 1, batch * rows, rows),
     )
     return decoder, pool, step, resolved
 
@@ -106,10 +108,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=1, help="sequences a step decodes, each after `context` keys")
+    parser.add_argument("--rows", type=int, default=1,
+                        help="new rows a sequence's step computes (64 with --context 2048: a short turn's prefill)")
     parser.add_argument("--threads", type=int, default=0, help="kernel threads (0: the engine's choice)")
     args = parser.parse_args(argv)
     use_threads(args.threads or cpu_threads())
-    decoder, pool, step, resolved = build(args.model, args.quantization, args.context, args.batch)
+    decoder, pool, step, resolved = build(args.model, args.quantization, args.context, args.batch, args.rows)
     gbps = copy_gbps_read_write(1 << 28)  # the byte limit's denominator: a 256 MiB copy, best of 5
     with torch.inference_mode():
         for _ in range(3):
@@ -119,8 +123,9 @@ def main(argv: list[str] | None = None) -> None:
         cpu = (time.process_time() - cpu_start) * 1e3 / args.steps
     wall = statistics.median(times)
     weights = weight_bytes(decoder)
-    kv = args.batch * (args.context + 1) * pool.buffers[0][0].numel() * 4 * decoder.num_local_layers
-    print(f"{args.model} {resolved} float32, {torch.get_num_threads()} threads, batch {args.batch}, context "
+    kv = args.batch * (args.context + args.rows) * pool.buffers[0][0].numel() * 4 * decoder.num_local_layers
+    print(f"{args.model} {resolved} float32, {torch.get_num_threads()} threads, batch {args.batch} x {args.rows} "
+          f"rows, context "
           f"{args.context}: step median "
           f"{wall:.2f} ms, best {min(times):.2f} ms, process CPU {cpu:.2f} ms a step; "
           f"copy {gbps:.1f} GB/s (read + write)")
