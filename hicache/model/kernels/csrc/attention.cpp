@@ -14,7 +14,9 @@
 // (key_block_attention.py, `combine_blocks` below). `index` names the rows of k and v to read, so a caller
 // can pass the pool itself and its slots: the keys are read in place, from the rows themselves (bf16 widened
 // in registers): neither a gathered copy nor a tile buffer, whose stores cost more than the loads they saved
-// (BENCHMARKS 38), and no software prefetch (the hardware's streams did better on this machine).
+// (BENCHMARKS 38), and no software prefetch (the hardware's streams did better on this machine). A unit of
+// several rows of one KV head (a prefill) is the exception: each tile's keys are transposed and its values
+// copied once for all its rows, which score 4 (row, head)s a pass (tile_rows.h, BENCHMARKS 42).
 //
 // Batch invariance by construction: a (row, query head)'s result is a function of its query, its seen
 // keys and nothing else. Its keys are visited in tiles of TILE keys from key 0 of the block (a fixed
@@ -24,7 +26,8 @@
 // weights in key order and its weighted values in two FMA chains (even and odd keys, in key order) that
 // are added last (keys past seen contribute nothing and are never touched). Threads split (entry, KV
 // heads, group of rows) units only, so a row's reduction is never split; the rows of a unit share each
-// tile's keys through the L1 cache, never an accumulator. The file is compiled with -ffp-contract=off:
+// tile's keys through the L1 cache, never an accumulator (tile_rows.h's scores are this arithmetic, a key
+// in each lane instead of a dimension, the partial sums the same). The file is compiled with -ffp-contract=off:
 // every multiply and add is the one written here.
 //
 //   combine_blocks(top [R, H], total [R, H], acc [R, H, dv] float32, dest [m] int64 or empty, out [B, m, H, dv],
@@ -52,6 +55,7 @@
 #include <torch/library.h>
 
 #include "simd.h"
+#include "tile_rows.h"
 
 #include <algorithm>
 #include <cmath>
@@ -194,7 +198,11 @@ void attend_unit(const Operands<T>& o, int64_t u, int64_t g0, int64_t g1, int64_
     }
   }
   const int64_t* index = o.index[u];
-  alignas(32) float score[TILE];
+  // A unit of several rows of one KV head meets each tile as a RowTile (tile_rows.h): its keys transposed and
+  // its values copied once, every row's scores computed SCORE_ROWS (row, head)s a pass; the same bits.
+  const bool blocked = heads == 1 && rows >= SCORE_ROWS;
+  RowTile row_tile(blocked ? rows : 0, d, dv, TILE);
+  alignas(32) float own_score[TILE];
   for (int64_t t0 = 0; t0 < most; t0 += TILE) {
     const int64_t tile_keys = std::min(TILE, most - t0);
     for (int64_t j = 0; j < tile_keys; ++j) {  // the tile's rows of each KV head, read in place
@@ -204,12 +212,22 @@ void attend_unit(const Operands<T>& o, int64_t u, int64_t g0, int64_t g1, int64_
         vt[(g - g0) * TILE + j] = o.v + at * o.v_row + g * o.v_head;
       }
     }
+    if (blocked) {
+      row_tile.load(kt.data(), vt.data(), tile_keys);
+      for (int64_t r = 0; r < rows; r += SCORE_ROWS) {
+        const int64_t count = std::min(SCORE_ROWS, rows - r);
+        int64_t widest = 0;  // the most keys a row of the pass sees in this tile
+        for (int64_t i = 0; i < count; ++i) widest = std::max(widest, std::min(seen[(r + i) / group] - t0, tile_keys));
+        row_tile.score(qf.data() + r * d, r, count, widest, o.scale);
+      }
+    }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::min(seen[r / (heads * group)] - t0, tile_keys);
       if (visible <= 0) continue;
       const T* const* kg = kt.data() + r / group % heads * TILE;
       const T* const* vg = vt.data() + r / group % heads * TILE;
-      tile_scores(qf.data() + r * d, kg, visible, nd, o.scale, score);
+      float* const score = blocked ? row_tile.scores(r) : own_score;
+      if (!blocked) tile_scores(qf.data() + r * d, kg, visible, nd, o.scale, score);
       const int64_t padded = (visible + LANES - 1) / LANES * LANES;
       for (int64_t j = visible; j < padded; ++j) score[j] = -std::numeric_limits<float>::infinity();
       __m256 top8 = _mm256_load_ps(score);
@@ -230,14 +248,18 @@ void attend_unit(const Operands<T>& o, int64_t u, int64_t g0, int64_t g1, int64_
       s.total = s.total * kept + sum_lanes(weights);
       s.top = top;
       float* out = acc.data() + r * dv;
-      for (int64_t c = 0; c < nv; c += 4) {  // four output vectors at a time, each its own two chains
-        switch (std::min<int64_t>(4, nv - c)) {
-          case 4: weigh_values<4>(out + c * LANES, vg, c * LANES, score, visible, kept); break;
-          case 3: weigh_values<3>(out + c * LANES, vg, c * LANES, score, visible, kept); break;
-          case 2: weigh_values<2>(out + c * LANES, vg, c * LANES, score, visible, kept); break;
-          default: weigh_values<1>(out + c * LANES, vg, c * LANES, score, visible, kept);
+      const auto weigh = [&](const auto* const* values) {
+        for (int64_t c = 0; c < nv; c += 4) {  // four output vectors at a time, each its own two chains
+          switch (std::min<int64_t>(4, nv - c)) {
+            case 4: weigh_values<4>(out + c * LANES, values, c * LANES, score, visible, kept); break;
+            case 3: weigh_values<3>(out + c * LANES, values, c * LANES, score, visible, kept); break;
+            case 2: weigh_values<2>(out + c * LANES, values, c * LANES, score, visible, kept); break;
+            default: weigh_values<1>(out + c * LANES, values, c * LANES, score, visible, kept);
+          }
         }
-      }
+      };
+      if (blocked) weigh(row_tile.values());
+      else weigh(vg);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
