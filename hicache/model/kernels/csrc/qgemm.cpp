@@ -17,12 +17,13 @@
 // Activation quantization (`quantize_rows`; bitwise native.quantize_activations in Python): per row and
 // group of 32 inputs a scale e = max|x| / 32385 and 16-bit codes Q = round(x * (1 / e)) in [-32385, 32385]
 // (1 / e = 0 where e is below the smallest normal float), rounded half to even, so x = e Q to 2^-16 of the
-// group's largest input (llama.cpp's Q8_1 codes keep 2^-8); Q is kept as two int8 halves Q = 255 h + l,
-// h = round(Q / 255) and l in [-127, 127] (maddubs multiplies bytes); and s = e * sum(Q).
+// group's largest input (llama.cpp's Q8_1 codes keep 2^-8); Q is kept as int16 and as two int8 halves
+// Q = 255 h + l, h = round(Q / 255) and l in [-127, 127] (maddubs multiplies bytes); and s = e * sum(Q).
 //
 // Arithmetic of one output n of row m, group by group in increasing g (two explicit FMAs a group), with
-// dot = sum_i c_i Q_i over the group in int32 (exact: the halves' integer dot products, the high one
-// times 255 in the multiply-add) and float(dot) its conversion (exact for int4, below 2^24):
+// dot = sum_i c_i Q_i over the group in int32 (exact: int4 as the halves' integer dot products, the high
+// one times 255 in the multiply-add; int8 as the int16 Q times the codes widened to int16, vpmaddwd) and
+// float(dot) its conversion (exact for int4, below 2^24):
 //   int4: acc = fma(float(dot), scale[n,g] * e[g], acc); acc = fma(offset[n,g], s[g], acc); y = acc
 //   int8: acc = fma(float(dot), e[g], acc); y = acc * scale[n]
 // The integer sums are exact (int4's 16-bit partial sums are at most 16 * 15 * 127 < 2^15), so the order
@@ -56,16 +57,17 @@ constexpr int64_t ROWS = 4;    // rows of x that share one pass over a panel
 // Quantized rows (2 bytes an input) kept in L2 while the weights stream by.
 constexpr int64_t X_BLOCK_BYTES = 128 * 1024;
 
-// Rows of x quantized (the file's header): codes [2, M, K] int8 (high, then low) and scales [2, M, K/32]
-// float32 (e, then s), with pointers to each part.
+// Rows of x quantized (the file's header): codes [2, M, K] int8 (high, then low), whole [M, K] int16 (Q)
+// and scales [2, M, K/32] float32 (e, then s), with pointers to each part.
 struct QuantizedRows {
-  at::Tensor codes, scales;
+  at::Tensor codes, whole_codes, scales;
   int8_t *high, *low;
+  int16_t* whole;
   float *e, *s;
   int64_t m, k, groups;  // rows, inputs, groups a row
 };
 
-void quantize_group(const float* x, int8_t* high, int8_t* low, float* e_out, float* s_out) {
+void quantize_group(const float* x, int8_t* high, int8_t* low, int16_t* whole, float* e_out, float* s_out) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 v[4], amax = _mm256_setzero_ps();
   for (int i = 0; i < 4; ++i) {
@@ -79,7 +81,7 @@ void quantize_group(const float* x, int8_t* high, int8_t* low, float* e_out, flo
   const __m256 inverse = _mm256_set1_ps(e >= FLT_MIN ? 1.0f / e : 0.0f), base = _mm256_set1_ps(HIGH_WEIGHT);
   const __m256i top = _mm256_set1_epi32(CODE_MAX), bottom = _mm256_set1_epi32(-CODE_MAX);
   __m256i sum = _mm256_setzero_si256();
-  alignas(32) int32_t lanes[2][8];
+  alignas(32) int32_t lanes[3][8];
   for (int i = 0; i < 4; ++i) {
     // cvtps rounds half to even (the default rounding mode). Q / 255 is never within float rounding of a
     // half-integer, so |Q - 255 h| <= 127.
@@ -89,9 +91,11 @@ void quantize_group(const float* x, int8_t* high, int8_t* low, float* e_out, flo
     sum = _mm256_add_epi32(sum, q);
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[0]), h);
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[1]), l);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[2]), q);
     for (int j = 0; j < 8; ++j) {
       high[8 * i + j] = static_cast<int8_t>(lanes[0][j]);
       low[8 * i + j] = static_cast<int8_t>(lanes[1][j]);
+      whole[8 * i + j] = static_cast<int16_t>(lanes[2][j]);
     }
   }
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[0]), sum);
@@ -103,8 +107,10 @@ void quantize_group(const float* x, int8_t* high, int8_t* low, float* e_out, flo
 
 QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
-  QuantizedRows rows{at::empty({2, m, k}, x.options().dtype(at::kChar)), at::empty({2, m, groups}, x.options())};
+  QuantizedRows rows{at::empty({2, m, k}, x.options().dtype(at::kChar)), at::empty({m, k}, x.options().dtype(at::kShort)),
+                     at::empty({2, m, groups}, x.options())};
   rows.high = rows.codes.data_ptr<int8_t>(), rows.low = rows.high + m * k;
+  rows.whole = rows.whole_codes.data_ptr<int16_t>();
   rows.e = rows.scales.data_ptr<float>(), rows.s = rows.e + m * groups;
   rows.m = m, rows.k = k, rows.groups = groups;
   const float* xp = x.data_ptr<float>();
@@ -112,7 +118,7 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
     for (int64_t i = m0; i < m1; ++i)
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t at = i * k + g * GROUP, scale_at = i * groups + g;
-        quantize_group(xp + at, rows.high + at, rows.low + at, rows.e + scale_at, rows.s + scale_at);
+        quantize_group(xp + at, rows.high + at, rows.low + at, rows.whole + at, rows.e + scale_at, rows.s + scale_at);
       }
   });
   return rows;
@@ -134,6 +140,7 @@ inline __m256i broadcast_step(const int8_t* q) {
 template <int R>
 struct Rows {
   const int8_t *high[R], *low[R];
+  const int16_t* whole[R];
   const float *e[R], *s[R];
   float* y[R];
 };
@@ -195,30 +202,35 @@ struct Int8Weights {
   int64_t groups, n;
   int64_t k() const { return groups * GROUP; }
   int64_t panel_bytes() const { return PANEL * (k() + 4); }
+  // A step's 32 codes widened to int16 in two halves, outputs 0-3 and 4-7, each output's 4 inputs adjacent:
+  // vpmaddwd against the row's 4 Q of the step (repeated) adds a pair of products into each int32 lane, an
+  // output's two lanes summed once a group (|dot| <= 32 * 128 * 32385 < 2^31: exact).
   template <int R>
   inline void pass(int64_t p, const Rows<R>& x) const {
-    const __m256i ones = _mm256_set1_epi16(1), high_weight = _mm256_set1_epi16(HIGH_WEIGHT);
+    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);  // hadd's lanes back to outputs 0-7
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
       const int8_t* c = codes + (p * groups + g) * GROUP * PANEL;
-      __m256i sums[R];
-      for (int i = 0; i < R; ++i) sums[i] = _mm256_setzero_si256();
+      __m256i first[R], second[R];  // outputs 0-3 and 4-7, two lanes an output
+      for (int i = 0; i < R; ++i) first[i] = second[i] = _mm256_setzero_si256();
       for (int step = 0; step < STEPS; ++step) {
-        // maddubs takes one unsigned operand: |code| against q with the code's sign (llama.cpp's trick);
-        // a pair of products is at most 2 * 128 * 127 < 2^15.
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * step));
-        const __m256i magnitude = _mm256_abs_epi8(w);
+        const __m128i* w = reinterpret_cast<const __m128i*>(c + 32 * step);
+        const __m256i low_half = _mm256_cvtepi8_epi16(_mm_loadu_si128(w));
+        const __m256i high_half = _mm256_cvtepi8_epi16(_mm_loadu_si128(w + 1));
         for (int i = 0; i < R; ++i) {
-          const int64_t k = g * GROUP + 4 * step;
-          const __m256i high = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast_step(x.high[i] + k), w));
-          const __m256i low = _mm256_maddubs_epi16(magnitude, _mm256_sign_epi8(broadcast_step(x.low[i] + k), w));
-          sums[i] = _mm256_add_epi32(sums[i], _mm256_add_epi32(_mm256_madd_epi16(high, high_weight),
-                                                               _mm256_madd_epi16(low, ones)));
+          int64_t four;
+          std::memcpy(&four, x.whole[i] + g * GROUP + 4 * step, 8);
+          const __m256i q = _mm256_set1_epi64x(four);
+          first[i] = _mm256_add_epi32(first[i], _mm256_madd_epi16(low_half, q));
+          second[i] = _mm256_add_epi32(second[i], _mm256_madd_epi16(high_half, q));
+          keep_in_order(first[i]), keep_in_order(second[i]);
         }
       }
-      for (int i = 0; i < R; ++i)
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[i]), _mm256_set1_ps(x.e[i][g]), acc[i]);
+      for (int i = 0; i < R; ++i) {
+        const __m256i dot = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(first[i], second[i]), order);
+        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(x.e[i][g]), acc[i]);
+      }
     }
     const __m256 scales = _mm256_loadu_ps(scale + p * PANEL);
     for (int i = 0; i < R; ++i) _mm256_storeu_ps(x.y[i], _mm256_mul_ps(acc[i], scales));
@@ -232,6 +244,7 @@ inline void rows_pass(const W& w, const QuantizedRows& x, int64_t first, float* 
   for (int i = 0; i < R; ++i) {
     rows.high[i] = x.high + (m0 + i) * x.k + first;
     rows.low[i] = x.low + (m0 + i) * x.k + first;
+    rows.whole[i] = x.whole + (m0 + i) * x.k + first;
     rows.e[i] = x.e + (m0 + i) * x.groups + first / GROUP;
     rows.s[i] = x.s + (m0 + i) * x.groups + first / GROUP;
     rows.y[i] = y + (m0 + i) * w.n + p * PANEL;
