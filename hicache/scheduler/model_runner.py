@@ -18,7 +18,7 @@ from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.families.llama import LlamaModel
 from hicache.parallel.pipeline import StageLink
 from hicache.scheduler.request import Request, TokenLogprob
-from hicache.scheduler.sampler import sample
+from hicache.scheduler.sampler import sample_rows
 
 
 @dataclass(frozen=True)
@@ -131,5 +131,5 @@ class ModelRunner:
         samples = None
         if self.link.samples_here:
             assert logits is not None
-            samples = [sample(logits[row], item.req) for row, item in enumerate(items)]
+            samples = sample_rows(logits, [item.req for item in items])
         return self.link.share_samples(samples, hash(tuple((i.req.rid, i.start, i.end) for i in items)))

@@ -1,5 +1,6 @@
 """Next-token choice on hand-made logits: greedy is the argmax, seeded sampling repeats, top-k and
-top-p keep only what they should, and log-probabilities are those of the unscaled distribution."""
+top-p keep only what they should, log-probabilities are those of the unscaled distribution, and a batch's
+rows choose what each would alone."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from hicache.scheduler.request import Request, SamplingParams
-from hicache.scheduler.sampler import sample
+from hicache.scheduler.sampler import sample, sample_rows
 
 LOGITS = torch.tensor([0.5, 3.0, 2.9, -1.0, 1.0])
 
@@ -73,3 +74,21 @@ def test_a_sample_is_always_a_token_the_filters_allow(logits, top_k, top_p, seed
     assert 0 <= token < len(logits)
     if top_k:
         assert t[token] >= torch.topk(t, min(top_k, len(logits))).values[-1]
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    rows=st.lists(st.lists(st.sampled_from([-2.0, 0.0, 0.5, 3.0]), min_size=6, max_size=6),
+                  min_size=1, max_size=6),
+    kinds=st.lists(st.sampled_from(["greedy", "logprobs", "sampled"]), min_size=6, max_size=6),
+)
+def test_a_batchs_rows_choose_what_each_would_alone(rows, kinds):
+    """Ties included: the batch's one argmax over its greedy rows picks each row's first
+    largest, as a row's own argmax does; rows with log-probabilities or sampling are sampled alone."""
+    params = {"greedy": {}, "logprobs": {"logprobs": 2}, "sampled": {"temperature": 1.0}}
+    logits = torch.tensor(rows)
+
+    def reqs() -> list[Request]:  # fresh seeded generators: sampled rows draw the same in both runs
+        return [req(seed=3, **params[kind]) for kind in kinds[: len(rows)]]
+
+    assert sample_rows(logits, reqs()) == [sample(logits[i], r) for i, r in enumerate(reqs())]
