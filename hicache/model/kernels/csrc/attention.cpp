@@ -24,7 +24,8 @@
 // i mod 8, FMAs in increasing d, the 8 lanes summed by one fixed tree, then one multiply by the scale;
 // a tile updates the running maximum, rescales the running sum and output once, then adds the tile's
 // weights in key order and its weighted values in two FMA chains (even and odd keys, in key order) that
-// are added last (keys past seen contribute nothing and are never touched). Threads split (entry, KV
+// are added last (keys past seen contribute nothing: never read, except by a prefill unit's shared pass,
+// whose scores past a row's seen that row overwrites with -inf before it uses them). Threads split (entry, KV
 // heads, group of rows) units only, so a row's reduction is never split; the rows of a unit share each
 // tile's keys through the L1 cache, never an accumulator (tile_rows.h's scores are this arithmetic, a key
 // in each lane instead of a dimension, the partial sums the same). The file is compiled with -ffp-contract=off:
@@ -217,7 +218,8 @@ void attend_unit(const Operands<T>& o, int64_t u, int64_t g0, int64_t g1, int64_
       for (int64_t r = 0; r < rows; r += SCORE_ROWS) {
         const int64_t count = std::min(SCORE_ROWS, rows - r);
         int64_t widest = 0;  // the most keys a row of the pass sees in this tile
-        for (int64_t i = 0; i < count; ++i) widest = std::max(widest, std::min(seen[(r + i) / group] - t0, tile_keys));
+        for (int64_t i = 0; i < count; ++i)
+          widest = std::max(widest, std::min(seen[(r + i) / group] - t0, tile_keys));
         row_tile.score(qf.data() + r * d, r, count, widest, o.scale);
       }
     }

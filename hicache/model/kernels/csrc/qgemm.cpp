@@ -107,8 +107,8 @@ void quantize_group(const float* x, int8_t* high, int8_t* low, int16_t* whole, f
 
 QuantizedRows quantize_rows(const at::Tensor& x) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
-  QuantizedRows rows{at::empty({2, m, k}, x.options().dtype(at::kChar)), at::empty({m, k}, x.options().dtype(at::kShort)),
-                     at::empty({2, m, groups}, x.options())};
+  QuantizedRows rows{at::empty({2, m, k}, x.options().dtype(at::kChar)),
+                     at::empty({m, k}, x.options().dtype(at::kShort)), at::empty({2, m, groups}, x.options())};
   rows.high = rows.codes.data_ptr<int8_t>(), rows.low = rows.high + m * k;
   rows.whole = rows.whole_codes.data_ptr<int16_t>();
   rows.e = rows.scales.data_ptr<float>(), rows.s = rows.e + m * groups;
@@ -124,10 +124,10 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
   return rows;
 }
 
-// An empty asm that takes and gives back a register: the compiler keeps an int4 pass's 16-bit sums in the
-// order written instead of reassociating them into a tree whose partial products spill to the stack (gcc 12,
-// 4 rows: 1.3x the time of a pass, BENCHMARKS 42; no gain measured in the int8 pass). Integer sums are
-// exact, so either order has the same bits; this is speed only.
+// An empty asm that takes and gives back a register: the compiler keeps a pass's integer sums in the order
+// written instead of reassociating them into a tree whose partial products spill to the stack (gcc 12, 4
+// rows: an int4 pass 1.3x, an int8 one 1.2x the time without it, BENCHMARKS 42). Integer sums are exact,
+// so either order has the same bits; this is speed only.
 inline void keep_in_order(__m256i& accumulator) { __asm__("" : "+x"(accumulator)); }
 
 inline __m256i broadcast_step(const int8_t* q) {

@@ -91,7 +91,8 @@ inline void block_scores(const float* const* q, const float* kT, int64_t stride,
 class RowTile {
  public:
   RowTile(int64_t rows, int64_t d, int64_t dv, int64_t tile)
-      : rows_(rows), d_(d), dv_(dv), tile_(tile), buffer_(rows ? (d + rows + dv) * tile / 8 : 0), value_rows_(rows ? tile : 0) {}
+      : rows_(rows), d_(d), dv_(dv), tile_(tile), buffer_(rows ? (d + rows + dv) * tile / 8 : 0),
+        value_rows_(rows ? tile : 0) {}
 
   // The tile's `keys` keys and values (kt[j], vt[j]: key j's rows of this unit's KV head, in place).
   template <typename T>
