@@ -17,8 +17,9 @@
 // Activation quantization (`quantize_rows`; bitwise native.quantize_activations in Python): per row and
 // group of 32 inputs a scale e = max|x| / 32385 and 16-bit codes Q = round(x * (1 / e)) in [-32385, 32385]
 // (1 / e = 0 where e is below the smallest normal float), rounded half to even, so x = e Q to 2^-16 of the
-// group's largest input (llama.cpp's Q8_1 codes keep 2^-8); Q is kept as int16 and as two int8 halves
-// Q = 255 h + l, h = round(Q / 255) and l in [-127, 127] (maddubs multiplies bytes); and s = e * sum(Q).
+// group's largest input (llama.cpp's Q8_1 codes keep 2^-8); Q is kept whole as int16 (int8 weights) or as
+// two int8 halves Q = 255 h + l, h = round(Q / 255) and l in [-127, 127] (int4 weights: maddubs multiplies
+// bytes); and s = e * sum(Q).
 //
 // Arithmetic of one output n of row m, group by group in increasing g (two explicit FMAs a group), with
 // dot = sum_i c_i Q_i over the group in int32 (exact: int4 as the halves' integer dot products, the high
@@ -57,16 +58,21 @@ constexpr int64_t ROWS = 4;    // rows of x that share one pass over a panel
 // Quantized rows (2 bytes an input) kept in L2 while the weights stream by.
 constexpr int64_t X_BLOCK_BYTES = 128 * 1024;
 
-// Rows of x quantized (the file's header): codes [2, M, K] int8 (high, then low), whole [M, K] int16 (Q)
-// and scales [2, M, K/32] float32 (e, then s), with pointers to each part.
+// Which form of the codes Q a weight format reads: int4's byte multiply-adds the two int8 halves, int8's
+// word multiply-adds Q whole. A call quantizes x in its format's form only.
+enum class Codes { halves, whole };
+
+// Rows of x quantized (the file's header): codes [2, M, K] int8 (high, then low) or [M, K] int16 (Q whole),
+// and scales [2, M, K/32] float32 (e, then s), with pointers to each part (null: the form not made).
 struct QuantizedRows {
-  at::Tensor codes, whole_codes, scales;
-  int8_t *high, *low;
-  int16_t* whole;
+  at::Tensor codes, scales;
+  int8_t *high = nullptr, *low = nullptr;
+  int16_t* whole = nullptr;
   float *e, *s;
   int64_t m, k, groups;  // rows, inputs, groups a row
 };
 
+// One group's codes: Q whole where `whole` is given, else its halves.
 void quantize_group(const float* x, int8_t* high, int8_t* low, int16_t* whole, float* e_out, float* s_out) {
   const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
   __m256 v[4], amax = _mm256_setzero_ps();
@@ -81,21 +87,24 @@ void quantize_group(const float* x, int8_t* high, int8_t* low, int16_t* whole, f
   const __m256 inverse = _mm256_set1_ps(e >= FLT_MIN ? 1.0f / e : 0.0f), base = _mm256_set1_ps(HIGH_WEIGHT);
   const __m256i top = _mm256_set1_epi32(CODE_MAX), bottom = _mm256_set1_epi32(-CODE_MAX);
   __m256i sum = _mm256_setzero_si256();
-  alignas(32) int32_t lanes[3][8];
+  alignas(32) int32_t lanes[2][8];
   for (int i = 0; i < 4; ++i) {
     // cvtps rounds half to even (the default rounding mode). Q / 255 is never within float rounding of a
     // half-integer, so |Q - 255 h| <= 127.
     const __m256i q = _mm256_max_epi32(_mm256_min_epi32(_mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse)), top), bottom);
+    sum = _mm256_add_epi32(sum, q);
+    if (whole) {
+      _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[0]), q);
+      for (int j = 0; j < 8; ++j) whole[8 * i + j] = static_cast<int16_t>(lanes[0][j]);
+      continue;
+    }
     const __m256i h = _mm256_cvtps_epi32(_mm256_div_ps(_mm256_cvtepi32_ps(q), base));
     const __m256i l = _mm256_sub_epi32(q, _mm256_mullo_epi32(h, _mm256_set1_epi32(HIGH_WEIGHT)));
-    sum = _mm256_add_epi32(sum, q);
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[0]), h);
     _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[1]), l);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[2]), q);
     for (int j = 0; j < 8; ++j) {
       high[8 * i + j] = static_cast<int8_t>(lanes[0][j]);
       low[8 * i + j] = static_cast<int8_t>(lanes[1][j]);
-      whole[8 * i + j] = static_cast<int16_t>(lanes[2][j]);
     }
   }
   _mm256_store_si256(reinterpret_cast<__m256i*>(lanes[0]), sum);
@@ -105,12 +114,13 @@ void quantize_group(const float* x, int8_t* high, int8_t* low, int16_t* whole, f
   *s_out = e * static_cast<float>(total);
 }
 
-QuantizedRows quantize_rows(const at::Tensor& x) {
+QuantizedRows quantize_rows(const at::Tensor& x, Codes form) {
   const int64_t m = x.size(0), k = x.size(1), groups = k / GROUP;
-  QuantizedRows rows{at::empty({2, m, k}, x.options().dtype(at::kChar)),
-                     at::empty({m, k}, x.options().dtype(at::kShort)), at::empty({2, m, groups}, x.options())};
-  rows.high = rows.codes.data_ptr<int8_t>(), rows.low = rows.high + m * k;
-  rows.whole = rows.whole_codes.data_ptr<int16_t>();
+  QuantizedRows rows{form == Codes::whole ? at::empty({m, k}, x.options().dtype(at::kShort))
+                                          : at::empty({2, m, k}, x.options().dtype(at::kChar)),
+                     at::empty({2, m, groups}, x.options())};
+  if (form == Codes::whole) rows.whole = rows.codes.data_ptr<int16_t>();
+  else rows.high = rows.codes.data_ptr<int8_t>(), rows.low = rows.high + m * k;
   rows.e = rows.scales.data_ptr<float>(), rows.s = rows.e + m * groups;
   rows.m = m, rows.k = k, rows.groups = groups;
   const float* xp = x.data_ptr<float>();
@@ -118,7 +128,9 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
     for (int64_t i = m0; i < m1; ++i)
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t at = i * k + g * GROUP, scale_at = i * groups + g;
-        quantize_group(xp + at, rows.high + at, rows.low + at, rows.whole + at, rows.e + scale_at, rows.s + scale_at);
+        float *e = rows.e + scale_at, *s = rows.s + scale_at;
+        if (rows.whole) quantize_group(xp + at, nullptr, nullptr, rows.whole + at, e, s);
+        else quantize_group(xp + at, rows.high + at, rows.low + at, nullptr, e, s);
       }
   });
   return rows;
@@ -155,6 +167,7 @@ inline __m256 load_scales(const at::Half* p) {
 // in the file's header (the high codes' partial sums times 255 in the integer multiply-add).
 template <typename Scale>
 struct Int4Weights {
+  static constexpr Codes codes_form = Codes::halves;
   const uint8_t* codes;
   const Scale* scale;
   const Scale* offset;
@@ -197,6 +210,7 @@ struct Int4Weights {
 };
 
 struct Int8Weights {
+  static constexpr Codes codes_form = Codes::whole;
   const int8_t* codes;
   const float* scale;
   int64_t groups, n;
@@ -242,9 +256,12 @@ template <int R, typename W>
 inline void rows_pass(const W& w, const QuantizedRows& x, int64_t first, float* y, int64_t m0, int64_t p) {
   Rows<R> rows;
   for (int i = 0; i < R; ++i) {
-    rows.high[i] = x.high + (m0 + i) * x.k + first;
-    rows.low[i] = x.low + (m0 + i) * x.k + first;
-    rows.whole[i] = x.whole + (m0 + i) * x.k + first;
+    if constexpr (W::codes_form == Codes::whole) {
+      rows.whole[i] = x.whole + (m0 + i) * x.k + first;
+    } else {
+      rows.high[i] = x.high + (m0 + i) * x.k + first;
+      rows.low[i] = x.low + (m0 + i) * x.k + first;
+    }
     rows.e[i] = x.e + (m0 + i) * x.groups + first / GROUP;
     rows.s[i] = x.s + (m0 + i) * x.groups + first / GROUP;
     rows.y[i] = y + (m0 + i) * w.n + p * PANEL;
@@ -286,7 +303,7 @@ template <typename W>
 at::Tensor run(const W& w, const at::Tensor& x_in) {
   const at::Tensor x = as_float_rows(x_in, w.k());
   at::Tensor y = at::empty({x.size(0), w.n}, x.options());
-  if (x.size(0) > 0) multiply(w, quantize_rows(x), 0, y.data_ptr<float>());
+  if (x.size(0) > 0) multiply(w, quantize_rows(x, W::codes_form), 0, y.data_ptr<float>());
   return x_in.scalar_type() == at::kFloat ? y : y.to(x_in.scalar_type());
 }
 
@@ -303,7 +320,7 @@ at::Tensor run_sum(const std::vector<W>& ws, const at::Tensor& x_in) {
   const int64_t count = static_cast<int64_t>(ws.size()), size = x.size(0) * ws[0].n;
   at::Tensor partials = at::empty({count, x.size(0), ws[0].n}, x.options());
   if (size == 0) return partials[0];
-  const QuantizedRows rows = quantize_rows(x);
+  const QuantizedRows rows = quantize_rows(x, W::codes_form);
   for (int64_t g = 0; g < count; ++g) multiply(ws[g], rows, g * width, partials.data_ptr<float>() + g * size);
   if (x_in.scalar_type() != at::kFloat) partials = partials.to(x_in.scalar_type()).to(at::kFloat);
   // The pairwise order, each sum written over its left operand (plain float adds, as torch's).
@@ -380,7 +397,7 @@ at::Tensor int4_linear_sum(const at::Tensor& x, at::TensorList codes, at::Tensor
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> quantize_activations(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % GROUP == 0 && x.scalar_type() == at::kFloat,
               "quantize_activations: x must be [M, K] float32 with K a multiple of 32");
-  const QuantizedRows rows = quantize_rows(x.contiguous());
+  const QuantizedRows rows = quantize_rows(x.contiguous(), Codes::halves);
   return {rows.codes[0], rows.codes[1], rows.scales[0], rows.scales[1]};
 }
 
