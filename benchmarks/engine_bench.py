@@ -57,7 +57,7 @@ from hicache import Engine, SamplingParams
 from hicache.bench.launcher import ServerProcess
 from hicache.bench.workload import GSPParams, TextSampler
 from hicache.config import EngineConfig
-from hicache.engine.threads import on_own_thread
+from hicache.parallel.threads import on_own_thread
 from hicache.model.build import kernel_available
 from hicache.model.config import ModelConfig
 from hicache.model.kernels import quant

@@ -25,7 +25,7 @@ from collections import defaultdict
 import torch
 
 from benchmarks.common import copy_gbps_read_write
-from hicache.engine.threads import cpu_threads, use_threads
+from hicache.parallel.threads import cpu_threads, use_threads
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.batch import ForwardBatch, SeqSlice
 from hicache.model.build import build_decoder, resolve_quantization, with_attention_family, with_weight_format

@@ -24,6 +24,8 @@ from typing import Callable, Protocol
 
 import torch
 
+from hicache.parallel.threads import serial_kernels
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_TRANSFER_TIMEOUT_S = 60.0
@@ -123,6 +125,7 @@ class SupervisedWorker:
         return op
 
     def _loop(self) -> None:
+        serial_kernels()
         while True:
             op = self._queue.get()
             if op is None:

@@ -16,6 +16,8 @@ from collections.abc import Callable
 
 import zmq
 
+from hicache.parallel.threads import serial_kernels
+
 logger = logging.getLogger(__name__)
 
 POLL_MS = 50  # how often `tick` runs when nothing arrives
@@ -58,6 +60,7 @@ class IOLoop:
         self._handlers.pop(sock, None)
 
     def _run(self) -> None:
+        serial_kernels()
         while not self._stopped.is_set():
             try:
                 ready = dict(self._poller.poll(POLL_MS))

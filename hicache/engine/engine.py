@@ -32,7 +32,7 @@ from hicache.engine.deadlines import DeadlineWatch
 from hicache.engine.local import LocalRuntime
 from hicache.engine.rank_front import RankRuntime
 from hicache.engine.snapshot import Snapshot
-from hicache.engine.threads import cpu_threads, on_own_thread, use_threads
+from hicache.parallel.threads import cpu_threads, on_own_thread, use_threads
 from hicache.errors import UserError
 from hicache.parallel.parallel import ParallelContext
 from hicache.scheduler.request import (

@@ -24,7 +24,7 @@ import torch.multiprocessing as mp
 
 from hicache.config import EngineConfig
 from hicache.engine.rank_worker import RankSpec, rank_main
-from hicache.engine.threads import cpu_threads
+from hicache.parallel.threads import cpu_threads
 from hicache.errors import UserError
 
 logger = logging.getLogger(__name__)

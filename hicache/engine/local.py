@@ -13,7 +13,7 @@ import torch
 
 from hicache.engine.base import check_usable
 from hicache.engine.commands import Command
-from hicache.engine.threads import use_threads
+from hicache.parallel.threads import use_threads
 from hicache.parallel.parallel import ParallelContext
 from hicache.scheduler.request import FinishReason, Request, RequestEvent
 from hicache.scheduler.scheduler import Scheduler

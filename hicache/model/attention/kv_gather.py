@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from hicache.mem.device_pool import DeviceKVPool
+from hicache.parallel.threads import serial_kernels
 
 
 @dataclass
@@ -123,6 +124,7 @@ class PrefixGather:
 
     @torch.inference_mode()  # the forward pass's tensors (pool, scratch) are inference tensors
     def _run(self) -> None:
+        serial_kernels()
         try:
             for layer in range(self.pool.num_layers):
                 started = time.perf_counter()
