@@ -12,6 +12,7 @@ from typing import Any, TypeVar, get_type_hints
 
 import torch
 
+from hicache.config.cpu import cpu_has_native_bf16
 from hicache.errors import UserError
 from hicache.mem.host_pool import LAYOUTS
 from hicache.model.kernels.quant import QUANTIZATIONS
@@ -52,7 +53,7 @@ PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
 STORAGE_BACKENDS = ("file", "redis")
 KEY_SCHEMES = ("rank-suffix", "unified")
 DRAFT_LAYOUTS = ("auto", "packed", "sidecar")
-SPECULATIVE_ALGORITHMS = ("draft",)
+SPECULATIVE_ALGORITHMS = ("draft", "ngram")
 
 
 @dataclass(frozen=True)
@@ -249,25 +250,40 @@ def _check_disagg(cfg: "EngineConfig") -> None:
 
 @dataclass(frozen=True)
 class SpeculativeConfig(FromArgs):
-    """Speculative decoding (`--speculative-*`, hicache/spec/): a draft model proposes tokens that the
-    target verifies in one forward pass; greedy output is the target's alone, token for token."""
+    """Speculative decoding (`--speculative-*`, hicache/spec/): a draft model or the request's own n-grams
+    propose tokens that the target verifies in one pass; greedy output is the target's alone, token for token."""
 
-    speculative_algorithm: str | None = None  # "draft": a separate draft model
+    speculative_algorithm: str | None = None  # "draft": a separate draft model; "ngram": prompt lookup
     speculative_draft_model: str | None = None  # tiny-draft-packed, tiny-draft-sidecar, tiny-mtp, smollm2-draft, a path
-    speculative_num_draft_tokens: int = 4  # tokens the draft proposes per step
+    speculative_num_draft_tokens: int = 4  # tokens proposed per step
+    # ngram: a matched suffix has at least 2 tokens: one (a space, a bracket) recurs everywhere, and what
+    # followed it last is rarely what follows now, so its proposals would mostly cost rejected verify rows.
+    speculative_ngram_min_match_window_size: int = 2
+    speculative_ngram_max_match_window_size: int = 8
 
     def __post_init__(self) -> None:
+        low, high = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if low < 1:
+            raise UserError(f"--speculative-ngram-min-match-window-size must be >= 1, got {low}")
+        if high < low:
+            raise UserError(f"--speculative-ngram-max-match-window-size must be >= the min window ({low}), got {high}")
         if self.speculative_algorithm is None:
             return
         _choice("--speculative-algorithm", self.speculative_algorithm, SPECULATIVE_ALGORITHMS)
-        if not self.speculative_draft_model:
+        if self.has_draft_model and not self.speculative_draft_model:
             raise UserError("--speculative-algorithm draft needs --speculative-draft-model NAME|PATH")
+        if not self.has_draft_model and self.speculative_draft_model:
+            raise UserError("--speculative-algorithm ngram takes no --speculative-draft-model (it has no draft)")
         if not 1 <= self.speculative_num_draft_tokens <= 16:
             raise UserError(f"--speculative-num-draft-tokens must be in 1..16, got {self.speculative_num_draft_tokens}")
 
     @property
     def enabled(self) -> bool:
         return self.speculative_algorithm is not None
+
+    @property
+    def has_draft_model(self) -> bool:
+        return self.speculative_algorithm == "draft"
 
 
 @dataclass(frozen=True)
@@ -288,11 +304,11 @@ class EngineConfig(FromArgs):
     context_length: int | None = None
     device: str = "auto"
     dtype: str = "auto"
-    # none: every weight dense; auto: the checkpoint's quantized tensors stay quantized where the
-    # kernels are fast (bf16 on a CPU); int8 / int4: every linear weight in that format. Dense is the
-    # default because prefill is what a prefix cache serves: on smollm2 `auto` decodes 1.4x faster but
-    # prefills at 0.7x (docs/BENCHMARKS.md section 10).
-    quantization: str = "none"
+    # auto (the default, as llama.cpp serves a GGUF): the checkpoint's quantized tensors stay quantized
+    # where a kernel for them is fast here (hicache's native kernels, or aten's with bf16 activations);
+    # none: every weight dense; int8 / int4: every linear weight in that format. With `--dtype auto` the
+    # activations follow (`activation_dtype`, docs/DESIGN.md, "the fastest path by default").
+    quantization: str = "auto"
     disable_radix_cache: bool = False
     default_max_new_tokens: int = 128
     request_timeout: float = 0.0  # seconds from submission; 0: none
@@ -360,10 +376,11 @@ class EngineConfig(FromArgs):
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
         return torch.device(self.device)
 
-    def resolved_dtype(self) -> torch.dtype:
+    def resolved_dtype(self, device: torch.device | None = None) -> torch.dtype:
+        """`--dtype`, `auto` as on `device` (default: `--device`'s) for dense weights."""
         if self.dtype != "auto":
             return getattr(torch, self.dtype)
-        device = self.resolved_device()
+        device = device or self.resolved_device()
         if device.type == "cuda":
             return torch.bfloat16
         # float16 is never chosen on a CPU: it runs at a fraction of a GFLOP/s without native kernels.
@@ -372,14 +389,3 @@ class EngineConfig(FromArgs):
     def log(self) -> None:
         device, dtype = self.resolved_device(), self.resolved_dtype()
         logger.info("engine config: %s (device=%s, dtype=%s)", asdict(self), device, dtype)
-
-
-def cpu_has_native_bf16() -> bool:
-    """True when the CPU multiplies bf16 natively (AVX512-BF16 or AMX), where bf16 beats fp32."""
-    capability = torch.backends.cpu.get_cpu_capability()
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return capability.startswith("AVX512") and ("avx512_bf16" in flags or "amx_bf16" in flags)

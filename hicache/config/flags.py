@@ -47,13 +47,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="defaults to the model's; at most what it supports (tiny, tiny-mla, tiny-hybrid: 1048576)",
     )
     g.add_argument("--device", default=d.device, help="auto, cpu or cuda")
-    g.add_argument("--dtype", default=d.dtype, help="auto, float32 or bfloat16")
+    g.add_argument(
+        "--dtype",
+        default=d.dtype,
+        help="auto (the fastest here: float32 where the weights run on hicache's native kernels, bfloat16 "
+        "for dense weights on a CPU with native bf16 (HICACHE_CPU_BF16=1|0 overrides the CPU's answer) and on "
+        "CUDA, else float32), float32 or bfloat16",
+    )
     g.add_argument(
         "--quantization",
         default=d.quantization,
-        help="weight format of the linear layers: none (every weight dense, the default), auto (a GGUF's "
-        "quantized tensors stay quantized: int4 for Q4_1, int8 for Q8_0, with bfloat16 activations; "
-        "faster decode, slower prefill), int8 or int4 (every linear weight in that format)",
+        help="weight format of the linear layers: auto (the default: a GGUF's quantized tensors stay "
+        "quantized, int4 for Q4_1 and int8 for Q8_0, where a fast kernel runs them here), none (every weight "
+        "dense), int8 or int4 (every linear weight in that format)",
     )
     g.add_argument("--disable-radix-cache", action="store_true", help="no prefix reuse at all")
     g.add_argument(
@@ -219,7 +225,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     s = SpeculativeConfig()
     v = parser.add_argument_group("speculative decoding")
-    v.add_argument("--speculative-algorithm", default=None, help="draft: a separate draft model proposes tokens")
+    v.add_argument(
+        "--speculative-algorithm",
+        default=None,
+        help="draft: a separate draft model proposes tokens; ngram: the tokens that followed the request's last "
+        "few tokens where they occurred earlier in it (prompt lookup, no draft model)",
+    )
     v.add_argument(
         "--speculative-draft-model",
         default=None,
@@ -229,7 +240,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--speculative-num-draft-tokens",
         type=int,
         default=s.speculative_num_draft_tokens,
-        help="tokens the draft proposes per step (the target verifies them in one pass)",
+        help="tokens proposed per step (the target verifies them in one pass)",
+    )
+    v.add_argument(
+        "--speculative-ngram-min-match-window-size",
+        type=int,
+        default=s.speculative_ngram_min_match_window_size,
+        help="ngram: the fewest trailing tokens a match covers",
+    )
+    v.add_argument(
+        "--speculative-ngram-max-match-window-size",
+        type=int,
+        default=s.speculative_ngram_max_match_window_size,
+        help="ngram: the most trailing tokens a match covers (the longest match found proposes)",
     )
     s = DisaggConfig()
     x = parser.add_argument_group("prefill-decode disaggregation")

@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Callable
+
+import torch
 
 from hicache.cache import build_cache, check_unified
 from hicache.config import EngineConfig
@@ -15,7 +18,14 @@ from hicache.disagg.roles import pd_role, radix_enabled
 from hicache.errors import UserError
 from hicache.events import KVEventPublisher
 from hicache.mem.device_pool import DeviceKVPool
-from hicache.model.build import build_decoder, resolve_quantization, with_attention_family, with_weight_format
+from hicache.model.build import (
+    build_decoder,
+    kernel_available,
+    resolve_quantization,
+    weight_formats,
+    with_attention_family,
+    with_weight_format,
+)
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.families import hybrid
 from hicache.model.kernels.invariance import InvarianceReport
@@ -93,13 +103,35 @@ def check_invariance(cfg: EngineConfig, report: InvarianceReport) -> None:
     )
 
 
-def load_engine_model(cfg: EngineConfig) -> LoadedModel:
+def load_engine_model(cfg: EngineConfig) -> tuple[EngineConfig, LoadedModel]:
     """The model `cfg` names, to be built in the weight format its `--quantization` resolves to here, its
-    identity naming that format and the attention kernels it runs on here."""
+    identity naming that format and the attention kernels it runs on here; and `cfg` with `--dtype auto`
+    resolved for that format (`activation_dtype`), which everything built from it reads."""
     loaded = load_model(cfg.model, keep_codes=cfg.quantization != "none")
-    resolved = resolve_quantization(cfg.quantization, loaded, cfg.resolved_dtype(), cfg.resolved_device())
-    logger.info("weights of %s: quantization %s -> %s", loaded.name, cfg.quantization, resolved)
-    return with_attention_family(with_weight_format(loaded, resolved, cfg.resolved_device()), cfg.resolved_device())
+    device = cfg.resolved_device()
+    dtype = activation_dtype(cfg, loaded)
+    cfg = replace(cfg, dtype=str(dtype).removeprefix("torch."))
+    resolved = resolve_quantization(cfg.quantization, loaded, dtype, device)
+    logger.info(
+        "weights of %s: quantization %s -> %s, %s activations", loaded.name, cfg.quantization, resolved, cfg.dtype
+    )
+    return cfg, with_attention_family(with_weight_format(loaded, resolved, device), device)
+
+
+def activation_dtype(cfg: EngineConfig, loaded: LoadedModel) -> torch.dtype:
+    """`--dtype`, where `auto` means the fastest exact path for this checkpoint here (docs/DESIGN.md, "the
+    fastest path by default"): on a CPU, float32 wherever the linear weights run on hicache's native
+    quantized kernels (they quantize activations to 16-bit codes whatever the dtype, and the rest of the
+    model runs its measured-fastest kernels in float32: on an AVX512-BF16 EPYC, bf16 activations took
+    the short turn's TTFT 169 -> 225 ms and decode with tiers 39.9 -> 36.0 tok/s); bfloat16 for dense
+    weights where the CPU multiplies it natively (3.4x float32's GEMM rate there), else float32. bfloat16
+    on CUDA."""
+    if cfg.dtype != "auto" or cfg.resolved_device().type != "cpu":
+        return cfg.resolved_dtype()
+    formats = weight_formats(cfg.quantization, loaded)
+    if formats and all(kernel_available(f, torch.float32, cfg.resolved_device(), fast=True) for f in formats):
+        return torch.float32
+    return cfg.resolved_dtype()
 
 
 class _SlowSteps:
@@ -127,12 +159,12 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
     window = model.cfg.sliding_window if isinstance(model, hybrid.HybridModel) else 0
     pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device,
                         sharding.size, sharding.rank, gathered, sliding, cfg.sliding_pages, window)  # fmt: skip
-    draft = build_draft(cfg, loaded, pool, pctx) if cfg.speculative.enabled else None
+    draft = build_draft(cfg, loaded, pool, pctx) if cfg.speculative.has_draft_model else None
     checker = ConsensusChecker(pctx)
     pools = draft.pools if draft else None
     cache = build_cache(cfg, pool, model, loaded.identity, pctx, checker, radix_enabled(cfg), pools)
     runner, context = ModelRunner(model, pool), context_length(cfg, loaded.config)
-    compute = build_decoder_for(cfg, runner, draft, cache, context) if draft is not None else None
+    compute = build_decoder_for(cfg, runner, draft, cache, context) if cfg.speculative.enabled else None
     # The scheduler's parts: how a step is computed (plain or speculative) and its P/D role, if any.
     role = pd_role(cfg, runner, pctx, loaded.identity, pools)
     # Every rank of the tree-sharing group keeps the same tree: rank 0 publishes for them.

@@ -159,10 +159,10 @@ class RequestHandle:
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **overrides) -> None:
-        cfg = replace(config or EngineConfig(), **overrides)
+        requested = replace(config or EngineConfig(), **overrides)  # its `--dtype auto` resolved on loading:
+        cfg, loaded = on_own_thread(lambda: load_engine_model(requested))
         self.config = cfg
         cfg.log()
-        loaded = on_own_thread(lambda: load_engine_model(cfg))
         self.model_name = loaded.name
         self.model_identity = loaded.identity
         self.weight_format = str(loaded.extra.get("weight_format", "none"))  # what --quantization resolved to

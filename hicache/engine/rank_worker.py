@@ -208,7 +208,7 @@ def rank_main(spec: RankSpec, cfg: EngineConfig, inbox: Any, outbox: Any) -> Non
     scheduler = None
     try:
         pctx = init_distributed(spec, cfg)
-        loaded = load_engine_model(cfg)
+        cfg, loaded = load_engine_model(cfg)
         scheduler = build_scheduler(cfg, loaded, pctx)
         del loaded
         dist.barrier(group=pctx.world_group)

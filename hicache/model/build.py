@@ -54,10 +54,20 @@ def resolve_quantization(requested: str, loaded: LoadedModel, dtype: torch.dtype
             raise UserError(f"--quantization {requested}: no {requested} weight-only kernel for "
                             f"{str(dtype).removeprefix('torch.')} on {device.type} in this torch build")  # fmt: skip
         return requested
-    formats = {w.kernel_format for w in loaded.quantized.values()}
+    formats = weight_formats(requested, loaded)
     if not formats or not all(kernel_available(f, dtype, device, fast=True) for f in formats):
         return "none"
     return CHECKPOINT
+
+
+def weight_formats(requested: str, loaded: LoadedModel) -> set[str]:
+    """The quantized formats `--quantization requested` would keep `loaded`'s linear weights in, where a
+    kernel for them runs (empty: every weight dense)."""
+    if requested == "none":
+        return set()
+    if requested in quant.FORMATS:
+        return {requested}
+    return {w.kernel_format for w in loaded.quantized.values()}
 
 
 def with_weight_format(loaded: LoadedModel, resolved: str, device: torch.device) -> LoadedModel:

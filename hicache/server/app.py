@@ -58,7 +58,12 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
         if client.draining:
             raise APIError(503, "the server is shutting down", code="shutting_down")
         return JSONResponse(
-            {"status": "ok", "batch_invariance": engine.invariance, "weight_format": engine.weight_format}
+            {
+                "status": "ok",
+                "batch_invariance": engine.invariance,
+                "weight_format": engine.weight_format,
+                "dtype": engine.config.dtype,
+            }
         )
 
     @app.get("/v1/models")

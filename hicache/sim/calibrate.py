@@ -10,17 +10,21 @@ cost a token a and the attention cost a (query, key) pair b (t = a tokens + b pa
 squares: the kernels do not spend exactly the same a pair on a new prompt's triangle as on a hit's
 rectangle), hence `flops` and `attention_flops` from the base preset's FLOPs a token and a pair.
 The model's constants, the links and storage are the base preset's (a model's, not a machine's, or
-measured by benchmarks/hicache_bench.py and storage_bench.py).
+measured by benchmarks/hicache_bench.py and storage_bench.py); the KV bytes a token are the base's in the
+dtype the engine ran here, and the cost model names this machine and that dtype.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import statistics
 
 import numpy as np
+import torch
 
 from hicache.config import EngineConfig
+from hicache.config.cpu import describe_cpu
 from hicache.engine.engine import Engine
 from hicache.errors import UserError
 from hicache.scheduler.request import SamplingParams
@@ -40,7 +44,7 @@ def calibrate(cfg: EngineConfig, base: CostModel, name: str) -> CostModel:
                                    enable_hierarchical_cache=False, hicache_storage_backend=None))  # fmt: skip
     rng = np.random.default_rng(0)
     with Engine(measured) as engine:
-        vocab = engine.tokenizer.vocab_size
+        vocab, dtype, device = engine.tokenizer.vocab_size, engine.config.dtype, engine.config.resolved_device()
 
         def prompt(n: int) -> list[int]:
             return rng.integers(0, vocab, n).tolist()
@@ -83,13 +87,22 @@ def calibrate(cfg: EngineConfig, base: CostModel, name: str) -> CostModel:
         step_overhead_s=overhead,
         decode_s_per_request=per_request, memory_bandwidth=c.memory_bandwidth,
     )  # fmt: skip
-    return dataclasses.replace(base, name=name, compute=compute)
+    # The base's KV bytes a token are its model's in its dtype: in the dtype measured here, as many elements.
+    kv_bytes = base.kv_bytes_per_token * _itemsize(dtype) // _itemsize(base.dtype or dtype)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else describe_cpu()
+    return dataclasses.replace(base, name=name, compute=compute, kv_bytes_per_token=kv_bytes, measured_on=where,
+                               device=device.type, dtype=dtype)  # fmt: skip
+
+
+def _itemsize(dtype: str) -> int:
+    return getattr(torch, dtype).itemsize
 
 
 def to_toml(cost: CostModel, note: str) -> str:
     """The cost model as a file `load_cost_model` reads back."""
     lines = [f"# {line}" for line in note.splitlines()]
-    lines += [f'name = "{cost.name}"', f"kv_bytes_per_token = {cost.kv_bytes_per_token}"]
+    lines += [f'name = "{cost.name}"', f"measured_on = {json.dumps(cost.measured_on)}", f'device = "{cost.device}"',
+              f'dtype = "{cost.dtype}"', f"kv_bytes_per_token = {cost.kv_bytes_per_token}"]  # fmt: skip
     for section in ("compute", "host_to_device", "device_to_host", "storage", "nic"):
         table = getattr(cost, section)
         lines += ["", f"[{section}]"] + [f"{f.name} = {getattr(table, f.name)!r}" for f in dataclasses.fields(table)]

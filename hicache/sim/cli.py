@@ -15,15 +15,25 @@ used only for its tokenizer, to build a generated workload's prompts and draw to
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import logging
 import os
 import pathlib
 import platform
 import shlex
 import time
+from typing import TYPE_CHECKING
+
+import torch
 
 from hicache.bench.cli import add_workload_args, workload_from_args
 from hicache.config import EngineConfig
 from hicache.config.flags import add_engine_args
+
+if TYPE_CHECKING:
+    from hicache.sim.cost import CostModel
+
+logger = logging.getLogger(__name__)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -39,14 +49,17 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     cfg = EngineConfig.from_args(args)
     if args.calibrate:
         return write_calibration(cfg, cost, args.calibrate)
+    decode = decode_config(cfg, args.pd_decode) if args.pd_decode is not None else None
+    for server in (cfg, decode) if decode else (cfg,):
+        warn_of_another_dtype(server, cost)
     tokenizer = load_tokenizer(cfg.model)
     if args.trace:
         trace = read_mooncake(args.trace, tokenizer.vocab_size)
     else:
         trace = from_workload(build_workload(workload_from_args(args), tokenizer), tokenizer)
     label = args.label or cost.name
-    if args.pd_decode is not None:
-        simulator: Simulator | PDSimulator = PDSimulator(cfg, decode_config(cfg, args.pd_decode), cost, label=label)
+    if decode is not None:
+        simulator: Simulator | PDSimulator = PDSimulator(cfg, decode, cost, label=label)
         servers = {"prefill": simulator.prefill, "decode": simulator.decode}
     else:
         simulator = Simulator(cfg, cost, label=label)
@@ -84,6 +97,37 @@ def decode_config(prefill: EngineConfig, decode_flags: str) -> EngineConfig:
     # The role last: no flag may change it, and decode's own flags are valid only with it.
     flags = ["--model", prefill.model, *shlex.split(decode_flags), "--disaggregation-mode", "decode"]
     return EngineConfig.from_args(parser.parse_args(flags))
+
+
+def engine_dtype(cfg: EngineConfig, device: str) -> str:
+    """The dtype an engine of `cfg` runs, on `device` (a cost model's) where `--device` is auto: `--dtype` as
+    the engine resolves it (on a CPU, `auto` by this CPU and the checkpoint's weights, `activation_dtype`:
+    only then is the checkpoint read)."""
+    from hicache.engine.build import activation_dtype
+    from hicache.model.loading.loader import load_model
+
+    if cfg.device == "auto" and device == "cpu":
+        cfg = dataclasses.replace(cfg, device="cpu")
+    if cfg.dtype != "auto" or cfg.device == "auto":  # the latter: a GPU's, which this machine need not have
+        dtype = cfg.resolved_dtype(torch.device(device))
+    else:
+        dtype = activation_dtype(cfg, load_model(cfg.model, keep_codes=cfg.quantization != "none"))
+    return str(dtype).removeprefix("torch.")
+
+
+def warn_of_another_dtype(cfg: EngineConfig, cost: CostModel) -> None:
+    """One line when the server `cfg` configures would run another dtype than the one `cost`'s figures
+    are for (on the cost model's device, unless `--device` names one): the simulation charges that
+    dtype's KV bytes and compute rates, not this server's."""
+    if not cost.dtype:
+        return
+    dtype = engine_dtype(cfg, cost.device)
+    if dtype != cost.dtype:
+        device = cfg.device if cfg.device != "auto" else cost.device
+        where = "this CPU" if device == "cpu" else device
+        logger.warning("cost model %s is for %s (%s), but these engine flags run %s on %s: its KV bytes and compute "
+                       "figures are not this server's (pass --dtype %s, or measure a cost model with --calibrate)",
+                       cost.name, cost.dtype, cost.measured_on, dtype, where, cost.dtype)  # fmt: skip
 
 
 def write_calibration(cfg: EngineConfig, base, path: str) -> int:  # noqa: ANN001 - a CostModel

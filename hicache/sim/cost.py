@@ -8,6 +8,10 @@ bandwidth` on its link, bytes being pages x page size x `kv_bytes_per_token`; st
 link (the storage tier's one worker): an existence query costs `latency_s`, a read or a put `latency_s`
 plus its bytes at `read_bandwidth` or `write_bandwidth`. A P/D pair's KV transfer costs `latency_s + bytes /
 bandwidth` on `[nic]`, bytes being the suffix's tokens x `kv_bytes_per_token`.
+
+A cost model says what it describes: `measured_on` (the CPU or GPU its figures come from), `device` (cpu or
+cuda) and `dtype` (the KV and activation dtype its figures are for): the same engine flags in another
+dtype move other bytes and compute at other rates, which `hicache simulate` warns of.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ from hicache.errors import UserError
 PRESETS = pathlib.Path(__file__).parent / "presets"
 # Figures a cost divides by
 POSITIVE = ("flops", "attention_flops", "memory_bandwidth", "bandwidth", "read_bandwidth", "write_bandwidth")
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,9 @@ class CostModel:
     device_to_host: Link
     storage: Storage
     nic: Link  # a P/D pair's KV transfer, prefill to decode (hicache/sim/pd.py)
+    measured_on: str = ""  # the machine its figures come from ("": the file does not say)
+    device: str = "cpu"
+    dtype: str = ""  # its figures' KV and activation dtype ("": the file does not say)
 
     def step_s(self, items: list[tuple[int, int]], decoding: list[int]) -> float:
         """A step computing tokens [start, end) of each of `items`, and one token each of requests
@@ -93,7 +102,17 @@ def load_cost_model(name_or_path: str) -> CostModel:
         device_to_host=_section(Link, data, path, "device_to_host"),
         storage=_section(Storage, data, path, "storage"),
         nic=_section(Link, data, path, "nic"),
+        measured_on=str(data.get("measured_on", "")),
+        device=_choice(data, path, "device", DEVICES, "cpu"),
+        dtype=_choice(data, path, "dtype", ("", *DTYPES), ""),
     )
+
+
+def _choice(data: dict, path: pathlib.Path, key: str, choices: tuple[str, ...], default: str) -> str:
+    value = data.get(key, default)
+    if value not in choices:
+        raise UserError(f"cost model {path}: {key} must be one of {', '.join(c for c in choices if c)}, got {value!r}")
+    return value
 
 
 def _section(cls: type, data: dict, path: pathlib.Path, name: str):  # noqa: ANN202 - an instance of cls

@@ -11,11 +11,12 @@ import pytest
 
 from hicache import Engine, SamplingParams
 from hicache.cache import KVEventRecorder
-from hicache.config import HiCacheConfig
+from hicache.config import EngineConfig, HiCacheConfig
 from hicache.errors import UserError
 from hicache.events import KVEventPublisher, KVEventSubscriber, prompt_hashes
 from tests.conversations import make_conversations, run_turns
 from tests.disagg.pd import free_ports, scheduler_of
+from tests.page_bytes import stored_page_bytes
 
 PAGE = 16
 CONVS = make_conversations(num_groups=2, per_group=2, system_len=200, question_len=30)
@@ -159,13 +160,15 @@ def test_an_endpoint_taken_or_malformed_is_a_clear_error():
     assert not recorder.enabled  # closed: the cache records nothing more
 
 
+@pytest.mark.dtype_sensitive  # a store cap or byte count in the dtype `--dtype auto` takes here
 def test_what_a_capped_store_evicts_is_removed_from_storage_in_the_events(tmp_path):
     """The file store's own cap evicts objects during this server's puts: the events remove their pages,
     so the subscriber's storage pages stay exactly the store's (without the reports they kept every page
     ever put)."""
     store = tmp_path / "store"
     endpoint = f"tcp://127.0.0.1:{free_ports(2)}"
-    page_object = PAGE * 2048 + 64  # tiny's float32 K and V of one page, and the envelope's header
+    # One page's object in the dtype this engine runs here (bf16 or float32: the CPU's, or HICACHE_CPU_BF16's)
+    page_object = stored_page_bytes(EngineConfig(model="tiny", page_size=PAGE))
     cfg = HiCacheConfig(
         enable_hierarchical_cache=True, hicache_write_policy="write_through", hicache_storage_backend="file",
         hicache_storage_dir=str(store), hicache_storage_max_bytes=40 * page_object,
@@ -186,5 +189,6 @@ def test_what_a_capped_store_evicts_is_removed_from_storage_in_the_events(tmp_pa
             evicted = engine.snapshot().cache.storage.store.evicted_objects
         assert evicted > 0, "the cap never evicted: the test would prove nothing"
         assert sub.index.pages["storage"] == stored_hashes(store)
+        assert {p.stat().st_size for p in store.rglob("*") if STORED.match(p.name)} == {page_object}
     finally:
         sub.close()

@@ -8,6 +8,8 @@ import httpx
 import openai
 import pytest
 
+from hicache.config.cpu import cpu_has_native_bf16
+
 GREEDY = {"temperature": 0.0}
 SYSTEM = "You are a terse assistant. Answer in one short line, and never repeat the question back. "
 
@@ -23,6 +25,9 @@ def test_models_and_health(server: str) -> None:
     assert health["status"] == "ok"
     assert health["batch_invariance"]["verified"] is True, health  # the start-up self-check passed here
     assert health["batch_invariance"]["thread_count_invariant"] is True, health  # any TP size computes these bits
+    # what the defaults resolved to here: tiny's weights are dense, so its activations are the CPU's fastest dense dtype
+    dense = "bfloat16" if cpu_has_native_bf16() else "float32"
+    assert (health["weight_format"], health["dtype"]) == ("none", dense), health
 
 
 def test_completion(server: str) -> None:

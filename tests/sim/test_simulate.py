@@ -1,9 +1,11 @@
 """`hicache simulate` against the real engine: the same trace, the same cache configuration, the same
 hits on every tier, request by request (with a file store, across a restart too); a Mooncake trace file
-imports and runs; a bad cost model is one line and exit 2."""
+imports and runs; a bad cost model is one line and exit 2; a preset names the machine and dtype it
+describes, and engine flags that run another dtype get one warning line."""
 
 import dataclasses
 import json
+import logging
 
 import numpy as np
 import pytest
@@ -11,7 +13,9 @@ import pytest
 from hicache import Engine, SamplingParams
 from hicache.cli import main
 from hicache.config import EngineConfig, HiCacheConfig
+from hicache.errors import UserError
 from hicache.sim.calibrate import to_toml
+from hicache.sim.cli import warn_of_another_dtype
 from hicache.sim.cost import load_cost_model
 from hicache.sim.simulator import Simulator
 from hicache.sim.trace import TraceRequest, answer_tokens
@@ -163,3 +167,61 @@ def test_a_written_cost_model_reads_back_the_same(tmp_path, preset):
     path = tmp_path / f"{preset}.toml"
     path.write_text(to_toml(cost, "a note\non two lines"))
     assert load_cost_model(str(path)) == cost
+
+
+TINY_WORKLOAD = ["--model", "tiny", "--gsp-num-groups", "1", "--gsp-prompts-per-group", "1", "--gsp-num-turns", "1",
+                 "--gsp-system-prompt-len", "32", "--gsp-question-len", "16", "--gsp-output-len", "4"]  # fmt: skip
+
+
+def _sim_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "hicache.sim.cli" and r.levelno == logging.WARNING]
+
+
+@pytest.mark.parametrize("native_bf16", ["1", "0"])
+def test_simulate_warns_in_one_line_when_the_flags_run_another_dtype_than_the_presets(monkeypatch, caplog,
+                                                                                      native_bf16):  # fmt: skip
+    """The CPU preset was measured in bf16 on an AVX512-BF16 EPYC: `--dtype auto` on tiny runs bf16 where
+    the CPU has native bf16 (no warning) and float32 on an AVX2-only one (one line, saying what to pass)."""
+    monkeypatch.setenv("HICACHE_CPU_BF16", native_bf16)
+    preset = load_cost_model("epyc-2core-tiny")
+    assert (preset.device, preset.dtype, preset.kv_bytes_per_token) == ("cpu", "bfloat16", 1024)
+    assert "AVX512_BF16" in preset.measured_on
+    with caplog.at_level(logging.WARNING):
+        assert main(["simulate", *TINY_WORKLOAD]) == 0
+    warnings = _sim_warnings(caplog)
+    if native_bf16 == "1":
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and "\n" not in warnings[0], warnings
+        assert "is for bfloat16" in warnings[0] and "run float32 on this CPU" in warnings[0], warnings
+        assert "--dtype bfloat16" in warnings[0] and preset.measured_on in warnings[0], warnings
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        assert main(["simulate", *TINY_WORKLOAD, "--dtype", "bfloat16"]) == 0  # as the preset: on either kind
+    assert _sim_warnings(caplog) == []
+
+
+def test_a_gpu_preset_resolves_auto_as_its_gpu_would(caplog):
+    """`--dtype auto` for a CUDA preset is CUDA's bf16, whatever this machine has; float32 asked for warns."""
+    gpu = load_cost_model("h100x8-llama70b")
+    assert (gpu.device, gpu.dtype) == ("cuda", "bfloat16") and "H100" in gpu.measured_on
+    with caplog.at_level(logging.WARNING):
+        warn_of_another_dtype(EngineConfig(model="tiny"), gpu)
+        assert _sim_warnings(caplog) == []
+        warn_of_another_dtype(EngineConfig(model="tiny", dtype="float32"), gpu)
+    (warning,) = _sim_warnings(caplog)
+    assert "run float32 on cuda" in warning, warning
+
+
+@pytest.mark.parametrize(
+    ("line", "bad", "message"),
+    [
+        ('dtype = "bfloat16"', 'dtype = "fp8"', "dtype must be one of float32, bfloat16, float16"),
+        ('device = "cpu"', 'device = "tpu"', "device must be one of cpu, cuda"),
+    ],
+)
+def test_a_cost_models_dtype_and_device_are_checked(tmp_path, line, bad, message):
+    path = tmp_path / "bad.toml"
+    path.write_text(to_toml(load_cost_model("epyc-2core-tiny"), "a note").replace(line, bad))
+    with pytest.raises(UserError, match=message):
+        load_cost_model(str(path))

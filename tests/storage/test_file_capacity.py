@@ -10,11 +10,14 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from hicache import Engine
-from hicache.config import HiCacheConfig
+from hicache.config import EngineConfig, HiCacheConfig
 from hicache.storage import FileBackend, Namespace, VerifiedStore, page_hashes
 from hicache.storage.file_capacity import LOW_WATERMARK, STALE_TMP_S
 from tests.conversations import make_conversations, run_turns
+from tests.page_bytes import stored_page_bytes
 
 NS = Namespace(model="m", kv_dtype="bfloat16", page_size=4, layout="page_rows")
 OBJECT = 10_000  # bytes per object in the unit tests
@@ -138,11 +141,13 @@ def test_a_full_disk_makes_puts_counted_failures_not_crashes(tmp_path: Path) -> 
     assert not any(p.name.endswith(".tmp") for p in tmp_path.rglob("*")), "the torn temp file stayed"
 
 
+@pytest.mark.dtype_sensitive  # a store cap or byte count in the dtype `--dtype auto` takes here
 def test_a_capped_store_serves_equal_answers_and_stays_under_its_cap(tmp_path: Path) -> None:
     convs = make_conversations(num_groups=2, per_group=2, system_len=300, question_len=40)
     with Engine(model="tiny", disable_radix_cache=True) as off:
         reference = [[r.token_ids for r in turn] for turn in run_turns(off, convs, 3, 16)]
-    cap = 200_000  # about a third of what the conversations store
+    # Room for 6 pages' objects of the ~80 the conversations store, in the dtype the engine runs here
+    cap = 6 * stored_page_bytes(EngineConfig(model="tiny"))
     store = str(tmp_path / "store")
     cfg = HiCacheConfig(
         enable_hierarchical_cache=True,

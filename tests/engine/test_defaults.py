@@ -1,0 +1,44 @@
+"""The defaults are the fastest exact path for the checkpoint and the CPU (docs/DESIGN.md, "the fastest path by
+default"): a GGUF's quantized tensors stay quantized, on hicache's native kernels with float32 activations
+wherever those are built; dense weights take bf16 only where the CPU multiplies it natively."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hicache import Engine
+from hicache.config import EngineConfig
+from hicache.config.cpu import CPU_BF16_ENV
+from hicache.engine.build import activation_dtype
+from hicache.model.build import CHECKPOINT
+from hicache.model.loading.loader import load_model
+from tests.model.test_quant import NATIVE_KERNELS
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return load_model("smollm2", keep_codes=True)
+
+
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_auto_takes_the_native_kernels_in_float32_and_bf16_only_for_dense_weights(smollm2, native_bf16, monkeypatch):
+    tiny = load_model("tiny")
+    monkeypatch.setenv(CPU_BF16_ENV, str(int(native_bf16)))  # resolve as that kind of CPU would
+    defaults = EngineConfig()
+    assert defaults.quantization == "auto" and defaults.dtype == "auto"
+    dense = torch.bfloat16 if native_bf16 else torch.float32
+    assert activation_dtype(defaults, tiny) == dense  # nothing quantized in tiny's checkpoint
+    assert activation_dtype(EngineConfig(quantization="none"), smollm2) == dense
+    # smollm2's Q4_1/Q8_0 codes: the native kernels quantize activations to 16-bit codes in any dtype
+    assert activation_dtype(defaults, smollm2) == (torch.float32 if NATIVE_KERNELS else dense)
+    assert activation_dtype(EngineConfig(dtype="bfloat16"), smollm2) == torch.bfloat16  # asked for: kept
+
+
+@pytest.mark.dtype_sensitive  # the same on either kind of CPU: the native kernels take float32
+@pytest.mark.skipif(not NATIVE_KERNELS, reason="native kernels not built")
+def test_the_embedded_model_serves_its_codes_in_float32_by_default():
+    with Engine(model="smollm2", max_total_tokens=1024) as engine:
+        assert (engine.weight_format, engine.config.dtype) == (CHECKPOINT, "float32")
