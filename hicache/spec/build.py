@@ -1,5 +1,6 @@
 """Build (docs/DESIGN.md, "speculative decoding"): the draft model, its device pool and where its state
-lives, from `--speculative-*` and `--hicache-draft-layout`; then the decoder over the target's runner.
+lives, from `--speculative-*` and `--hicache-draft-layout`; then the proposer (the draft's, or the n-gram
+one, which needs nothing built) and the decoder over the target's runner.
 
 The draft's device pool has the target's page count and page size: it is indexed by the target's
 logical pages, so allocation, the tree and every reservation stay the target's alone (the draft's
@@ -31,7 +32,10 @@ from hicache.model.loading.draft import load_draft
 from hicache.parallel.parallel import ParallelContext
 from hicache.scheduler.model_runner import ModelRunner
 from hicache.spec.decoder import SpeculativeDecoder
+from hicache.spec.draft_proposer import DraftProposer
 from hicache.spec.draft_state import KVGeometry, choose_layout
+from hicache.spec.ngram import NgramProposer
+from hicache.spec.proposer import Proposer
 
 logger = logging.getLogger(__name__)
 
@@ -99,8 +103,18 @@ def build_draft(cfg: EngineConfig, target: LoadedModel, target_pool: DeviceKVPoo
 
 
 def build_decoder_for(
-    cfg: EngineConfig, target: ModelRunner, draft: Draft, cache: KVCache, context_length: int
+    cfg: EngineConfig, target: ModelRunner, draft: Draft | None, cache: KVCache, context_length: int
 ) -> SpeculativeDecoder:
-    k = cfg.speculative.speculative_num_draft_tokens
-    # A draft catching up on a prompt takes at most a prefill chunk's worth of rows per step.
-    return SpeculativeDecoder(target, draft.runner, cache, k, context_length, cfg.chunked_prefill_size)
+    """The decoder of `--speculative-algorithm`: over `draft`'s proposals (`build_draft`), or without one
+    over the n-gram proposer's."""
+    spec = cfg.speculative
+    proposer: Proposer
+    if draft is not None:
+        # A draft catching up on a prompt takes at most a prefill chunk's worth of rows per step.
+        proposer = DraftProposer(target, draft.runner, context_length, cfg.chunked_prefill_size)
+    else:
+        windows = spec.speculative_ngram_min_match_window_size, spec.speculative_ngram_max_match_window_size
+        proposer = NgramProposer(*windows)
+        logger.info("speculative decoding: n-gram proposals (match windows %d..%d), %d draft tokens per step",
+                    *windows, spec.speculative_num_draft_tokens)  # fmt: skip
+    return SpeculativeDecoder(target, proposer, cache, spec.speculative_num_draft_tokens, context_length)
