@@ -7,11 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hicache import Engine
 from hicache.config import EngineConfig
 from hicache.config.cpu import CPU_BF16_ENV
 from hicache.engine.build import activation_dtype
-from hicache.model.build import CHECKPOINT
 from hicache.model.loading.loader import load_model
 from tests.model.test_quant import NATIVE_KERNELS
 
@@ -36,9 +34,3 @@ def test_auto_takes_the_native_kernels_in_float32_and_bf16_only_for_dense_weight
     assert activation_dtype(defaults, smollm2) == (torch.float32 if NATIVE_KERNELS else dense)
     assert activation_dtype(EngineConfig(dtype="bfloat16"), smollm2) == torch.bfloat16  # asked for: kept
 
-
-@pytest.mark.dtype_sensitive  # the same on either kind of CPU: the native kernels take float32
-@pytest.mark.skipif(not NATIVE_KERNELS, reason="native kernels not built")
-def test_the_embedded_model_serves_its_codes_in_float32_by_default():
-    with Engine(model="smollm2", max_total_tokens=1024) as engine:
-        assert (engine.weight_format, engine.config.dtype) == (CHECKPOINT, "float32")

@@ -7,7 +7,9 @@ import json
 import pytest
 
 from hicache import Engine, SamplingParams
+from hicache.model.build import CHECKPOINT
 from tests.fixtures import SMOLLM2_REFERENCE
+from tests.model.test_quant import NATIVE_KERNELS
 
 
 @pytest.fixture(scope="module")
@@ -73,10 +75,20 @@ def test_bfloat16_stays_near_reference(reference):
 
 @pytest.fixture(scope="module")
 def engines():
+    # the defaults (docs/DESIGN.md, "the fastest path by default"): the GGUF's codes on the native kernels in
+    # float32 on every CPU (tests/engine/test_defaults.py), dense in the CPU's dense dtype without them
     with Engine(model="smollm2", max_total_tokens=8192) as on, Engine(
         model="smollm2", max_total_tokens=8192, disable_radix_cache=True
     ) as off:
         yield on, off
+
+
+def test_the_defaults_serve_the_checkpoints_codes_in_float32(engines):
+    on, _ = engines
+    if NATIVE_KERNELS:
+        assert (on.weight_format, on.config.dtype) == (CHECKPOINT, "float32")
+    else:
+        assert on.weight_format == "none"
 
 
 def test_chat_answers_paris(engines, reference):
