@@ -33,4 +33,3 @@ def test_auto_takes_the_native_kernels_in_float32_and_bf16_only_for_dense_weight
     # smollm2's Q4_1/Q8_0 codes: the native kernels quantize activations to 16-bit codes in any dtype
     assert activation_dtype(defaults, smollm2) == (torch.float32 if NATIVE_KERNELS else dense)
     assert activation_dtype(EngineConfig(dtype="bfloat16"), smollm2) == torch.bfloat16  # asked for: kept
-
