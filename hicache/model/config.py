@@ -16,6 +16,41 @@ from hicache.model.rope import RopeScaling
 from hicache.model.tokenizer import Tokenizer
 
 
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation on its gate columns (ops.gated_activation)
+
+
+@dataclass(frozen=True)
+class LayerParts:
+    """Which of the shared layer parts a family's decoder is built from, beyond Llama's (the default):
+    what a checkpoint family's config says (hicache/model/families/checkpoints.py), what the decoder reads
+    (families/llama.py), and what a fused native path must accept before it stands in for the Python one
+    (kernels/fused_layer.py).
+
+    - `qkv_bias`: q, k and v projections add biases (Qwen2);
+    - `qk_norm`: an RMSNorm over each query and key head before RoPE (Qwen3, Gemma 3);
+    - `sandwich_norms`: attention's and the MLP's outputs are normed before their residual adds, and the
+      MLP's input by `pre_feedforward_layernorm` (Gemma 2 and 3);
+    - `activation`: the gated MLP's, one of ACTIVATIONS;
+    - `embedding_scale`: the embedding rows are multiplied by it (Gemma: sqrt(hidden_size));
+    - `attention_scale`: the scores' scale (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5);
+    - `final_logit_softcap`: logits = cap * tanh(logits / cap) (Gemma 2);
+    - `local_rope_theta`: the RoPE base of sliding-window layers (None: rope_theta; Gemma 3: 10,000).
+    """
+
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sandwich_norms: bool = False
+    activation: str = "silu"
+    embedding_scale: float = 1.0
+    attention_scale: float | None = None
+    final_logit_softcap: float | None = None
+    local_rope_theta: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.activation not in ACTIVATIONS:
+            raise ValueError(f"activation {self.activation!r} is not one of {', '.join(ACTIVATIONS)}")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Shape of a Llama-family decoder. `head_dim` may differ from hidden_size // num_heads.
@@ -39,6 +74,11 @@ class ModelConfig:
     tie_word_embeddings: bool
     rope_scaling: RopeScaling | None = None
     context_limit: int | None = None
+    parts: LayerParts = LayerParts()
+
+    @property
+    def attention_scale(self) -> float:
+        return self.parts.attention_scale or self.head_dim**-0.5
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:

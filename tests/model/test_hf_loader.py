@@ -172,11 +172,25 @@ def test_identity_tracks_weights(tmp_path: pathlib.Path) -> None:
     assert load_hf_dir(tmp_path / "a", "a").identity != load_hf_dir(tmp_path / "b", "b").identity
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "gpt2", None])
+@pytest.mark.parametrize("model_type", ["gpt2", "falcon", None])
 def test_unsupported_model_type(tmp_path: pathlib.Path, model_type: str | None) -> None:
     write_hf_dir(tmp_path / "m", model_type=model_type)
-    with pytest.raises(UserError, match="model_type"):
+    with pytest.raises(UserError, match=f"model_type {model_type!r} is not supported .supported: llama, mistral, qwen2"):
         load_hf_dir(tmp_path / "m", "m")
+
+
+def test_refusals_name_their_reason(tmp_path: pathlib.Path) -> None:
+    """What the decoder cannot compute is refused at load, in one line naming the family and the part."""
+    cases = {
+        "gemma3": ({"text_config": {}}, "model_type 'gemma3' is not supported \\(serve its text model"),
+        "gemma2": ({"attn_logit_softcapping": 50.0}, "Gemma 2: attention logit soft-capping"),
+        "phi3": ({"partial_rotary_factor": 0.75}, "Phi-3: partial rotary embeddings"),
+        "llama": ({"attention_bias": True}, "output and MLP projections with biases are not supported"),
+    }
+    for model_type, (overrides, message) in cases.items():
+        write_hf_dir(tmp_path / model_type, model_type=model_type, **overrides)
+        with pytest.raises(UserError, match=message):
+            load_hf_dir(tmp_path / model_type, "m")
 
 
 @pytest.mark.parametrize(

@@ -40,6 +40,7 @@ from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
 from hicache.model.families.llama import DecoderLayer, LlamaLayer, LlamaModel, MakeLinear
 from hicache.model.kernels import ordered
+from hicache.model.rope import RotaryEmbedding
 from hicache.parallel.parallel import ParallelContext
 from hicache.parallel.placement import KVSharding
 
@@ -191,6 +192,7 @@ class HybridModel(LlamaModel):
         sharding: KVSharding | None = None,
     ) -> None:
         assert isinstance(cfg, HybridConfig)
+        self._local_rope: RotaryEmbedding | None = None  # sliding layers' own, where they have one (_layer_rope)
         super().__init__(cfg, weights, pctx, dtype, device, make_linear, sharding)
         self.layer_types = cfg.layer_types[self.layer_range[0] : self.layer_range[1]]
         heads, dim = cfg.linear_num_heads, cfg.linear_head_dim
@@ -221,6 +223,16 @@ class HybridModel(LlamaModel):
         if cfg.layer_types[index] == LINEAR:
             return LinearAttentionLayer(cfg, w, prefix, index, self.pctx, cast, linear, self.tp_groups)
         return LlamaLayer(cfg, w, prefix, self.pctx, cast, linear, self.tp_groups)
+
+    def _layer_rope(self, index: int) -> RotaryEmbedding:
+        """Sliding-window layers rotate by their own base where the family gives one (Gemma 3's 10,000, without
+        the global layers' scaling)."""
+        theta = self.cfg.parts.local_rope_theta
+        if theta is None or self.cfg.layer_types[index] != SLIDING:
+            return self.rope
+        if self._local_rope is None:
+            self._local_rope = RotaryEmbedding(self._rope_dim(), theta, None, self.device)
+        return self._local_rope
 
     def linear_plans(self) -> dict[str, str]:
         plans = super().linear_plans() if isinstance(self.layers[0], LlamaLayer) else {}
@@ -268,7 +280,7 @@ class HybridModel(LlamaModel):
             n = keys.shape[0] // W
             pieces.append(ordered.window_attention(q[rows], keys.view(n, W, *keys.shape[1:]),
                                                    values.view(n, W, *values.shape[1:]), visible[rows],
-                                                   self.cfg.head_dim**-0.5))  # fmt: skip
+                                                   self.cfg.attention_scale))  # fmt: skip
         return torch.cat(pieces).reshape(T, -1)
 
     def _linear_attention(self, local: int, layer: LinearAttentionLayer, x: torch.Tensor, out_slots: torch.Tensor,

@@ -23,7 +23,8 @@ from hicache.mem.kv_layout import KVLayout
 from hicache.model.attention.backends import ATTENTION_BACKENDS, AttentionBackend, UnpackKV
 from hicache.model.batch import ForwardBatch
 from hicache.model.config import ModelConfig
-from hicache.model.kernels import ops
+from hicache.model.families.checkpoint import CheckpointFamily
+from hicache.model.kernels import activations, ops
 from hicache.model.kernels.fused_layer import LayerHead, LayerTail, layer_head, layer_stack, layer_tail
 from hicache.model.kernels.invariance import InvarianceReport
 from hicache.model.kernels.tp_groups import ColumnGroups, MakeLinear, RowGroups, group_slices, tp_group_count
@@ -35,8 +36,9 @@ Planned = ops.Linear | ColumnGroups | RowGroups  # what names a linear plan for 
 
 
 class DecoderLayer:
-    """What every layer of the family has: the norms and this rank's groups of the SwiGLU MLP's
-    columns, the same groups at every TP size (hicache/model/kernels/tp_groups.py)."""
+    """What every layer of the family has: the norms and this rank's groups of the gated MLP's
+    columns, the same groups at every TP size (hicache/model/kernels/tp_groups.py). `cfg.parts` says
+    which norms and which activation (hicache/model/config.py, LayerParts)."""
 
     def __init__(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, pctx: ParallelContext, cast, linear,
                  groups: int):  # fmt: skip
@@ -44,8 +46,15 @@ class DecoderLayer:
         self.group_range = pctx.shard_range(groups, "TP groups")
         columns = group_slices(cfg.intermediate_size, groups, *self.group_range)
         m = prefix + "mlp."
+        self.parts = cfg.parts
+        sandwich = cfg.parts.sandwich_norms
         self.input_norm = cast(w[prefix + "input_layernorm.weight"])
-        self.post_norm = cast(w[prefix + "post_attention_layernorm.weight"])
+        # The MLP's input norm: Llama's post_attention_layernorm, Gemma's pre_feedforward_layernorm (its
+        # post_attention_layernorm norms attention's output, before the residual add, as `mlp_out_norm` the MLP's).
+        self.post_norm = cast(w[prefix + ("pre_feedforward_layernorm" if sandwich else "post_attention_layernorm")
+                                + ".weight"])  # fmt: skip
+        self.attn_out_norm = cast(w[prefix + "post_attention_layernorm.weight"]) if sandwich else None
+        self.mlp_out_norm = cast(w[prefix + "post_feedforward_layernorm.weight"]) if sandwich else None
         # gate and up share the input: one matmul per group instead of two.
         self.gate_up = ColumnGroups([torch.cat([w[m + "gate_proj.weight"][c], w[m + "up_proj.weight"][c]])
                                      for c in columns], linear)  # fmt: skip
@@ -53,6 +62,7 @@ class DecoderLayer:
         # What comes before and after attention in one native call each (set by the model; kernels/fused_layer.py).
         self.head: LayerHead | None = None
         self.tail: LayerTail | None = None
+        self.rope: RotaryEmbedding | None = None  # this layer's RoPE (set by the model: sliding layers may differ)
 
 
 class LlamaLayer(DecoderLayer):
@@ -76,8 +86,16 @@ class LlamaLayer(DecoderLayer):
                                                  w[a + "v_proj.weight"][kv]])
                                       for q, kv in zip(qs, kvs)], linear)  # fmt: skip
         self.o_proj = RowGroups([w[a + "o_proj.weight"][:, q] for q in qs], linear, pctx)
+        # Qwen2's biases, laid out as qkv_proj's output [groups, q | k | v].
+        self.qkv_bias = cast(torch.stack([torch.cat([w[a + "q_proj.bias"][q], w[a + "k_proj.bias"][kv],
+                                                     w[a + "v_proj.bias"][kv]]) for q, kv in zip(qs, kvs)])
+                             ) if cfg.parts.qkv_bias else None  # fmt: skip
+        # Qwen3's and Gemma 3's RMSNorm of each query and key head before RoPE.
+        self.q_norm = cast(w[a + "q_norm.weight"]) if cfg.parts.qk_norm else None
+        self.k_norm = cast(w[a + "k_norm.weight"]) if cfg.parts.qk_norm else None
 
 FAMILY = "llama"  # LoadedModel.family of this decoder (hicache/model/families/registry.py)
+LLAMA = CheckpointFamily("Llama")  # Llama 2/3 and Mistral checkpoints: the decoder's own names and parts
 
 
 class LlamaModel:
@@ -118,11 +136,14 @@ class LlamaModel:
             return t.to(device=device, dtype=dtype).contiguous()
 
         self.tp_groups = tp_group_count(self._tp_split_heads(), cfg.intermediate_size)
+        self.rope = RotaryEmbedding(self._rope_dim(), cfg.rope_theta, cfg.rope_scaling, device)
         self.layers = [self._build_layer(cfg, weights, f"model.layers.{i}.", cast, make_linear)
                        for i in range(*self.layer_range)]  # fmt: skip
         fusable_head = type(self)._attention is LlamaModel._attention  # what layer_head computes
-        for layer in self.layers:
-            layer.head = layer_head(layer, cfg.rms_norm_eps, dtype) if fusable_head else None
+        for index, layer in zip(range(*self.layer_range), self.layers):
+            layer.rope = self._layer_rope(index)
+            fused = fusable_head and layer.rope is self.rope  # the native head rotates by the model's tables
+            layer.head = layer_head(layer, cfg.rms_norm_eps, dtype) if fused else None
             layer.tail = layer_tail(layer, cfg.rms_norm_eps, pctx, dtype)
         # The layers after the first in one native call, where each is head, attention and tail (`_layer`).
         self.layer_stack = layer_stack(self.layers) if type(self)._layer is LlamaModel._layer else None
@@ -131,10 +152,9 @@ class LlamaModel:
             self.norm = cast(weights["model.norm.weight"])
             head = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
             self.lm_head = make_linear(weights[head])
-        self.rope = RotaryEmbedding(self._rope_dim(), cfg.rope_theta, cfg.rope_scaling, device)
         backend = "gathered" if self.kv_sharding.size > 1 else "local"
         make = ATTENTION_BACKENDS[backend]
-        self.attention: AttentionBackend = make(cfg.head_dim**-0.5, device, pctx, self.kv_sharding)
+        self.attention: AttentionBackend = make(cfg.attention_scale, device, pctx, self.kv_sharding)
         # What attention packs and writes; the pool's row may carry state after it (shift.py).
         self.attention_layout = self._kv_layout()
         self.kv_layout = self.attention_layout
@@ -144,6 +164,11 @@ class LlamaModel:
 
     def _build_layer(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, cast, linear) -> DecoderLayer:
         return LlamaLayer(cfg, w, prefix, self.pctx, cast, linear, self.tp_groups)
+
+    def _layer_rope(self, index: int) -> RotaryEmbedding:
+        """The RoPE layer `index` (model-global) rotates by: the model's, unless some layers have their own
+        (hybrid.py)."""
+        return self.rope
 
     def _tp_split_heads(self) -> int:
         """The heads TP splits: each rank holds whole KV heads with the query heads that share them."""
@@ -171,9 +196,17 @@ class LlamaModel:
         """Rotated queries [T, heads, d] and keys [T, kv heads, d], and values, of normed inputs x."""
         T, d, h = x.shape[0], layer.head_dim, layer.num_heads
         nq, nkv = layer.q_per_group, layer.kv_per_group
-        qkv = layer.qkv_proj(x).view(T, -1, nq + 2 * nkv, d)  # [T, groups, q | k | v heads, d]
+        qkv = layer.qkv_proj(x)
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias
+        qkv = qkv.view(T, -1, nq + 2 * nkv, d)  # [T, groups, q | k | v heads, d]
+        qk = qkv[:, :, : nq + nkv]
+        if layer.q_norm is not None:
+            eps = self.cfg.rms_norm_eps
+            qk = torch.cat([ops.rms_norm(qk[:, :, :nq], layer.q_norm, eps),
+                            ops.rms_norm(qk[:, :, nq:], layer.k_norm, eps)], dim=2)  # fmt: skip
         # RoPE is elementwise per head: one call rotates q's and k's heads alike.
-        qk = self.rope(qkv[:, :, : nq + nkv].reshape(T, -1, d), positions).view(T, -1, nq + nkv, d)
+        qk = layer.rope(qk.reshape(T, -1, d), positions).view(T, -1, nq + nkv, d)
         q = qk[:, :, :nq].reshape(T, h, d)
         k = qk[:, :, nq:].reshape(T, layer.num_kv_heads, d)
         v = qkv[:, :, nq + nkv :].reshape(T, layer.num_kv_heads, d)
@@ -203,6 +236,8 @@ class LlamaModel:
             if hidden is None:
                 assert self.embed is not None, "only the first pipeline stage embeds tokens"
                 hidden = self.embed[batch.input_ids if rows is None else batch.input_ids[rows]]
+                if self.cfg.parts.embedding_scale != 1.0:  # Gemma: rounded to the activation dtype first, as it does
+                    hidden = hidden * torch.tensor(self.cfg.parts.embedding_scale, dtype=hidden.dtype)
             elif rows is not None:
                 hidden = hidden[rows]
             for local, layer in enumerate(self.layers):
@@ -223,7 +258,7 @@ class LlamaModel:
         if batch.hidden_sink is not None:
             batch.hidden_sink(batch, hidden)
         rows = ops.rms_norm(hidden[batch.logit_rows], self.norm, self.cfg.rms_norm_eps)
-        return self.lm_head(rows).float()
+        return activations.softcap(self.lm_head(rows).float(), self.cfg.parts.final_logit_softcap)
 
     def _layer(
         self, local: int, layer: DecoderLayer, hidden: torch.Tensor, positions: torch.Tensor, meta, pool: DeviceKVPool
@@ -235,6 +270,10 @@ class LlamaModel:
             attn = self._attention(local, layer, ops.rms_norm(hidden, layer.input_norm, eps), positions, meta, pool)
         if layer.tail is not None:  # the lines below in one call, the same bits (kernels/fused_layer.py)
             return layer.tail(hidden, attn)
-        hidden = hidden + layer.o_proj(attn)
+        hidden = hidden + self._normed(layer.o_proj(attn), layer.attn_out_norm)
         x = ops.rms_norm(hidden, layer.post_norm, eps)
-        return hidden + layer.down_proj(ops.silu_mul(layer.gate_up(x)))  # gate_up: [T, groups, gate | up]
+        mlp = layer.down_proj(activations.gated_activation(layer.gate_up(x), layer.parts.activation))  # gate_up: [T, groups, gate | up]
+        return hidden + self._normed(mlp, layer.mlp_out_norm)
+
+    def _normed(self, x: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
+        return x if norm is None else ops.rms_norm(x, norm, self.cfg.rms_norm_eps)

@@ -5,7 +5,8 @@ A loader names its model's family in `LoadedModel.family`: the GGUF and Hugging 
 load Llamas (the default), `tiny-mla` an MLA decoder, the sidecar draft (hicache/model/loading/draft.py)
 a token-shift decoder, `tiny-mtp` an MTP head, `tiny-hybrid` a hybrid decoder (hybrid.py). Another family
 plugs in with its config type, a decoder implementing `DecoderModel` (hicache/model/base.py) and one entry
-here.
+here. A checkpoint family (Qwen, Phi-3, Gemma: which layer parts, which weight names) is one entry of
+`CHECKPOINT_FAMILIES` and its module.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from hicache.model.config import LoadedModel, ModelConfig
-from hicache.model.families import hybrid, llama, mla, mtp, shift
+from hicache.model.families import gemma, hybrid, llama, mla, mtp, phi3, qwen, shift
+from hicache.model.families.checkpoint import CheckpointFamily
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,18 @@ FAMILIES: dict[str, Family] = {
     shift.FAMILY: Family(ModelConfig, shift.TokenShiftModel),
     mtp.FAMILY: Family(ModelConfig, mtp.MTPHeadModel),
     hybrid.FAMILY: Family(hybrid.HybridConfig, hybrid.HybridModel),
+}
+
+
+# Hugging Face `model_type` -> how its checkpoints map onto the decoders above (families/checkpoint.py).
+CHECKPOINT_FAMILIES: dict[str, CheckpointFamily] = {
+    "llama": llama.LLAMA,
+    "mistral": llama.LLAMA,
+    "qwen2": qwen.QWEN2,
+    "qwen3": qwen.QWEN3,
+    "phi3": phi3.PHI3,
+    "gemma2": gemma.GEMMA2,
+    "gemma3_text": gemma.GEMMA3,
 }
 
 

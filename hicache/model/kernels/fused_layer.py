@@ -8,12 +8,17 @@ one-call sums; tp_groups.ColumnGroups; ops.rms_norm, ops.rotate and ops.silu_mul
 residual adds torch's: the same bits, by construction; tests/model/test_fused_layer.py compares them. They
 exist where every part runs on the native kernels at TP 1 (TP's all-reduces sit between the parts
 otherwise); elsewhere the layer runs its Python path.
+
+Each says which layer parts it computes (`head_accepts`, `tail_accepts`: Llama's); a layer built from
+others (hicache/model/config.py, LayerParts: Qwen's biases or QK-norm, Gemma's norms or GELU) runs its
+Python path, whatever the build.
 """
 
 from __future__ import annotations
 
 import torch
 
+from hicache.model.config import LayerParts
 from hicache.model.kernels import native, ops
 from hicache.model.kernels.tp_groups import ColumnGroups, RowGroups
 from hicache.parallel.parallel import ParallelContext
@@ -77,10 +82,23 @@ def layer_stack(layers: list) -> LayerStack | None:
     return LayerStack(heads, tails)
 
 
+def head_accepts(parts: LayerParts) -> bool:
+    """csrc/layer.cpp's head: RMSNorm, one q/k/v projection without biases, RoPE; no QK-norm."""
+    return not parts.qkv_bias and not parts.qk_norm
+
+
+def tail_accepts(parts: LayerParts) -> bool:
+    """csrc/layer.cpp's tail: o_proj and the residual add, RMSNorm, SwiGLU and its residual add; no norms of
+    attention's or the MLP's output."""
+    return not parts.sandwich_norms and parts.activation == "silu"
+
+
 def layer_head(layer: object, eps: float, dtype: torch.dtype) -> LayerHead | None:
     """`layer`'s head as one call, where its input norm, q/k/v projection and RoPE all run natively (a
     LlamaLayer's: q | k | v heads of one size a group); None otherwise."""
     qkv, norm = getattr(layer, "qkv_proj", None), getattr(layer, "input_norm", None)
+    if not head_accepts(getattr(layer, "parts", LayerParts())):
+        return None
     if not isinstance(qkv, ColumnGroups) or norm is None or not _native_rows(norm, dtype):
         return None
     columns = qkv.calls
@@ -98,6 +116,8 @@ def layer_tail(layer: object, eps: float, pctx: ParallelContext, dtype: torch.dt
     one call at any row count); None otherwise."""
     o_proj, gate_up, down = (getattr(layer, name, None) for name in ("o_proj", "gate_up", "down_proj"))
     post_norm = getattr(layer, "post_norm", None)
+    if not tail_accepts(getattr(layer, "parts", LayerParts())):
+        return None
     if pctx.tp_size != 1 or not isinstance(o_proj, RowGroups) or not isinstance(down, RowGroups):
         return None
     if not isinstance(gate_up, ColumnGroups) or post_norm is None:

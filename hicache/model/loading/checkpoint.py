@@ -43,6 +43,22 @@ def expected_weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, d)
         shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, d)
         shapes[p + "mlp.down_proj.weight"] = (d, config.intermediate_size)
+        shapes.update(_parts_shapes(config, p))
+    return shapes
+
+
+def _parts_shapes(config: ModelConfig, p: str) -> dict[str, tuple[int, ...]]:
+    """The weights layer `p`'s LayerParts add (hicache/model/config.py)."""
+    parts, d, hd = config.parts, config.hidden_size, config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {}
+    if parts.qkv_bias:
+        shapes |= {p + "self_attn.q_proj.bias": (config.num_heads * hd,),
+                   p + "self_attn.k_proj.bias": (config.num_kv_heads * hd,),
+                   p + "self_attn.v_proj.bias": (config.num_kv_heads * hd,)}  # fmt: skip
+    if parts.qk_norm:
+        shapes |= {p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)}
+    if parts.sandwich_norms:
+        shapes |= {p + "pre_feedforward_layernorm.weight": (d,), p + "post_feedforward_layernorm.weight": (d,)}
     return shapes
 
 
@@ -56,7 +72,7 @@ def check_weights(weights: dict[str, torch.Tensor], config: ModelConfig, source:
     if unexpected:
         raise UserError(
             f"{source}: unsupported weights {unexpected[:3]}{' ...' if len(unexpected) > 3 else ''} "
-            "(not a plain Llama-family checkpoint)"
+            "(not a checkpoint of its family's shape)"
         )
     for name, shape in expected.items():
         if tuple(weights[name].shape) != shape:

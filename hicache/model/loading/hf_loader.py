@@ -1,10 +1,11 @@
-"""Loader for a local Hugging Face Llama-family model directory (config.json, *.safetensors,
-tokenizer.json, tokenizer_config.json), strictly offline.
+"""Loader for a local Hugging Face model directory (config.json, *.safetensors, tokenizer.json,
+tokenizer_config.json), strictly offline.
 
-Only `model_type` llama and mistral are accepted: their checkpoints already use the Hugging Face Llama
-weight names and rotate-half q/k order the decoder expects, so weights are only cast to float32. A config
-whose `layer_types` lists `sliding_attention` layers (transformers' per-layer field, with `sliding_window`)
-loads as a hybrid decoder (hicache/model/families/hybrid.py) that attends over the window in those layers.
+Its `model_type` names a checkpoint family (hicache/model/families/registry.py, CHECKPOINT_FAMILIES: Llama,
+Mistral, Qwen2, Qwen3, Phi-3, Gemma 2 and 3): the family says which layer parts the config implies and
+maps its weights onto the decoder's names; they are cast to float32. A config whose `layer_types` lists
+`sliding_attention` layers (transformers' per-layer field, with `sliding_window`) loads as a hybrid
+decoder (hicache/model/families/hybrid.py) that attends over the window in those layers.
 """
 
 from __future__ import annotations
@@ -26,29 +27,31 @@ from hicache.model import rope
 from hicache.model.chat import ChatTemplate
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.families import hybrid
+from hicache.model.families.checkpoint import CheckpointFamily
+from hicache.model.families.registry import CHECKPOINT_FAMILIES
 from hicache.model.loading.checkpoint import check_weights, checked_model
 from hicache.model.loading.hf_tokenizer import HFTokenizer
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral")
 _SHARD_INDEX = "model.safetensors.index.json"
 # Buffers some old checkpoints saved alongside the weights; the decoder computes them itself.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 def load_hf_dir(path: str | os.PathLike[str], name: str) -> LoadedModel:
-    """Load a Hugging Face Llama/Mistral directory as float32 weights plus its tokenizer and chat template."""
+    """Load a Hugging Face directory of a known family as float32 weights plus its tokenizer and chat template."""
     root = pathlib.Path(path)
     if not root.is_dir():
         raise UserError(f"Hugging Face model directory not found: {root}")
     started = time.perf_counter()
     config_path = root / "config.json"
     hf_config = _read_json(config_path, required=True)
-    config = _config(hf_config, root)
+    family = _family(hf_config, root)
+    config = _config(hf_config, family, root)
 
     files = _safetensors_files(root)
-    weights = _read_weights(files)
+    weights = family.weights(_read_weights(files), hf_config)
     if config.tie_word_embeddings:
         # Some tied checkpoints still store a copy of the embedding as lm_head; the contract omits it.
         weights.pop("lm_head.weight", None)
@@ -84,26 +87,39 @@ def _read_json(path: pathlib.Path, required: bool = False) -> dict[str, Any]:
 
 def _rope(hf_config: dict[str, Any], max_position: int, root: pathlib.Path) -> tuple[float, rope.RopeScaling | None]:
     """rope_theta and the RoPE scaling. transformers 5 writes `rope_parameters` (rope_type, rope_theta and
-    the scaling's fields); older versions write `rope_theta` and `rope_scaling`."""
+    the scaling's fields; per layer type where they differ, the global layers' here); older versions write
+    `rope_theta` and `rope_scaling`."""
     params = {**(hf_config.get("rope_scaling") or {}), **(hf_config.get("rope_parameters") or {})}
+    params = params.get(hybrid.FULL, params)
     theta = float(params.get("rope_theta") or hf_config.get("rope_theta") or 10000.0)
     return theta, rope.from_hf(params, max_position, f"{root}/config.json")
 
 
-def _config(hf_config: dict[str, Any], root: pathlib.Path) -> ModelConfig:
+def _family(hf_config: dict[str, Any], root: pathlib.Path) -> CheckpointFamily:
     model_type = hf_config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UserError(f"{root}: model_type {model_type!r} is not supported (only {', '.join(SUPPORTED_MODEL_TYPES)})")
-    if hf_config.get("attention_bias") or hf_config.get("mlp_bias"):
-        raise UserError(f"{root}: projections with biases are not supported")
+    family = CHECKPOINT_FAMILIES.get(model_type)  # type: ignore[arg-type]
+    if family is None:
+        hint = " (serve its text model: model_type gemma3_text)" if "text_config" in hf_config else ""
+        raise UserError(f"{root}: model_type {model_type!r} is not supported{hint} "
+                        f"(supported: {', '.join(CHECKPOINT_FAMILIES)})")  # fmt: skip
+    reason = family.refusal(hf_config)
+    if reason is not None:
+        raise UserError(f"{root}: {family.name}: {reason}")
+    if hf_config.get("attention_bias") or hf_config.get("mlp_bias"):  # Llama's: o_proj's and the MLP's too
+        raise UserError(f"{root}: output and MLP projections with biases are not supported")
+    return family
+
+
+def _config(hf_config: dict[str, Any], family: CheckpointFamily, root: pathlib.Path) -> ModelConfig:
     try:
         hidden = int(hf_config["hidden_size"])
         num_heads = int(hf_config["num_attention_heads"])
         max_position = int(hf_config["max_position_embeddings"])
         theta, scaling = _rope(hf_config, max_position, root)
         max_position = rope.scaled_context(max_position, scaling)
-        sliding_window = hf_config.get("sliding_window")
-        layer_types = tuple(hf_config.get("layer_types") or ())
+        # Qwen2 writes a window it does not use unless use_sliding_window.
+        sliding_window = None if hf_config.get("use_sliding_window") is False else hf_config.get("sliding_window")
+        layer_types = family.layer_types(hf_config)
         # Where layer_types names the sliding layers the hybrid decoder attends over the window in them.
         if sliding_window and int(sliding_window) < max_position and hybrid.SLIDING not in layer_types:
             # Full attention equals sliding-window attention up to the window, so cap the context there.
@@ -122,6 +138,7 @@ def _config(hf_config: dict[str, Any], root: pathlib.Path) -> ModelConfig:
             max_position=max_position,
             tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
+            parts=family.parts(hf_config),
         )
         return _hybrid(config, layer_types, sliding_window, root) if layer_types else config
     except KeyError as exc:

@@ -1,0 +1,47 @@
+"""What a checkpoint family is to the loaders: how its config.json says which layer parts its decoder
+is built from (hicache/model/config.py, LayerParts), and how its weights map onto the decoder's names
+(Hugging Face Llama's, with the parts' extra tensors under their Hugging Face names). Each family is a
+`CheckpointFamily` in its own module (llama.py, qwen.py, phi3.py, gemma.py); `CHECKPOINT_FAMILIES` in
+registry.py says which `model_type` is which. Every family's decoder is the same Llama decoder (or, where
+some layers slide, the hybrid one): the parts, not a subclass, say how its layers differ.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from hicache.model.config import LayerParts
+
+HFConfig = dict[str, Any]  # a parsed config.json
+
+
+def _llama_parts(hf_config: HFConfig) -> LayerParts:
+    return LayerParts()
+
+
+def _same_names(weights: dict[str, torch.Tensor], hf_config: HFConfig) -> dict[str, torch.Tensor]:
+    return weights
+
+
+def _accepted(hf_config: HFConfig) -> str | None:
+    return None
+
+
+def _listed_layer_types(hf_config: HFConfig) -> tuple[str, ...]:
+    return tuple(hf_config.get("layer_types") or ())
+
+
+@dataclass(frozen=True)
+class CheckpointFamily:
+    """`parts`: the LayerParts its config implies. `weights`: its tensors (float32, as stored) under the
+    decoder's names. `refusal`: why the decoder cannot compute this config (one line), or None.
+    `layer_types`: each layer's attention kind (hybrid.FULL / SLIDING), where old configs leave it implied."""
+
+    name: str
+    parts: Callable[[HFConfig], LayerParts] = _llama_parts
+    weights: Callable[[dict[str, torch.Tensor], HFConfig], dict[str, torch.Tensor]] = _same_names
+    refusal: Callable[[HFConfig], str | None] = _accepted
+    layer_types: Callable[[HFConfig], tuple[str, ...]] = _listed_layer_types

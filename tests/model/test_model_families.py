@@ -1,0 +1,146 @@
+"""Each model family against transformers' own implementation (tests/model/hf_reference.py): hicache's
+log-probabilities of every position of a prompt longer than the sliding window are transformers' within
+1e-3 nats, its greedy continuation is transformers' argmax at every step, and with a host tier and cache
+hits the answer is the cache-off one, token for token."""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+
+import pytest
+import torch
+
+from hicache import Engine, SamplingParams
+from hicache.config import HiCacheConfig
+from hicache.mem.device_pool import DeviceKVPool
+from hicache.model.build import build_decoder, with_weight_format
+from hicache.model.kernels import fused_layer, native
+from hicache.model.kernels.invariance import feed
+from hicache.model.loading.hf_loader import load_hf_dir
+from hicache.parallel.parallel import ParallelContext
+from tests.model.hf_reference import FAMILIES, WINDOW, reference_logprobs, save_checkpoint
+
+NATS = 1e-3
+INT8_NATS = 0.1  # int8 weights' error on these checkpoints: ~0.03 nats
+CPU = torch.device("cpu")
+PROMPT = [(7 * i + 11) % 290 + 5 for i in range(3 * WINDOW)]  # longer than the window, no special token
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory) -> tuple[str, pathlib.Path, object]:
+    root = tmp_path_factory.mktemp(request.param)
+    return request.param, root, save_checkpoint(request.param, root)
+
+
+def hicache_logprobs(loaded, ids: list[int]) -> torch.Tensor:
+    model = build_decoder(loaded, ParallelContext(), torch.float32, CPU)
+    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, 8, 16, torch.float32, CPU)
+    return torch.log_softmax(feed(model, pool, torch.tensor(ids), [len(ids) - 5, len(ids)], 0).float(), dim=-1)
+
+
+def test_every_position_is_the_references_within_a_millinat(checkpoint):
+    """Prefill in two chunks (the second a decode-sized one): every position's distribution, not only its argmax."""
+    family, root, reference = checkpoint
+    ours = hicache_logprobs(load_hf_dir(root, family), PROMPT)
+    theirs = reference_logprobs(reference, PROMPT)
+    assert (ours - theirs).abs().max().item() < NATS
+    assert (theirs.max(-1).values - theirs.min(-1).values).min() > 1.0, "flat logits would prove nothing"
+
+
+def test_greedy_tokens_are_the_references_argmax_and_a_host_tier_keeps_them(checkpoint, tmp_path):
+    """Through the engine in float32: each generated token is transformers' argmax (within 1e-3 nats) given
+    the tokens before it; a second engine with a host tier answers a repeat and an extension of the prompt
+    from its cache, token for token the cache-off answer."""
+    family, root, reference = checkpoint
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    prompts = [PROMPT, PROMPT + [9, 8, 7, 6, 5, 4, 3, 2] * 4]
+    with Engine(model=str(root), dtype="float32", disable_radix_cache=True) as engine:
+        expected = [engine.generate([p], params)[0].token_ids for p in prompts]
+    for prompt, out in zip(prompts, expected):
+        logprobs = reference_logprobs(reference, prompt + out[:-1])[len(prompt) - 1 :]
+        chosen = logprobs.gather(1, torch.tensor(out).unsqueeze(1)).squeeze(1)
+        assert (logprobs.max(-1).values - chosen).max().item() < NATS, family
+    host = HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=2.0)
+    with Engine(model=str(root), dtype="float32", page_size=16, hicache=host) as engine:
+        first = engine.generate([prompts[0]], params)[0]
+        again = [engine.generate([p], params)[0] for p in prompts]
+    assert [first.token_ids, *[r.token_ids for r in again]] == [expected[0], *expected]
+    # Sliding families keep a finished request's last window only, so the repeat may miss where the extension hits.
+    assert sum(r.cached_tokens for r in again) >= 32, [r.cached_tokens for r in again]
+
+
+def test_the_family_is_read_from_config_json(checkpoint):
+    family, root, _ = checkpoint
+    loaded = load_hf_dir(root, family)
+    parts = loaded.config.parts
+    assert parts.qkv_bias == (family == "qwen2")
+    assert parts.qk_norm == (family in ("qwen3", "gemma3"))
+    assert parts.sandwich_norms == family.startswith("gemma")
+    assert parts.activation == ("gelu_tanh" if family.startswith("gemma") else "silu")
+    assert (loaded.family == "hybrid") == family.startswith("gemma")
+    assert dataclasses.asdict(parts)["local_rope_theta"] == (10000.0 if family == "gemma3" else None)
+
+
+def _scaled(name: str, by: float):
+    def mutate(loaded):
+        return dataclasses.replace(loaded, weights={n: w * by if name in n else w for n, w in loaded.weights.items()})
+
+    return mutate
+
+
+def _without(**changes):
+    def mutate(loaded):
+        config = loaded.config
+        if "sliding_window" in changes:
+            return dataclasses.replace(loaded, config=dataclasses.replace(config, **changes))
+        return dataclasses.replace(loaded, config=dataclasses.replace(config, parts=dataclasses.replace(config.parts,
+                                                                                                        **changes)))  # fmt: skip
+
+    return mutate
+
+
+def _norms_without_one_plus(loaded):
+    return dataclasses.replace(loaded, weights={n: w - 1.0 if n.endswith("norm.weight") else w
+                                                for n, w in loaded.weights.items()})  # fmt: skip
+
+
+MUTATIONS = {
+    "qwen2-bias-ignored": ("qwen2", _scaled("_proj.bias", 0.0)),
+    "qwen3-qk-norm-ignored": ("qwen3", _without(qk_norm=False)),
+    "phi3-gate-up-swapped": ("phi3", lambda m: dataclasses.replace(m, weights={
+        n.replace("gate_proj", "up_proj") if "gate_proj" in n else n.replace("up_proj", "gate_proj"): w
+        for n, w in m.weights.items()})),  # fmt: skip
+    "gemma2-one-plus-dropped": ("gemma2", _norms_without_one_plus),
+    "gemma2-softcap-off": ("gemma2", _without(final_logit_softcap=None)),
+    "gemma3-window-off-by-one": ("gemma3", _without(sliding_window=WINDOW + 1)),
+    "gemma3-local-rope-base-ignored": ("gemma3", _without(local_rope_theta=None)),
+    "gemma3-silu-for-gelu": ("gemma3", _without(activation="silu")),
+    "gemma3-embedding-unscaled": ("gemma3", _without(embedding_scale=1.0)),
+    "gemma3-attention-scale-of-head-dim": ("gemma3", _without(attention_scale=None)),
+}
+
+
+@pytest.mark.parametrize("mutation", sorted(MUTATIONS))
+def test_a_family_part_changed_fails_the_reference_check(mutation, tmp_path):
+    """Each part the families add is seen by the reference check: with it changed, some position is off
+    by far more than the tolerance."""
+    family, mutate = MUTATIONS[mutation]
+    reference = save_checkpoint(family, tmp_path)
+    ours = hicache_logprobs(mutate(load_hf_dir(tmp_path, family)), PROMPT)
+    assert (ours - reference_logprobs(reference, PROMPT)).abs().max().item() > 100 * NATS
+
+
+def test_the_fused_native_layer_stands_in_only_for_the_parts_it_computes(tmp_path, monkeypatch):
+    """The native layer (kernels/fused_layer.py) runs quantized weights; its head computes no q/k/v biases. A
+    Qwen2 (biases) in int8 keeps its Python head, the native tail (Llama's), and transformers' answer within
+    int8's error; were the head to claim biases (`head_accepts`), it would stand in and the answer be wrong."""
+    assert native.library() is not None, "the native build is part of `make setup`"
+    theirs = reference_logprobs(save_checkpoint("qwen2", tmp_path), PROMPT)
+    loaded = with_weight_format(load_hf_dir(tmp_path, "qwen2"), "int8", CPU)
+    model = build_decoder(loaded, ParallelContext(), torch.float32, CPU)
+    assert all(layer.head is None and layer.tail is not None for layer in model.layers)
+    assert (hicache_logprobs(loaded, PROMPT) - theirs).abs().max().item() < INT8_NATS
+    monkeypatch.setattr(fused_layer, "head_accepts", lambda parts: True)
+    assert all(layer.head is not None for layer in build_decoder(loaded, ParallelContext(), torch.float32, CPU).layers)
+    assert (hicache_logprobs(loaded, PROMPT) - theirs).abs().max().item() > 10 * INT8_NATS
