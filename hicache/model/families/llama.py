@@ -95,7 +95,7 @@ class LlamaLayer(DecoderLayer):
         self.k_norm = cast(w[a + "k_norm.weight"]) if cfg.parts.qk_norm else None
 
 FAMILY = "llama"  # LoadedModel.family of this decoder (hicache/model/families/registry.py)
-LLAMA = CheckpointFamily("Llama")  # Llama 2/3 and Mistral checkpoints: the decoder's own names and parts
+LLAMA = CheckpointFamily("Llama", gguf_arch="llama")  # Llama 2/3 and Mistral: the decoder's own names and parts
 
 
 class LlamaModel:

@@ -1,14 +1,15 @@
-"""Phi-3 / Phi-4: Llama's layers with q, k and v in one stored projection (`self_attn.qkv_proj`) and gate
-and up in another (`mlp.gate_up_proj`), split here into Llama's names."""
+"""Phi-3 / Phi-4: Llama's layers with q, k and v in one stored projection (`self_attn.qkv_proj`, llama.cpp's
+`attn_qkv`) and gate and up in another (`mlp.gate_up_proj`, llama.cpp's `ffn_up`), split here into Llama's
+names (rows, so a GGUF's quantized codes split alike)."""
 
 from __future__ import annotations
 
-import torch
+from typing import Any
 
 from hicache.model.families.checkpoint import CheckpointFamily, HFConfig
 
 
-def _split(weights: dict[str, torch.Tensor], hf_config: HFConfig) -> dict[str, torch.Tensor]:
+def _split(weights: dict[str, Any], hf_config: HFConfig) -> dict[str, Any]:
     heads = int(hf_config["num_attention_heads"])
     head_dim = int(hf_config.get("head_dim") or int(hf_config["hidden_size"]) // heads)
     q_rows = heads * head_dim
@@ -17,11 +18,12 @@ def _split(weights: dict[str, torch.Tensor], hf_config: HFConfig) -> dict[str, t
     for name, tensor in weights.items():
         if name.endswith("self_attn.qkv_proj.weight"):
             a = name.removesuffix("qkv_proj.weight")
-            q, k, v = tensor.split([q_rows, kv_rows, kv_rows])
+            q, k, v = tensor[:q_rows], tensor[q_rows : q_rows + kv_rows], tensor[q_rows + kv_rows :]
             out |= {a + "q_proj.weight": q, a + "k_proj.weight": k, a + "v_proj.weight": v}
         elif name.endswith("mlp.gate_up_proj.weight"):
             m = name.removesuffix("gate_up_proj.weight")
-            gate, up = tensor.chunk(2)
+            half = tensor.shape[0] // 2
+            gate, up = tensor[:half], tensor[half:]
             out |= {m + "gate_proj.weight": gate, m + "up_proj.weight": up}
         else:
             out[name] = tensor
@@ -36,4 +38,6 @@ def _refusal(hf_config: HFConfig) -> str | None:
     return None
 
 
-PHI3 = CheckpointFamily("Phi-3", weights=_split, refusal=_refusal)
+PHI3 = CheckpointFamily("Phi-3", weights=_split, refusal=_refusal, gguf_arch="phi3", gguf_weights=_split,
+                        gguf_names=(("attn_qkv.weight", "self_attn.qkv_proj.weight"),
+                                    ("ffn_up.weight", "mlp.gate_up_proj.weight")))  # fmt: skip

@@ -44,6 +44,11 @@ CHECKPOINT_FAMILIES: dict[str, CheckpointFamily] = {
     "gemma3_text": gemma.GEMMA3,
 }
 
+# llama.cpp's `general.architecture` -> the same families, for GGUF files.
+GGUF_FAMILIES: dict[str, CheckpointFamily] = {
+    family.gguf_arch: family for family in CHECKPOINT_FAMILIES.values() if family.gguf_arch is not None
+}
+
 
 def family_of(loaded: LoadedModel) -> Family:
     """`loaded`'s family. A config of another type is refused here rather than deep in the forward pass:

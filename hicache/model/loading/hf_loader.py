@@ -11,11 +11,10 @@ decoder (hicache/model/families/hybrid.py) that attends over the window in those
 from __future__ import annotations
 
 import json
-import logging
 import os
 import pathlib
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 import tokenizers
@@ -30,9 +29,8 @@ from hicache.model.families import hybrid
 from hicache.model.families.checkpoint import CheckpointFamily
 from hicache.model.families.registry import CHECKPOINT_FAMILIES
 from hicache.model.loading.checkpoint import check_weights, checked_model
+from hicache.model.loading.family_config import checked_family, model_config
 from hicache.model.loading.hf_tokenizer import HFTokenizer
-
-logger = logging.getLogger(__name__)
 
 _SHARD_INDEX = "model.safetensors.index.json"
 # Buffers some old checkpoints saved alongside the weights; the decoder computes them itself.
@@ -97,66 +95,19 @@ def _rope(hf_config: dict[str, Any], max_position: int, root: pathlib.Path) -> t
 
 def _family(hf_config: dict[str, Any], root: pathlib.Path) -> CheckpointFamily:
     model_type = hf_config.get("model_type")
-    family = CHECKPOINT_FAMILIES.get(model_type)  # type: ignore[arg-type]
-    if family is None:
-        hint = " (serve its text model: model_type gemma3_text)" if "text_config" in hf_config else ""
-        raise UserError(f"{root}: model_type {model_type!r} is not supported{hint} "
-                        f"(supported: {', '.join(CHECKPOINT_FAMILIES)})")  # fmt: skip
-    reason = family.refusal(hf_config)
-    if reason is not None:
-        raise UserError(f"{root}: {family.name}: {reason}")
-    if hf_config.get("attention_bias") or hf_config.get("mlp_bias"):  # Llama's: o_proj's and the MLP's too
-        raise UserError(f"{root}: output and MLP projections with biases are not supported")
-    return family
+    hint = " (serve its text model: model_type gemma3_text)" if "text_config" in hf_config else ""
+    return checked_family(CHECKPOINT_FAMILIES, model_type, f"{root}: model_type", hint, hf_config, str(root))
 
 
 def _config(hf_config: dict[str, Any], family: CheckpointFamily, root: pathlib.Path) -> ModelConfig:
     try:
-        hidden = int(hf_config["hidden_size"])
-        num_heads = int(hf_config["num_attention_heads"])
         max_position = int(hf_config["max_position_embeddings"])
         theta, scaling = _rope(hf_config, max_position, root)
-        max_position = rope.scaled_context(max_position, scaling)
-        # Qwen2 writes a window it does not use unless use_sliding_window.
-        sliding_window = None if hf_config.get("use_sliding_window") is False else hf_config.get("sliding_window")
-        layer_types = family.layer_types(hf_config)
-        # Where layer_types names the sliding layers the hybrid decoder attends over the window in them.
-        if sliding_window and int(sliding_window) < max_position and hybrid.SLIDING not in layer_types:
-            # Full attention equals sliding-window attention up to the window, so cap the context there.
-            logger.info("%s: context capped at the sliding window, %d tokens", root, sliding_window)
-            max_position = int(sliding_window)
-        config = ModelConfig(
-            vocab_size=int(hf_config["vocab_size"]),
-            hidden_size=hidden,
-            intermediate_size=int(hf_config["intermediate_size"]),
-            num_layers=int(hf_config["num_hidden_layers"]),
-            num_heads=num_heads,
-            num_kv_heads=int(hf_config.get("num_key_value_heads") or num_heads),
-            head_dim=int(hf_config.get("head_dim") or hidden // num_heads),
-            rope_theta=theta,
-            rms_norm_eps=float(hf_config.get("rms_norm_eps", 1e-6)),
-            max_position=max_position,
-            tie_word_embeddings=bool(hf_config.get("tie_word_embeddings", False)),
-            rope_scaling=scaling,
-            parts=family.parts(hf_config),
-        )
-        return _hybrid(config, layer_types, sliding_window, root) if layer_types else config
+        return model_config(hf_config, family, theta, scaling, str(root))
     except KeyError as exc:
         raise UserError(f"{root}/config.json lacks {exc.args[0]}") from exc
     except (TypeError, ValueError) as exc:
         raise UserError(f"{root}/config.json is invalid: {exc}") from exc
-
-
-def _hybrid(config: ModelConfig, layer_types: tuple[str, ...], window: Any, root: pathlib.Path) -> ModelConfig:
-    """`config` with its `layer_types`: a hybrid where some layers slide (a plain Llama where all are full)."""
-    if set(layer_types) <= {hybrid.FULL}:
-        return config
-    if hybrid.LINEAR in layer_types:
-        raise UserError(f"{root}: linear_attention layers are not supported from a checkpoint (only tiny-hybrid's)")
-    if not window:
-        raise UserError(f"{root}/config.json lists sliding_attention layers but no sliding_window")
-    shape = {f.name: getattr(config, f.name) for f in fields(config)}
-    return hybrid.HybridConfig(**shape, layer_types=layer_types, sliding_window=int(window))
 
 
 def _safetensors_files(root: pathlib.Path) -> list[pathlib.Path]:
