@@ -15,7 +15,7 @@ from hicache import Engine, SamplingParams
 from hicache.config import HiCacheConfig
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.model.build import build_decoder, with_weight_format
-from hicache.model.kernels import fused_layer, native
+from hicache.model.kernels import fused_layer, native, ops
 from hicache.model.kernels.invariance import feed
 from hicache.model.loading.gguf_loader import load_gguf
 from hicache.model.loading.hf_loader import load_hf_dir
@@ -23,7 +23,7 @@ from hicache.parallel.parallel import ParallelContext
 from tests.model.hf_reference import FAMILIES, WINDOW, reference_logprobs, save_checkpoint, save_gguf
 
 NATS = 1e-3
-INT8_NATS = 0.1  # int8 weights' error on these checkpoints: ~0.03 nats
+INT8_NATS = 0.5  # int8 weights' error on these checkpoints: 0.03 (Qwen2) to 0.25 (Gemma 2) nats
 CPU = torch.device("cpu")
 PROMPT = [(7 * i + 11) % 290 + 5 for i in range(3 * WINDOW)]  # longer than the window, no special token
 
@@ -132,19 +132,41 @@ def test_a_family_part_changed_fails_the_reference_check(mutation, tmp_path):
     assert (ours - reference_logprobs(reference, PROMPT)).abs().max().item() > 100 * NATS
 
 
-def test_the_fused_native_layer_stands_in_only_for_the_parts_it_computes(tmp_path, monkeypatch):
-    """The native layer (kernels/fused_layer.py) runs quantized weights; its head computes no q/k/v biases. A
-    Qwen2 (biases) in int8 keeps its Python head, the native tail (Llama's), and transformers' answer within
-    int8's error; were the head to claim biases (`head_accepts`), it would stand in and the answer be wrong."""
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_the_native_head_computes_qwens_biases_and_qk_norm_bit_for_bit(family, tmp_path):
+    """In int8 (the native kernels' format) a Qwen layer's head (q/k/v biases, QK-norm) is one native call:
+    the bits of its Python path at any row count, in both activation dtypes."""
     assert native.library() is not None, "the native build is part of `make setup`"
-    theirs = reference_logprobs(save_checkpoint("qwen2", tmp_path), PROMPT)
-    loaded = with_weight_format(load_hf_dir(tmp_path, "qwen2"), "int8", CPU)
+    save_checkpoint(family, tmp_path, head_dim=16)  # rotary halves of 8 lanes, as the native rows take
+    loaded = with_weight_format(load_hf_dir(tmp_path, family), "int8", CPU)
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_decoder(loaded, ParallelContext(), dtype, CPU)
+        layer, eps = model.layers[-1], model.cfg.rms_norm_eps
+        assert all(each.head is not None for each in model.layers)
+        gen = torch.Generator().manual_seed(0)
+        with torch.inference_mode():
+            for rows in (1, 5, 37):
+                hidden = torch.randn(rows, model.cfg.hidden_size, generator=gen).to(dtype)
+                positions = torch.randint(0, 4096, (rows,), generator=gen)
+                q, kv = layer.head(hidden, *model.rope.tables(positions, dtype))
+                expected_q, k, v = model._qkv(layer, ops.rms_norm(hidden, layer.input_norm, eps), positions)
+                assert torch.equal(q, expected_q) and torch.equal(kv, model.attention_layout.pack({"k": k, "v": v}))
+
+
+def test_the_fused_native_layer_stands_in_only_for_the_parts_it_computes(tmp_path, monkeypatch):
+    """The native tail computes Llama's parts, not Gemma's output norms and GELU: a Gemma 2 in int8 keeps its
+    Python tail and transformers' answer within int8's error; were the tail to claim Gemma's parts
+    (`tail_accepts`), it would stand in and the answer be wrong."""
+    assert native.library() is not None, "the native build is part of `make setup`"
+    reference = save_checkpoint("gemma2", tmp_path)
+    theirs = reference_logprobs(reference, PROMPT)
+    loaded = with_weight_format(load_hf_dir(tmp_path, "gemma2"), "int8", CPU)
     model = build_decoder(loaded, ParallelContext(), torch.float32, CPU)
-    assert all(layer.head is None and layer.tail is not None for layer in model.layers)
+    assert all(layer.tail is None for layer in model.layers)
     assert (hicache_logprobs(loaded, PROMPT) - theirs).abs().max().item() < INT8_NATS
-    monkeypatch.setattr(fused_layer, "head_accepts", lambda parts: True)
-    assert all(layer.head is not None for layer in build_decoder(loaded, ParallelContext(), torch.float32, CPU).layers)
-    assert (hicache_logprobs(loaded, PROMPT) - theirs).abs().max().item() > 10 * INT8_NATS
+    monkeypatch.setattr(fused_layer, "tail_accepts", lambda parts: True)
+    assert all(layer.tail is not None for layer in build_decoder(loaded, ParallelContext(), torch.float32, CPU).layers)
+    assert (hicache_logprobs(loaded, PROMPT) - theirs).abs().max().item() > 4 * INT8_NATS  # 5.8 nats
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

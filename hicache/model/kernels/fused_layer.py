@@ -9,9 +9,9 @@ residual adds torch's: the same bits, by construction; tests/model/test_fused_la
 exist where every part runs on the native kernels at TP 1 (TP's all-reduces sit between the parts
 otherwise); elsewhere the layer runs its Python path.
 
-Each says which layer parts it computes (`head_accepts`, `tail_accepts`: Llama's); a layer built from
-others (hicache/model/config.py, LayerParts: Qwen's biases or QK-norm, Gemma's norms or GELU) runs its
-Python path, whatever the build.
+Each says which layer parts it computes (hicache/model/config.py, LayerParts; `head_accepts`: every head
+the families make, Qwen's biases and QK-norm included; `tail_accepts`: Llama's); a layer built from others
+(Gemma's output norms or GELU) runs its Python path there, whatever the build.
 """
 
 from __future__ import annotations
@@ -44,16 +44,18 @@ class LayerTail:
 
 class LayerHead:
     """(q [T, heads, d], the packed KV rows [T, 2 kv heads d]) of hidden [T, D], as LlamaModel._qkv and
-    KVLayout.mha's pack give them from rms_norm(hidden), one call."""
+    KVLayout.mha's pack give them from rms_norm(hidden), one call; with the layer's q/k/v biases and QK-norm
+    where it has them."""
 
-    def __init__(self, input_norm: torch.Tensor, eps: float, qkv: ColumnGroups, heads: tuple[int, int, int]) -> None:
+    def __init__(self, input_norm: torch.Tensor, eps: float, qkv: ColumnGroups, heads: tuple[int, int, int],
+                 extras: tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]) -> None:  # fmt: skip
         columns = qkv.calls
-        self.operands = (input_norm, eps, _operands(columns), _bits(columns), qkv.count, list(heads))
+        self.operands = (input_norm, eps, _operands(columns), _bits(columns), qkv.count, list(heads), *extras)
         self._op = native.library().layer_head
 
     def __call__(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        input_norm, eps, qkv, bits, groups, heads = self.operands
-        return self._op(hidden, input_norm, eps, qkv, bits, groups, heads, cos, sin)
+        input_norm, eps, qkv, bits, groups, heads, qkv_bias, q_norm, k_norm = self.operands
+        return self._op(hidden, input_norm, eps, qkv, bits, groups, heads, cos, sin, qkv_bias, q_norm, k_norm)
 
 
 class LayerStack:
@@ -83,8 +85,9 @@ def layer_stack(layers: list) -> LayerStack | None:
 
 
 def head_accepts(parts: LayerParts) -> bool:
-    """csrc/layer.cpp's head: RMSNorm, one q/k/v projection without biases, RoPE; no QK-norm."""
-    return not parts.qkv_bias and not parts.qk_norm
+    """csrc/layer.cpp's head: RMSNorm, one q/k/v projection with or without biases, QK-norm or none, RoPE:
+    every head the families' parts make."""
+    return True
 
 
 def tail_accepts(parts: LayerParts) -> bool:
@@ -107,7 +110,10 @@ def layer_head(layer: object, eps: float, dtype: torch.dtype) -> LayerHead | Non
     d = layer.head_dim
     if not ops.native_rows_for(dtype, d // 2) or d % 2:
         return None
-    return LayerHead(norm, eps, qkv, (layer.q_per_group, layer.kv_per_group, d))
+    extras = (layer.qkv_bias, layer.q_norm, layer.k_norm)
+    if any(t is not None and not _native_rows(t, dtype) for t in extras[1:]):
+        return None
+    return LayerHead(norm, eps, qkv, (layer.q_per_group, layer.kv_per_group, d), extras)
 
 
 def layer_tail(layer: object, eps: float, pctx: ParallelContext, dtype: torch.dtype) -> LayerTail | None:

@@ -1,9 +1,11 @@
 // A Llama layer's parts before and after attention as one call each (hicache/model/kernels/fused_layer.py
 // builds their operands; native.py builds this file beside the kernels it calls):
 //
-//   layer_head(hidden [T, D], input_norm [D], eps, qkv, format, groups, heads (nq, nkv, d), cos, sin [T, d])
-//       -> (q [T, groups nq, d], kv [T, 2 groups nkv d]): x = rms_norm(hidden); qkv(x) as [T, groups, q | k |
-//       v heads, d]; q and k rotated; kv packed k then v (KVLayout.mha's row)
+//   layer_head(hidden [T, D], input_norm [D], eps, qkv, format, groups, heads (nq, nkv, d), cos, sin [T, d],
+//              qkv_bias? [groups, (nq + 2 nkv) d], q_norm? [d], k_norm? [d])
+//       -> (q [T, groups nq, d], kv [T, 2 groups nkv d]): x = rms_norm(hidden); qkv(x) (+ qkv_bias) as
+//       [T, groups, q | k | v heads, d]; each q and k head RMS-normed (where q_norm, k_norm: Qwen3's QK-norm);
+//       q and k rotated; kv packed k then v (KVLayout.mha's row)
 //   layer_tail(hidden [T, D], attn [T, A], o_proj, post_norm [D], eps, gate_up, groups, down, formats)
 //       -> hidden + down(silu_mul(gate_up(rms_norm(h)))) where h = hidden + o_proj(attn)
 //
@@ -80,15 +82,31 @@ at::Tensor linear_sum(const at::Tensor& x, at::TensorList operands, int64_t form
   return sum.to(x.scalar_type());
 }
 
+// Each head's rows [T, groups, heads, d] RMS-normed by `weight` [d], as ops.rms_norm normalizes a strided view.
+at::Tensor head_norm(const at::Tensor& heads, const at::Tensor& weight, double eps) {
+  static const auto norm = op<Norm>(HICACHE_NAME(HICACHE_QGEMM_LIBRARY, "rms_norm"));
+  return norm.call(heads.reshape({-1, heads.size(-1)}).contiguous(), weight, eps).view(heads.sizes());
+}
+
 std::tuple<at::Tensor, at::Tensor> layer_head(const at::Tensor& hidden, const at::Tensor& input_norm, double eps,
                                               at::TensorList qkv, int64_t format, int64_t groups, at::IntArrayRef heads,
-                                              const at::Tensor& cos, const at::Tensor& sin) {
+                                              const at::Tensor& cos, const at::Tensor& sin,
+                                              const c10::optional<at::Tensor>& qkv_bias,
+                                              const c10::optional<at::Tensor>& q_norm,
+                                              const c10::optional<at::Tensor>& k_norm) {
   static const auto norm = op<Norm>(HICACHE_NAME(HICACHE_QGEMM_LIBRARY, "rms_norm"));
   static const auto rope_qkv = op<RopeQKV>(HICACHE_NAME(HICACHE_QGEMM_LIBRARY, "rope_qkv"));
   TORCH_CHECK(heads.size() == 3, "layer_head: heads are (query heads a group, KV heads a group, head size)");
+  TORCH_CHECK(q_norm.has_value() == k_norm.has_value(), "layer_head: QK-norm has a q and a k weight");
   const int64_t tokens = hidden.size(0), nq = heads[0], nkv = heads[1], d = heads[2];
   const at::Tensor x = norm.call(hidden.contiguous(), input_norm, eps);  // a no-op on the usual contiguous rows
-  const at::Tensor columns = column_groups(x, qkv, format, groups).view({tokens, groups, nq + 2 * nkv, d});
+  at::Tensor columns = column_groups(x, qkv, format, groups);  // [T, groups, q | k | v columns]
+  if (qkv_bias.has_value()) columns = columns + *qkv_bias;
+  columns = columns.view({tokens, groups, nq + 2 * nkv, d});
+  if (q_norm.has_value()) {
+    const auto parts = columns.split_with_sizes({nq, nkv, nkv}, 2);
+    columns = at::cat({head_norm(parts[0], *q_norm, eps), head_norm(parts[1], *k_norm, eps), parts[2]}, 2);
+  }
   return rope_qkv.call(columns, cos, sin, nq, nkv);  // q, and k rotated then v: the packed KV row
 }
 
@@ -116,6 +134,7 @@ struct LayerStack : torch::CustomClassHolder {
     Tensors qkv;
     int64_t qkv_format, qkv_groups;
     Ints heads;
+    c10::optional<at::Tensor> qkv_bias, q_norm, k_norm;
     Tensors o_proj;
     at::Tensor post_norm;
     double post_eps;
@@ -127,11 +146,13 @@ struct LayerStack : torch::CustomClassHolder {
   std::vector<Layer> layers;
 
   void add(at::Tensor input_norm, double input_eps, Tensors qkv, int64_t qkv_format, int64_t qkv_groups, Ints heads,
+           c10::optional<at::Tensor> qkv_bias, c10::optional<at::Tensor> q_norm, c10::optional<at::Tensor> k_norm,
            Tensors o_proj, at::Tensor post_norm, double post_eps, Tensors gate_up, int64_t gate_up_groups,
            Tensors down, Ints formats) {
     layers.push_back({std::move(input_norm), input_eps, std::move(qkv), qkv_format, qkv_groups, std::move(heads),
-                      std::move(o_proj), std::move(post_norm), post_eps, std::move(gate_up), gate_up_groups,
-                      std::move(down), std::move(formats)});
+                      std::move(qkv_bias), std::move(q_norm), std::move(k_norm), std::move(o_proj),
+                      std::move(post_norm), post_eps, std::move(gate_up), gate_up_groups, std::move(down),
+                      std::move(formats)});
   }
 
   at::Tensor run(at::Tensor hidden, at::Tensor cos, at::Tensor sin, int64_t first, Tensors dst, Tensors k, Tensors v,
@@ -145,7 +166,7 @@ struct LayerStack : torch::CustomClassHolder {
     for (int64_t l = first; l < count; ++l) {
       const Layer& w = layers[l];
       const auto [q, kv] = layer_head(hidden, w.input_norm, w.input_eps, w.qkv, w.qkv_format, w.qkv_groups, w.heads,
-                                      cos, sin);
+                                      cos, sin, w.qkv_bias, w.q_norm, w.k_norm);
       const at::Tensor attn = replay.call(q, kv, dst[l], where[l], k[l], v[l], rows, keys, reads, seen, live, pick,
                                           dest, single, scale);
       hidden = layer_tail(hidden, attn.reshape({q.size(0), -1}), w.o_proj, w.post_norm, w.post_eps, w.gate_up,
@@ -163,7 +184,7 @@ TORCH_LIBRARY_FRAGMENT(HICACHE_QGEMM_LIBRARY, m) {
       .def("add", &LayerStack::add)
       .def("run", &LayerStack::run);
   m.def("layer_head(Tensor hidden, Tensor input_norm, float eps, Tensor[] qkv, int format, int groups, int[] heads, "
-        "Tensor cos, Tensor sin) -> (Tensor, Tensor)",
+        "Tensor cos, Tensor sin, Tensor? qkv_bias, Tensor? q_norm, Tensor? k_norm) -> (Tensor, Tensor)",
         &layer_head);
   m.def("layer_tail(Tensor hidden, Tensor attn, Tensor[] o_proj, Tensor post_norm, float eps, Tensor[] gate_up, "
         "int groups, Tensor[] down, int[] formats) -> Tensor",
