@@ -101,11 +101,11 @@ def consensus_check(log_dir) -> subprocess.CompletedProcess:
 
 @pytest.mark.timeout(180)
 def test_tp2_pp2_with_delayed_transfers_agree_and_equal(tp1_reference, tmp_path, monkeypatch):
-    """100 multi-turn requests, every copy completing up to 50 ms late in a different order on each
+    """80 multi-turn requests, every copy completing up to 50 ms late in a different order on each
     rank: the checker finds every rank's decisions equal, and so are the outputs."""
     with _delayed_run(tmp_path / "store", tmp_path / "logs", monkeypatch, disable_pp_sync=False) as engine:
         turns = run_equal_to(engine, tp1_reference)
-        assert sum(len(t) for t in turns) >= 100
+        assert sum(len(t) for t in turns) == len(w.CONVS) * w.TURNS
     checked = consensus_check(tmp_path / "logs")
     assert checked.returncode == 0, checked.stdout + checked.stderr
     assert "4 ranks agree" in checked.stdout

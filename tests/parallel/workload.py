@@ -1,4 +1,4 @@
-"""The multi-turn workload of the parallel tests: 10 conversations x 10 turns (100 requests) whose working
+"""The multi-turn workload of the parallel tests: 10 conversations x 8 turns (80 requests) whose working
 set is several times the device pool (device eviction every turn, host hits), with the in-memory tiers
 flushed half-way so the next turns are served from storage."""
 
@@ -11,8 +11,8 @@ from hicache.config import HiCacheConfig
 from tests.conversations import make_conversations
 
 CONVS = make_conversations(num_groups=2, per_group=5, system_len=200, question_len=30)
-TURNS = 10
-FLUSH_AFTER = 5
+TURNS = 8
+FLUSH_AFTER = 4
 NEW = 8
 DEVICE_TOKENS = 2048
 PARAMS = SamplingParams(max_new_tokens=NEW, ignore_eos=True, logprobs=5)
