@@ -15,8 +15,7 @@ from hicache.model.kernels.quant import QuantizedWeight
 from hicache.model.rope import RopeScaling
 from hicache.model.tokenizer import Tokenizer
 
-
-ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation on its gate columns (ops.gated_activation)
+ACTIVATIONS = ("silu", "gelu_tanh")  # the gated MLP's activation on its gate columns (kernels/activations.py)
 
 
 @dataclass(frozen=True)

@@ -16,22 +16,32 @@ from tests.model.test_hf_loader import _tokenizer
 
 # Widths the native kernels take (multiples of 8), head_dim apart from hidden / heads, three layers so
 # Gemma 3's sliding and global layers both occur, a window well under the prompts.
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+SHAPE = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 WINDOW = 16
-GEMMA = dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24)
+GEMMA = {"head_dim": 16, "sliding_window": WINDOW, "query_pre_attn_scalar": 24}
 
 FAMILIES: dict[str, tuple[type, dict]] = {
     "qwen2": (transformers.Qwen2Config, {}),
-    "qwen3": (transformers.Qwen3Config, dict(head_dim=24)),
+    "qwen3": (transformers.Qwen3Config, {"head_dim": 24}),
     "phi3": (transformers.Phi3Config, {}),
     # Gemma 2 without attention soft-capping (which hicache refuses), with its final logit soft-capping.
-    "gemma2": (transformers.Gemma2Config, dict(GEMMA, attn_logit_softcapping=None, final_logit_softcapping=3.0)),
-    "gemma3": (transformers.Gemma3TextConfig,
-               dict(GEMMA, layer_types=["sliding_attention", "sliding_attention", "full_attention"])),  # fmt: skip
+    "gemma2": (transformers.Gemma2Config, {**GEMMA, "attn_logit_softcapping": None, "final_logit_softcapping": 3.0}),
+    "gemma3": (
+        transformers.Gemma3TextConfig,
+        {**GEMMA, "layer_types": ["sliding_attention", "sliding_attention", "full_attention"]},
+    ),
 }
 
 
-def save_checkpoint(family: str, root: pathlib.Path, seed: int = 0, **overrides: object) -> transformers.PreTrainedModel:
+def save_checkpoint(
+    family: str, root: pathlib.Path, seed: int = 0, **overrides: object
+) -> transformers.PreTrainedModel:
     """`family`'s tiny checkpoint in `root` (weights, config, tokenizer); returns transformers' model of it."""
     config_class, extra = FAMILIES[family]
     tokenizer = _tokenizer()

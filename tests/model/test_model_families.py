@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 
 import pytest
 import torch
@@ -106,12 +107,16 @@ def _norms_without_one_plus(loaded):
                                                 for n, w in loaded.weights.items()})  # fmt: skip
 
 
+def _gate_up_swapped(loaded):
+    swapped = {"gate_proj": "up_proj", "up_proj": "gate_proj"}
+    return dataclasses.replace(loaded, weights={re.sub("gate_proj|up_proj", lambda m: swapped[m.group()], n): w
+                                                for n, w in loaded.weights.items()})  # fmt: skip
+
+
 MUTATIONS = {
     "qwen2-bias-ignored": ("qwen2", _scaled("_proj.bias", 0.0)),
     "qwen3-qk-norm-ignored": ("qwen3", _without(qk_norm=False)),
-    "phi3-gate-up-swapped": ("phi3", lambda m: dataclasses.replace(m, weights={
-        n.replace("gate_proj", "up_proj") if "gate_proj" in n else n.replace("up_proj", "gate_proj"): w
-        for n, w in m.weights.items()})),  # fmt: skip
+    "phi3-gate-up-swapped": ("phi3", _gate_up_swapped),
     "gemma2-one-plus-dropped": ("gemma2", _norms_without_one_plus),
     "gemma2-softcap-off": ("gemma2", _without(final_logit_softcap=None)),
     "gemma3-window-off-by-one": ("gemma3", _without(sliding_window=WINDOW + 1)),

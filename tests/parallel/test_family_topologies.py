@@ -24,8 +24,11 @@ def tokens(engine: Engine) -> tuple[list[list[int]], int]:
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("family,topology", [("qwen2", {"tp_size": 2}), ("qwen3", {"pp_size": 2}),
-                                             ("phi3", {"cp_size": 2})], ids=["qwen2-tp2", "qwen3-pp2", "phi3-cp2"])
+@pytest.mark.parametrize(
+    "family,topology",
+    [("qwen2", {"tp_size": 2}), ("qwen3", {"pp_size": 2}), ("phi3", {"cp_size": 2})],
+    ids=["qwen2-tp2", "qwen3-pp2", "phi3-cp2"],
+)
 def test_a_family_on_a_topology_with_tiers_equals_single_rank_cache_off(family, topology, tmp_path):
     save_checkpoint(family, tmp_path / "model")
     model = str(tmp_path / "model")

@@ -8,8 +8,9 @@ some layers slide, the hybrid one): the parts, not a subclass, say how its layer
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from hicache.model.config import LayerParts
 

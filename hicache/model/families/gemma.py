@@ -61,7 +61,9 @@ def _gguf_config(hf_config: HFConfig, largest_layers: int) -> HFConfig:
     (hidden / heads) ** -0.5 for the 27B models (known by their layer count), and Gemma 3's sliding layers
     rotate by a base of 10,000."""
     largest = int(hf_config["num_hidden_layers"]) == largest_layers
-    scalar = int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"]) if largest else hf_config["head_dim"]
+    scalar = (
+        int(hf_config["hidden_size"]) // int(hf_config["num_attention_heads"]) if largest else hf_config["head_dim"]
+    )
     return {"query_pre_attn_scalar": scalar, "rope_local_base_freq": hf_config.get("rope_local_base_freq") or 10000.0}
 
 

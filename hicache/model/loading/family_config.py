@@ -75,5 +75,3 @@ def _hybrid(config: ModelConfig, layer_types: tuple[str, ...], window: Any, wher
         raise UserError(f"{where}: the config lists sliding_attention layers but no sliding_window")
     shape = {f.name: getattr(config, f.name) for f in fields(config)}
     return hybrid.HybridConfig(**shape, layer_types=layer_types, sliding_window=int(window))
-
-

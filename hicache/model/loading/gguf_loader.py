@@ -240,7 +240,10 @@ def _read_weights(
 def _hf_config(metadata: _Metadata, arch: str, weights: dict[str, torch.Tensor]) -> HFConfig:
     """The file's `{arch}.*` metadata under config.json's keys (None where absent), with what the family
     infers as llama.cpp does (CheckpointFamily.gguf_config)."""
-    get = lambda key, default=None: metadata.get(f"{arch}.{key}", default)  # noqa: E731
+
+    def get(key: str, default: Any = None) -> Any:
+        return metadata.get(f"{arch}.{key}", default)
+
     embed = weights.get("model.embed_tokens.weight")
     if embed is None:
         raise UserError(f"{metadata.path}: GGUF file has no token_embd.weight")
