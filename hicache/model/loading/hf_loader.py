@@ -14,7 +14,6 @@ import json
 import os
 import pathlib
 import time
-from dataclasses import replace
 from typing import Any
 
 import tokenizers
@@ -29,7 +28,7 @@ from hicache.model.families import hybrid
 from hicache.model.families.checkpoint import CheckpointFamily
 from hicache.model.families.registry import CHECKPOINT_FAMILIES
 from hicache.model.loading.checkpoint import check_weights, checked_model
-from hicache.model.loading.family_config import checked_family, model_config
+from hicache.model.loading.family_config import family_named, model_config, refuse_unsupported, with_decoder_family
 from hicache.model.loading.hf_tokenizer import HFTokenizer
 
 _SHARD_INDEX = "model.safetensors.index.json"
@@ -65,7 +64,7 @@ def load_hf_dir(path: str | os.PathLike[str], name: str) -> LoadedModel:
         started,
         model_type=hf_config["model_type"],
     )
-    return replace(loaded, family=hybrid.FAMILY) if isinstance(config, hybrid.HybridConfig) else loaded
+    return with_decoder_family(loaded)
 
 
 def _read_json(path: pathlib.Path, required: bool = False) -> dict[str, Any]:
@@ -96,7 +95,9 @@ def _rope(hf_config: dict[str, Any], max_position: int, root: pathlib.Path) -> t
 def _family(hf_config: dict[str, Any], root: pathlib.Path) -> CheckpointFamily:
     model_type = hf_config.get("model_type")
     hint = " (serve its text model: model_type gemma3_text)" if "text_config" in hf_config else ""
-    return checked_family(CHECKPOINT_FAMILIES, model_type, f"{root}: model_type", hint, hf_config, str(root))
+    family = family_named(CHECKPOINT_FAMILIES, model_type, f"{root}: model_type", hint)
+    refuse_unsupported(family, hf_config, str(root))
+    return family
 
 
 def _config(hf_config: dict[str, Any], family: CheckpointFamily, root: pathlib.Path) -> ModelConfig:
