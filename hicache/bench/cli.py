@@ -173,7 +173,11 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.set_defaults(func=cmd_bench)
-    _add_report(p.add_subparsers(dest="bench_command", metavar="{report}", parser_class=type(p)))
+    _add_report(
+        p.add_subparsers(
+            dest="bench_command", metavar="{report}", parser_class=type(p), help="report: plots and tables of a run"
+        )
+    )
 
     target = p.add_argument_group("target")
     target.add_argument("--base-url", help="an OpenAI-compatible server to measure (one arm)")
@@ -238,8 +242,8 @@ def add_bench_command(sub: argparse._SubParsersAction) -> None:
 def add_workload_args(parser: argparse.ArgumentParser) -> None:
     """The dataset flags (`workload_from_args` reads them); `hicache simulate` takes them too."""
     data = parser.add_argument_group("workload")
-    data.add_argument("--dataset", choices=DATASETS, default=GSP)
-    data.add_argument("--seed", type=int, default=1)
+    data.add_argument("--dataset", choices=DATASETS, default=GSP, help="the conversations sent")
+    data.add_argument("--seed", type=int, default=1, help="seed of the generated prompts")
     d = GSPParams()
     data.add_argument("--gsp-num-groups", type=int, default=d.num_groups, help="groups sharing one system prompt")
     data.add_argument("--gsp-prompts-per-group", type=int, default=d.prompts_per_group, help="conversations per group")

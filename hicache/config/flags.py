@@ -16,7 +16,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--model-path",
         dest="model",
         default=d.model,
-        help="tiny, smollm2, or a local Hugging Face Llama directory",
+        help="tiny, tiny-mla, tiny-hybrid, smollm2, a .gguf file, or a local Hugging Face directory of a supported family "
+        "(Llama, Mistral, Qwen2/3, Phi-3, Gemma 2/3)",
     )
     g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (a power of two)")
     g.add_argument("--max-total-tokens", type=int, default=d.max_total_tokens, help="device KV pool capacity in tokens")
@@ -39,7 +40,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=d.chunked_prefill_size,
         help="most prompt tokens prefilled in one step",
     )
-    g.add_argument("--max-running-requests", type=int, default=d.max_running_requests)
+    g.add_argument(
+        "--max-running-requests", type=int, default=d.max_running_requests, help="requests in the continuous batch"
+    )
     g.add_argument(
         "--context-length",
         type=int,
@@ -108,12 +111,16 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="best_effort, wait_complete or timeout",
     )
     t.add_argument(
-        "--hicache-storage-prefetch-timeout-base", type=float, default=h.hicache_storage_prefetch_timeout_base
+        "--hicache-storage-prefetch-timeout-base",
+        type=float,
+        default=h.hicache_storage_prefetch_timeout_base,
+        help="policy timeout: seconds a prefetch may take, plus the per-1024-token share below",
     )
     t.add_argument(
         "--hicache-storage-prefetch-timeout-per-ki-token",
         type=float,
         default=h.hicache_storage_prefetch_timeout_per_ki_token,
+        help="policy timeout: seconds more per 1024 prefetched tokens",
     )
     t.add_argument(
         "--hicache-transfer-timeout",
@@ -198,7 +205,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=q.debug_storage_fail_rate,
         help="fraction of storage page reads that fail on --debug-storage-fail-rank",
     )
-    b.add_argument("--debug-storage-fail-rank", type=int, default=q.debug_storage_fail_rank)
+    b.add_argument(
+        "--debug-storage-fail-rank", type=int, default=q.debug_storage_fail_rank, help="the rank whose reads fail"
+    )
     b.add_argument(
         "--debug-disable-pp-sync",
         action="store_true",

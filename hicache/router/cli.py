@@ -119,7 +119,7 @@ def add_router_command(sub: argparse._SubParsersAction) -> None:
         "where the server says it publishes them (its --kv-events-endpoint)",
     )
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=int, default=8000, help="HTTP port")
     p.add_argument(
         "--startup-timeout",
         type=float,

@@ -23,6 +23,7 @@ from hicache.web.listen import GRACEFUL_SHUTDOWN_S, listen
 
 logger = logging.getLogger(__name__)
 
+
 def _server_class():  # uvicorn is imported only by the command that needs it
     import uvicorn
 
@@ -94,7 +95,7 @@ def add_serve_command(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
-    g.add_argument("--port", type=int, default=30000)
+    g.add_argument("--port", type=int, default=30000, help="HTTP port")
     g.add_argument(
         "--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1/*, /flush_cache and /debug/*"
     )
