@@ -42,7 +42,6 @@ from hicache.model.families.llama import DecoderLayer, LlamaLayer, LlamaModel, M
 from hicache.model.kernels import ordered
 from hicache.model.rope import RotaryEmbedding
 from hicache.parallel.parallel import ParallelContext
-from hicache.parallel.placement import KVSharding
 
 FAMILY = "hybrid"  # LoadedModel.family of this decoder (hicache/model/families/registry.py)
 FULL, SLIDING, LINEAR = "full_attention", "sliding_attention", "linear_attention"
@@ -181,19 +180,10 @@ class HybridModel(LlamaModel):
     per_layer = (*LlamaModel.per_layer, "layer_types")
     cfg: HybridConfig
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        pctx: ParallelContext,
-        dtype: torch.dtype,
-        device: torch.device,
-        make_linear: MakeLinear,
-        sharding: KVSharding | None = None,
-    ) -> None:
-        assert isinstance(cfg, HybridConfig)
-        self._local_rope: RotaryEmbedding | None = None  # sliding layers' own, where they have one (_layer_rope)
-        super().__init__(cfg, weights, pctx, dtype, device, make_linear, sharding)
+    _local_rope: RotaryEmbedding | None = None  # sliding layers' own, where they have one (_layer_rope)
+
+    def _build_own(self, weights: dict[str, torch.Tensor], make_linear: MakeLinear) -> None:
+        cfg = self.cfg
         self.layer_types = cfg.layer_types[self.layer_range[0] : self.layer_range[1]]
         heads, dim = cfg.linear_num_heads, cfg.linear_head_dim
         snapshot_share = cfg.state_numel // SNAPSHOT_ROWS

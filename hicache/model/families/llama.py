@@ -94,6 +94,7 @@ class LlamaLayer(DecoderLayer):
         self.q_norm = cast(w[a + "q_norm.weight"]) if cfg.parts.qk_norm else None
         self.k_norm = cast(w[a + "k_norm.weight"]) if cfg.parts.qk_norm else None
 
+
 FAMILY = "llama"  # LoadedModel.family of this decoder (hicache/model/families/registry.py)
 LLAMA = CheckpointFamily("Llama", gguf_arch="llama")  # Llama 2/3 and Mistral: the decoder's own names and parts
 
@@ -159,8 +160,12 @@ class LlamaModel:
         self.attention_layout = self._kv_layout()
         self.kv_layout = self.attention_layout
         self.invariance: InvarianceReport | None = None  # what the start-up self-check found (hicache/model/build.py)
+        self._build_own(weights, make_linear)
 
     # ---- what a model of the family chooses ----------------------------------------------------
+
+    def _build_own(self, weights: dict[str, torch.Tensor], make_linear: MakeLinear) -> None:
+        """What a family holds beyond Llama's parts (its weights, its rows in the pool), built last."""
 
     def _build_layer(self, cfg: ModelConfig, w: dict[str, torch.Tensor], prefix: str, cast, linear) -> DecoderLayer:
         return LlamaLayer(cfg, w, prefix, self.pctx, cast, linear, self.tp_groups)
@@ -244,8 +249,9 @@ class LlamaModel:
                 if batch.before_layer is not None:
                     batch.before_layer(local)
                 elif local and self.layer_stack is not None:
-                    replayed = self.attention.replayed_layers(meta, pool, UnpackKV(self.kv_layout),
-                                                              self.attention_layout.row_numel, len(self.layers))
+                    replayed = self.attention.replayed_layers(
+                        meta, pool, UnpackKV(self.kv_layout), self.attention_layout.row_numel, len(self.layers)
+                    )
                     if replayed is not None:  # layer 0 ran the plan in place: the rest in one native call
                         hidden = self.layer_stack(hidden, *self.rope.tables(positions, hidden.dtype), local, replayed)
                         break
@@ -272,7 +278,9 @@ class LlamaModel:
             return layer.tail(hidden, attn)
         hidden = hidden + self._normed(layer.o_proj(attn), layer.attn_out_norm)
         x = ops.rms_norm(hidden, layer.post_norm, eps)
-        mlp = layer.down_proj(activations.gated_activation(layer.gate_up(x), layer.parts.activation))  # gate_up: [T, groups, gate | up]
+        mlp = layer.down_proj(
+            activations.gated_activation(layer.gate_up(x), layer.parts.activation)
+        )  # gate_up: [T, groups, gate | up]
         return hidden + self._normed(mlp, layer.mlp_out_norm)
 
     def _normed(self, x: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:

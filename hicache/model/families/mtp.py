@@ -24,11 +24,8 @@ from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVComponent, KVLayout
 from hicache.model.attention.kv_gather import rows_from_owners
 from hicache.model.batch import ForwardBatch
-from hicache.model.config import ModelConfig
 from hicache.model.families.llama import LlamaModel, MakeLinear
 from hicache.model.kernels import ops
-from hicache.parallel.parallel import ParallelContext
-from hicache.parallel.placement import KVSharding
 
 HIDDEN = "hidden"
 FAMILY = "mtp"  # LoadedModel.family of a model with these weights (hicache/model/families/registry.py)
@@ -42,17 +39,8 @@ class MTPHeadModel(LlamaModel):
     page_shardable = True  # a row's predecessor may be on another CP rank's page: read from its owner
     reads_target_hidden = True
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        pctx: ParallelContext,
-        dtype: torch.dtype,
-        device: torch.device,
-        make_linear: MakeLinear,
-        sharding: KVSharding | None = None,
-    ) -> None:
-        super().__init__(cfg, weights, pctx, dtype, device, make_linear, sharding)
+    def _build_own(self, weights: dict[str, torch.Tensor], make_linear: MakeLinear) -> None:
+        cfg, device, dtype = self.cfg, self.device, self.dtype
         self.enorm, self.hnorm = (weights[n].to(device=device, dtype=dtype).contiguous() for n in (ENORM, HNORM))
         self.eh_proj = make_linear(weights[EH_PROJ])
         self.kv_layout = KVLayout(self.kv_layout.components + (KVComponent(HIDDEN, (cfg.hidden_size,)),))

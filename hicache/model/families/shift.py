@@ -17,11 +17,8 @@ import torch
 from hicache.mem.device_pool import DeviceKVPool
 from hicache.mem.kv_layout import KVComponent, KVLayout
 from hicache.model.batch import ForwardBatch
-from hicache.model.config import ModelConfig
 from hicache.model.families.llama import LlamaLayer, LlamaModel, MakeLinear
 from hicache.model.kernels import ops
-from hicache.parallel.parallel import ParallelContext
-from hicache.parallel.placement import KVSharding
 
 SHIFT = "shift"
 FAMILY = "token_shift"  # LoadedModel.family of a model with these weights (hicache/model/families/registry.py)
@@ -39,17 +36,7 @@ class TokenShiftModel(LlamaModel):
     page_shardable = False  # a row reads its predecessor's state, which CP may hold on another rank
     per_layer = (*LlamaModel.per_layer, "shift_in", "shift_out")
 
-    def __init__(
-        self,
-        cfg: ModelConfig,
-        weights: dict[str, torch.Tensor],
-        pctx: ParallelContext,
-        dtype: torch.dtype,
-        device: torch.device,
-        make_linear: MakeLinear,
-        sharding: KVSharding | None = None,
-    ) -> None:
-        super().__init__(cfg, weights, pctx, dtype, device, make_linear, sharding)
+    def _build_own(self, weights: dict[str, torch.Tensor], make_linear: MakeLinear) -> None:
         names = [shift_weight_names(i) for i in range(*self.layer_range)]
         self.shift_in = [make_linear(weights[a]) for a, _ in names]
         self.shift_out = [make_linear(weights[b]) for _, b in names]
