@@ -181,7 +181,7 @@ class StorageBackend(abc.ABC):
         KV events: a page gone from storage); [] for a store that has none."""
         return []
 
-    def __enter__(self) -> "StorageBackend":
+    def __enter__(self) -> StorageBackend:
         return self
 
     def __exit__(self, *exc_info: object) -> None:

@@ -117,16 +117,7 @@ class FileBackend(StorageBackend):
             raise StorageUnavailable(f"listing {path}: {exc}") from exc
 
     def get(self, key: str) -> bytes | None:
-        path = self._path(key)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return None
-        except OSError as exc:
-            raise StorageUnavailable(f"reading {path}: {exc}") from exc
-        self.capacity.on_use(path)
-        return data
+        return self._read(key, 0, -1)
 
     def batch_get(self, keys: list[str]) -> list[bytes | None]:
         for key in keys:
@@ -167,8 +158,9 @@ class FileBackend(StorageBackend):
     def put(self, key: str, blob: Blob) -> None:
         def write(fd: int) -> int:
             with open(fd, "wb", closefd=False) as f:
-                for part in blob if isinstance(blob, tuple) else (blob,):
-                    f.write(part)  # large parts go straight to the kernel, uncopied
+                f.writelines(
+                    blob if isinstance(blob, tuple) else (blob,)
+                )  # large parts go straight to the kernel, uncopied
                 return f.tell()
 
         self._write_atomically(key, write)
@@ -211,6 +203,10 @@ class FileBackend(StorageBackend):
 
     def get_range(self, key: str, offset: int, length: int) -> bytes | None:
         check_range(offset, length)
+        return self._read(key, offset, length)
+
+    def _read(self, key: str, offset: int, length: int) -> bytes | None:
+        """`length` bytes from `offset` (-1: to the end); None where the object is missing."""
         path = self._path(key)
         try:
             with open(path, "rb") as f:

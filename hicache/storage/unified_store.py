@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hicache.storage.backend import BytesLike, StorageBackend, StorageUnavailable
+from hicache.storage.backend import BytesLike, StorageBackend
 from hicache.storage.codec import CorruptObject
 from hicache.storage.spans import encode_prefix, prefix_size, verify_span
 from hicache.storage.store import VerifiedStore, _writable_bytes
@@ -45,14 +45,8 @@ class UnifiedStore(VerifiedStore):
         return [self.unified.object_key(h, s.cell) for h in page_hashes for s in self.spans]
 
     def exists_prefix(self, page_hashes: Sequence[bytes]) -> int:
-        """Leading pages of which every object this rank needs exists."""
-        try:
-            found = self.backend.exists_prefix(self.keys(page_hashes))
-        except StorageUnavailable as exc:
-            self._unavailable("exists_prefix", exc)
-            return 0
-        self._reachable()
-        return found // len(self.spans)
+        """Leading pages of which every object this rank needs exists (`keys` lists a page's objects together)."""
+        return super().exists_prefix(page_hashes) // len(self.spans)
 
     def put_pages(self, page_hashes: Sequence[bytes], payloads: Sequence[BytesLike]) -> bool:
         if len(page_hashes) != len(payloads):
