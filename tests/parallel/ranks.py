@@ -3,7 +3,8 @@ reporting one outcome, so a test asserts on every rank's view of the same run.""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp

@@ -6,9 +6,8 @@ import pytest
 
 from hicache import Engine
 from hicache.config import ParallelConfig
-from hicache.debug.consensus_checker import ENV_ENABLE, ENV_LOG_DIR
 from tests.parallel import workload as w
-from tests.parallel.test_parallel_tiers import consensus_check, run_equal_to
+from tests.parallel.test_parallel_tiers import assert_ranks_agree, checked_engine, run_equal_to
 
 
 def mla_engine(storage_dir, cp=1, tp=1) -> Engine:
@@ -24,11 +23,6 @@ def mla_engine(storage_dir, cp=1, tp=1) -> Engine:
 def test_tiny_mla_cp2_equals_single_rank_cache_off(tmp_path, monkeypatch):
     with Engine(model="tiny-mla", disable_radix_cache=True) as engine:
         reference = w.run(engine)
-    monkeypatch.setenv(ENV_ENABLE, "1")
-    monkeypatch.setenv(ENV_LOG_DIR, str(tmp_path / "logs"))
-    engine = mla_engine(tmp_path / "store", cp=2)
-    monkeypatch.delenv(ENV_ENABLE)
-    with engine:
+    with checked_engine(monkeypatch, tmp_path / "logs", lambda: mla_engine(tmp_path / "store", cp=2)) as engine:
         run_equal_to(engine, reference)
-    checked = consensus_check(tmp_path / "logs")
-    assert checked.returncode == 0 and "2 ranks agree" in checked.stdout, checked.stdout + checked.stderr
+    assert_ranks_agree(tmp_path / "logs", 2)

@@ -14,9 +14,8 @@ import pytest
 
 from hicache import Engine
 from hicache.config import DebugConfig, ParallelConfig
-from hicache.debug.consensus_checker import ENV_ENABLE, ENV_LOG_DIR
 from tests.parallel import workload as w
-from tests.parallel.test_parallel_tiers import assert_clean, consensus_check, run_equal_to
+from tests.parallel.test_parallel_tiers import assert_clean, assert_ranks_agree, checked_engine, run_equal_to
 
 
 @pytest.fixture(scope="module")
@@ -40,18 +39,12 @@ def cp_engine(storage_dir, cp=2, tp=1, pp=1, delay_ms=0.0) -> Engine:
 def test_cp2_with_delayed_transfers_equals_single_rank_cache_off(reference, tmp_path, monkeypatch, pp):
     """At PP2 each stage's CP pair shards its layers' pages alike; the first stage's agreed decisions
     go down the pipeline as without CP."""
-    monkeypatch.setenv(ENV_ENABLE, "1")
-    monkeypatch.setenv(ENV_LOG_DIR, str(tmp_path / "logs"))
-    engine = cp_engine(tmp_path / "store", pp=pp, delay_ms=50)
-    monkeypatch.delenv(ENV_ENABLE)
-    with engine:
+    with checked_engine(monkeypatch, tmp_path / "logs", lambda: cp_engine(tmp_path / "store", pp=pp, delay_ms=50)) as engine:
         turns = run_equal_to(engine, reference)
         assert sum(len(t) for t in turns) == len(w.CONVS) * w.TURNS
         stats = engine.cache_stats()
         assert stats.host.load_pages > 0 and stats.storage.prefetch.inserted > 0, stats
-    checked = consensus_check(tmp_path / "logs")
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert f"{2 * pp} ranks agree" in checked.stdout
+    assert_ranks_agree(tmp_path / "logs", 2 * pp)
 
 
 def test_a_cp2_store_is_read_after_a_restart_by_cp2(reference, tmp_path):

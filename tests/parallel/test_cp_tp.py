@@ -6,21 +6,15 @@ import pytest
 
 from hicache import Engine
 from hicache.config import ParallelConfig
-from hicache.debug.consensus_checker import ENV_ENABLE, ENV_LOG_DIR
 from tests.parallel import workload as w
 from tests.parallel.test_cp_tiers import cp_engine
-from tests.parallel.test_parallel_tiers import consensus_check, run_equal_to
+from tests.parallel.test_parallel_tiers import assert_ranks_agree, checked_engine, run_equal_to
 
 
 @pytest.mark.timeout(300)
 def test_cp2_tp2_equals_tp2_cache_off(tmp_path, monkeypatch):
     with Engine(model="tiny", disable_radix_cache=True, parallel=ParallelConfig(tp_size=2)) as engine:
         tp2_reference = w.run(engine)
-    monkeypatch.setenv(ENV_ENABLE, "1")
-    monkeypatch.setenv(ENV_LOG_DIR, str(tmp_path / "logs"))
-    engine = cp_engine(tmp_path / "store", tp=2)
-    monkeypatch.delenv(ENV_ENABLE)
-    with engine:
+    with checked_engine(monkeypatch, tmp_path / "logs", lambda: cp_engine(tmp_path / "store", tp=2)) as engine:
         run_equal_to(engine, tp2_reference)
-    checked = consensus_check(tmp_path / "logs")  # the tree is agreed over all four (CP x TP) ranks
-    assert checked.returncode == 0 and "4 ranks agree" in checked.stdout, checked.stdout + checked.stderr
+    assert_ranks_agree(tmp_path / "logs", 4)  # the tree is agreed over all four (CP x TP) ranks

@@ -10,6 +10,7 @@ bfloat16, where TP2's all-reduced partials used to flip about a third of tiny's 
 
 import subprocess
 import sys
+from collections.abc import Callable
 
 import pytest
 
@@ -80,13 +81,23 @@ def test_tp2_cache_off_equals_tp1_bit_for_bit_and_tp2_cached_equals_both(tp1_ref
         assert logprobs(run_equal_to(engine, tp1_reference)) == logprobs(tp1_reference)
 
 
-def _delayed_run(storage_dir, log_dir, monkeypatch, disable_pp_sync: bool):
+def checked_engine(monkeypatch, log_dir, start: Callable[[], Engine]) -> Engine:
+    """The engine `start` makes, its ranks recording their cache decisions in `log_dir` for the checker."""
     monkeypatch.setenv(ENV_ENABLE, "1")
     monkeypatch.setenv(ENV_LOG_DIR, str(log_dir))
-    debug = DebugConfig(debug_transfer_delay_ms=50, debug_disable_pp_sync=disable_pp_sync)
-    engine = cached_engine(storage_dir, tp=2, pp=2, debug=debug)
+    engine = start()
     monkeypatch.delenv(ENV_ENABLE)  # the ranks read it when they started; later engines run unchecked
     return engine
+
+
+def assert_ranks_agree(log_dir, ranks: int) -> None:
+    checked = consensus_check(log_dir)
+    assert checked.returncode == 0 and f"{ranks} ranks agree" in checked.stdout, checked.stdout + checked.stderr
+
+
+def _delayed_run(storage_dir, log_dir, monkeypatch, disable_pp_sync: bool):
+    debug = DebugConfig(debug_transfer_delay_ms=50, debug_disable_pp_sync=disable_pp_sync)
+    return checked_engine(monkeypatch, log_dir, lambda: cached_engine(storage_dir, tp=2, pp=2, debug=debug))
 
 
 def consensus_check(log_dir) -> subprocess.CompletedProcess:
@@ -106,9 +117,7 @@ def test_tp2_pp2_with_delayed_transfers_agree_and_equal(tp1_reference, tmp_path,
     with _delayed_run(tmp_path / "store", tmp_path / "logs", monkeypatch, disable_pp_sync=False) as engine:
         turns = run_equal_to(engine, tp1_reference)
         assert sum(len(t) for t in turns) == len(w.CONVS) * w.TURNS
-    checked = consensus_check(tmp_path / "logs")
-    assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "4 ranks agree" in checked.stdout
+    assert_ranks_agree(tmp_path / "logs", 4)
 
 
 @pytest.mark.timeout(180)
@@ -134,10 +143,8 @@ def test_disabled_pp_sync_is_caught_not_silent(tp1_reference, tmp_path, monkeypa
 def test_storage_reads_failing_on_one_rank_shorten_every_rank(tp1_reference, tmp_path, monkeypatch):
     """Rank 1 (the second pipeline stage) fails a tenth of its storage page reads; every rank takes the
     shorter prefix (the checker compares their admissions), and the outputs do not change."""
-    monkeypatch.setenv(ENV_ENABLE, "1")
-    monkeypatch.setenv(ENV_LOG_DIR, str(tmp_path / "logs"))
     debug = DebugConfig(debug_storage_fail_rate=0.1, debug_storage_fail_rank=1)
-    with cached_engine(tmp_path / "store", pp=2, debug=debug) as engine:
+    with checked_engine(monkeypatch, tmp_path / "logs", lambda: cached_engine(tmp_path / "store", pp=2, debug=debug)) as engine:
         turns = w.run(engine)
         assert w.errors(turns) == []
         assert w.tokens(turns) == w.tokens(tp1_reference)
