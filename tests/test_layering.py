@@ -33,6 +33,7 @@ LAYERS: tuple[frozenset[str], ...] = tuple(
         "sim",  # the capacity simulator: the scheduler and cache in virtual time, bench's workloads and report
         "demo __init__",
         "cli",
+        "cli_reference",  # docs/FLAGS.md, rendered from the parser cli builds
         "__main__",
     )
 )
