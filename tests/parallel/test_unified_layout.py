@@ -1,7 +1,9 @@
 """One external store shared by every compatible topology (--hicache-storage-key-scheme unified): a store
 written by TP2xPP2 is read after a restart by TP1xPP1, TP2xPP1 and TP1xPP2, which serve at least 90 %
-of the shared prefix from storage and generate what the single-rank cache-off run generates, for the
-file and the Redis backend and for `tiny` and `tiny-mla` (each store written once, module-scoped).
+of the shared prefix from storage and generate what the single-rank cache-off run generates: `tiny` (K/V
+heads cut into head groups) on the file backend and `tiny-mla` (one latent per layer range) on Redis, each
+store written once (module-scoped). Each model and each backend runs once: what a backend does with a
+layout's objects is names and byte ranges, which tests/storage/test_backend_contract.py checks for both.
 
 In the default dtype (bfloat16 on a CPU with native bf16): every TP size computes the KV's bits
 (hicache/model/kernels/tp_groups.py), and the storage layout is exact, so what a reader restores is byte for
@@ -25,8 +27,7 @@ SHARED = 320  # tokens of system prompt every request shares
 PROMPTS = [[32 + (i * 7 + c * (i > SHARED) * 13) % 90 for i in range(SHARED + 40)] for c in range(3)]
 PARAMS = SamplingParams(max_new_tokens=6, ignore_eos=True)
 GRID = dict(hicache_storage_layer_partition=2, hicache_storage_head_partition=1)
-MODELS = ("tiny", "tiny-mla")
-BACKENDS = ("file", "redis")
+STORES = [("tiny", "file"), ("tiny-mla", "redis")]  # (model, backend)
 READERS = [(1, 1), (2, 1), (1, 2)]  # (tp, pp) after a TP2xPP2 writer
 
 
@@ -86,7 +87,7 @@ def redis_store(tmp_path_factory):
         yield server.url
 
 
-@pytest.fixture(scope="module", params=[(m, b) for m in MODELS for b in BACKENDS], ids="-".join)
+@pytest.fixture(scope="module", params=STORES, ids="-".join)
 def tp2_pp2_store(request, tmp_path_factory):
     """A store written once per model and backend by TP2xPP2, for every reader topology. tiny-mla:
     the latent is the same for every head, one object per layer range, pages sharded over the
