@@ -1,4 +1,6 @@
-"""`hicache generate` as a user runs it: a real subprocess, JSON output, one-line errors with exit 2."""
+"""`hicache generate` as a user runs it: a real subprocess, JSON output, one-line errors with exit 2. A
+subprocess proves the wiring (exit status, stderr) once per kind of run; the other bad inputs go through
+the same `main()` in this process, which saves the 4 s of starting Python and torch each."""
 
 import json
 import subprocess
@@ -6,11 +8,26 @@ import sys
 
 import pytest
 
+from hicache.cli import main
 from tests.model.test_hf_loader import write_hf_dir
 
 
 def hicache(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "hicache", *args], capture_output=True, text=True, timeout=300)
+
+
+def error_line(capsys, *args: str) -> str:
+    """`hicache ARGS` run in this process: it must exit 2 with one line on stderr, returned."""
+    code = main(list(args))
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(lines) == 1, lines
+    return lines[0]
+
+
+def test_bad_input_in_a_real_process_is_one_line_and_exit_2():
+    proc = hicache("generate", "--model", "no-such-model", "--prompt", "x")
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and "unknown model" in lines[0], proc.stderr
 
 
 def test_prompts_file_runs_in_order_and_hits_cache(tmp_path):
@@ -37,27 +54,37 @@ def test_prompts_file_runs_in_order_and_hits_cache(tmp_path):
         (["--model", "tiny", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens must be positive"),
         (["--model", "tiny", "--prompt", "x", "--page-size", "12"], "power of two"),
         (["--model", "tiny"], "required"),
-        (["--model", "tiny", "--prompt", "x", "--enable-hierarchical-cache", "--hicache-storage-backend", "file",
-          "--hicache-storage-idle-ttl", "60"], "applies to --hicache-storage-backend redis only"),
+        (
+            [
+                "--model",
+                "tiny",
+                "--prompt",
+                "x",
+                "--enable-hierarchical-cache",
+                "--hicache-storage-backend",
+                "file",
+                "--hicache-storage-idle-ttl",
+                "60",
+            ],
+            "applies to --hicache-storage-backend redis only",
+        ),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(args, message):
-    proc = hicache("generate", *args)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0], proc.stderr
+def test_bad_input_is_one_line_and_exit_2(capsys, args, message):
+    assert message in error_line(capsys, "generate", *args)
 
 
-def test_a_prompt_past_a_1m_context_is_one_line_and_exit_2(tmp_path):
+def test_a_prompt_past_a_1m_context_is_one_line_and_exit_2(capsys, tmp_path):
     prompts = tmp_path / "long.jsonl"
     prompts.write_text(json.dumps("a" * (1 << 20)) + "\n")
-    proc = hicache("generate", "--model", "tiny", "--context-length", "1048576", "--prompts-file", str(prompts))
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and "context length of 1048576 tokens" in lines[0], proc.stderr
+    line = error_line(
+        capsys, "generate", "--model", "tiny", "--context-length", "1048576", "--prompts-file", str(prompts)
+    )
+    assert "context length of 1048576 tokens" in line
 
 
-def test_an_unknown_rope_scaling_is_one_line_and_exit_2(tmp_path):
+def test_an_unknown_rope_scaling_is_one_line_and_exit_2(capsys, tmp_path):
     write_hf_dir(tmp_path / "m", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
-    proc = hicache("generate", "--model", str(tmp_path / "m"), "--prompt", "x")
-    lines = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(lines) == 1 and "rope scaling 'dynamic' is not supported" in lines[0]
+    assert "rope scaling 'dynamic' is not supported" in error_line(
+        capsys, "generate", "--model", str(tmp_path / "m"), "--prompt", "x"
+    )
