@@ -24,12 +24,14 @@ def error_line(capsys, *args: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_bad_input_in_a_real_process_is_one_line_and_exit_2():
     proc = hicache("generate", "--model", "no-such-model", "--prompt", "x")
     lines = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(lines) == 1 and "unknown model" in lines[0], proc.stderr
 
 
+@pytest.mark.slow
 def test_prompts_file_runs_in_order_and_hits_cache(tmp_path):
     history = "A long shared history for every prompt. " * 10
     prompts = tmp_path / "prompts.jsonl"

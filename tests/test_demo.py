@@ -28,6 +28,7 @@ from hicache.demo import (
 )
 
 
+@pytest.mark.slow
 def test_demo_runs_four_arms_end_to_end(tmp_path: pathlib.Path) -> None:
     out = tmp_path / "demo"
     proc = subprocess.run(

@@ -11,6 +11,8 @@ import pytest
 
 from benchmarks.soak import SoakConfig, run_soak
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 
 @pytest.mark.parametrize("backend", ["file", "redis"])
 def test_soak_under_faults_answers_equal_cache_off_and_nothing_leaks(backend: str, tmp_path: Path):

@@ -26,7 +26,10 @@ def _has_serve() -> bool:
     return True
 
 
-pytestmark = pytest.mark.skipif(not _has_serve(), reason="`hicache serve` is not available")
+pytestmark = [
+    pytest.mark.skipif(not _has_serve(), reason="`hicache serve` is not available"),
+    pytest.mark.slow,  # servers: `make test-fast` leaves these out
+]
 
 WORKLOAD = [
     "--gsp-num-groups",

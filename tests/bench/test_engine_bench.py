@@ -46,6 +46,7 @@ def table_rows(text: str, header_start: str) -> dict[str, list[str]]:
     return rows
 
 
+@pytest.mark.slow
 def test_quick_mode_on_tiny_prints_every_row(capsys: pytest.CaptureFixture[str]) -> None:
     eb.main(["--quick", "--models", "tiny", "--quantizations", "none", "--dtypes", "bfloat16"])
     out = capsys.readouterr().out
@@ -149,6 +150,7 @@ def test_printed_timings_that_disagree_with_the_wall_time_are_dropped() -> None:
     assert list(peer.own) == ["prefill 2048"] and "0.26 ms for prefill 512" in peer.notes[0]
 
 
+@pytest.mark.slow
 def test_auto_counts_the_checkpoints_own_types() -> None:
     from hicache.errors import UserError
     from hicache.model.loading.gguf_loader import smollm2_path

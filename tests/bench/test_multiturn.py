@@ -24,6 +24,7 @@ def result() -> MultiTurnResult:
         return run_multiturn(server.url, multiturn_workload(tokenizer, PARAMS), tokenizer, {"ignore_eos": True})
 
 
+@pytest.mark.slow
 def test_every_turn_gets_a_first_token(result: MultiTurnResult) -> None:
     assert len(result.records) == 12 and result.failed == []
     assert all(r.ttft_s is not None and r.ttft_s > 0 for r in result.records)
@@ -33,6 +34,7 @@ def test_every_turn_gets_a_first_token(result: MultiTurnResult) -> None:
     assert [r.conv_id for r in result.records[:4]] == [r.conv_id for r in result.records[4:8]]
 
 
+@pytest.mark.slow
 def test_the_cache_serves_the_shared_system_prompt_and_earlier_turns(result: MultiTurnResult) -> None:
     groups_seen: set[int] = set()
     earlier_prompt: dict[int, int] = {}

@@ -142,6 +142,7 @@ def test_text_sampler_is_exact_for_a_trained_bpe() -> None:
         assert n_tokens(tokenizer, sampler.text(n)) == n
 
 
+@pytest.mark.slow
 def test_text_sampler_is_exact_for_smollm2() -> None:
     from hicache.model.loading.gguf_loader import smollm2_path
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import event, given, settings
 from hypothesis import strategies as st
@@ -22,6 +23,8 @@ from tests.cache.kv import PAGE, assert_kv, device_pool, one_rank, write_kv
 from tests.cache.test_hierarchical import settle
 from tests.cache.test_lookup import dump
 from tests.cache.test_reserve import restore_done
+
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
 
 SPANS = [list(range(base, base + 2 * PAGE)) for base in (10, 40, 70)]  # prompts share them as prefixes
 ACTIONS = ("open", "lookup", "admit", "reserve", "finish", "fail", "release", "evict")

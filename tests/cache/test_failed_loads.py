@@ -48,6 +48,7 @@ def assert_clean(engine: Engine) -> None:
     assert used["device"][0] == 0 and used["host"][0] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("rate", [1.0, 0.5])
 def test_failed_loads_recompute_with_equal_outputs(reference, rate):
     with cached_engine(DebugConfig(debug_load_fail_rate=rate)) as engine:
@@ -63,6 +64,7 @@ def test_failed_loads_recompute_with_equal_outputs(reference, rate):
         assert_clean(engine)
 
 
+@pytest.mark.slow
 def test_loads_that_time_out_recompute_and_their_pages_wait_for_the_copy(reference, monkeypatch):
     # The first loads' layers take 150 ms each to copy; a layer's attention waits at most 50 ms.
     slow, calls = HostKVPool.load_layer, itertools.count()
@@ -82,6 +84,7 @@ def test_loads_that_time_out_recompute_and_their_pages_wait_for_the_copy(referen
         assert_clean(engine)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp, pp", [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 def test_ranks_that_fail_different_loads_agree(reference, tp, pp):
     """Each rank draws its own failures: a load that failed on one rank is failed on all, so the ranks
@@ -101,6 +104,7 @@ def test_ranks_that_fail_different_loads_agree(reference, tp, pp):
 AGENTS = make_conversations(num_groups=4, per_group=4, system_len=300, question_len=40)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [1, 2])
 def test_a_flush_after_failed_loads_leaves_no_device_page_held(tp):
     """Issue 27: the device pool lost pages for good, a few more with every failed load."""

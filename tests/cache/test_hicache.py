@@ -49,6 +49,7 @@ def assert_clean(engine: Engine) -> None:
     assert used["device"][0] == 0 and used["host"][0] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["write_through", "write_through_selective", "write_back"])
 @pytest.mark.parametrize("layout", ["page_first", "layer_first"])
 def test_host_tier_equals_cache_off(reference, policy, layout):
@@ -77,6 +78,7 @@ def storage_kind(request):
     return "file", None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["write_through", "write_back"])
 def test_storage_after_restart_equals_cache_off(reference, tmp_path, storage_kind, policy):
     kind, redis = storage_kind
@@ -186,6 +188,7 @@ def test_redis_outage_mid_run(reference, redis_server):  # noqa: F811
         assert_clean(engine)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy", ["best_effort", "wait_complete", "timeout"])
 def test_prefetch_policies_equal_cache_off(reference, tmp_path, policy):
     cfg = _storage_cfg("file", tmp_path, hicache_storage_prefetch_policy=policy, hicache_storage_prefetch_threshold=32)
@@ -199,6 +202,7 @@ def test_prefetch_policies_equal_cache_off(reference, tmp_path, policy):
         assert_clean(engine)
 
 
+@pytest.mark.slow
 def test_failed_backups_become_misses(reference, monkeypatch):
     """A transfer that raises is logged, its pages are a miss (never served), the worker goes on."""
     from hicache.mem.host_pool import HostKVPool
@@ -246,6 +250,7 @@ def test_a_host_tier_full_of_device_copies_still_prefetches_from_storage(tmp_pat
         assert_clean(engine)
 
 
+@pytest.mark.slow
 def test_shutdown_with_storage_puts_in_flight_leaves_only_whole_objects(reference, tmp_path):
     """Shutting down while backups and storage puts are queued: each put finishes or never starts (a
     file is renamed into place whole), so the next server finds no damaged object and no temp file."""

@@ -37,6 +37,7 @@ def reference():
         return tokens(run_turns(engine, CONVS, TURNS, NEW))
 
 
+@pytest.mark.slow
 def test_device_tier_equals_cache_off_and_not_without_the_state_snapshots(reference):
     """Then the negative control: every cached page loses its recurrent-state snapshots (its KV stays), as
     in a cache that kept only attention's KV; the first turn asked again hits those pages, and its answers
@@ -61,6 +62,7 @@ def drop_state_snapshots(model, pool) -> None:
             pool.buffers[layer][:, offset : offset + numel] = 0
 
 
+@pytest.mark.slow
 def test_host_memory_then_file_storage_after_a_restart_equal_cache_off(reference, tmp_path):
     store = HiCacheConfig(
         enable_hierarchical_cache=True,

@@ -5,6 +5,7 @@ were, also where the prompt's match ends inside a node (which a match splits) an
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -69,6 +70,7 @@ def query(data, tree: RadixTree) -> list[int]:
     return cut + data.draw(seqs)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(
     prompts=st.lists(seqs, min_size=1, max_size=8),

@@ -33,6 +33,7 @@ def sliding_tier(engine: Engine):
     return engine.call_in_loop(lambda: engine._runtime.scheduler.cache.device.sliding)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("hierarchical", [False, True], ids=["device", "host"])
 def test_conversations_longer_than_windows_under_sliding_eviction_equal_cache_off(reference, hierarchical,
                                                                                    tmp_path):  # fmt: skip

@@ -42,6 +42,7 @@ def pairs(draw) -> tuple[Handshake, Handshake]:
     return tuple(server(num_layers, num_kv_heads, tp, pp, cp) for tp, pp, cp in sides)  # type: ignore[return-value]
 
 
+@pytest.mark.slow
 @settings(max_examples=150, deadline=None)
 @given(pairs())
 def test_every_decode_rank_gets_its_shard_exactly_once_and_both_sides_agree_on_the_plan(pair):

@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from hicache import Engine, SamplingParams
 from hicache.config import DisaggConfig, EngineConfig, HiCacheConfig, ParallelConfig
 from tests.disagg.pd import PDPair, free_ports
 from tests.disagg.test_engines import assert_no_leaks, conversations, extend
+
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
 
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True, logprobs=2)
 

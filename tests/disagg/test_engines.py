@@ -65,6 +65,7 @@ def assert_no_leaks(*engines: Engine) -> None:
         assert engine.leak_report() == []
 
 
+@pytest.mark.slow
 @pytest.mark.dtype_sensitive  # a store cap or byte count in the dtype `--dtype auto` takes here
 def test_router_style_pairs_equal_one_cache_off_engine_turn_after_turn(engines):
     rng = random.Random(1)
@@ -131,6 +132,7 @@ def test_figure5_decode_restores_b_and_prefill_sends_only_c(engines):
     assert_no_leaks(reuse.prefill, reuse.decode)
 
 
+@pytest.mark.slow
 def test_restores_of_different_requests_are_in_flight_at_once():
     port = free_ports(1)
     pre = prefill_engine(port)
@@ -166,6 +168,7 @@ def test_restores_of_different_requests_are_in_flight_at_once():
         dec.shutdown()
 
 
+@pytest.mark.slow
 def test_a_cancelled_half_fails_the_other_cleanly_and_locks_balance(engines):
     reuse, ref = engines["reuse"], engines["ref"]
     rng = random.Random(9)
@@ -207,6 +210,7 @@ def test_a_cancelled_half_fails_the_other_cleanly_and_locks_balance(engines):
     assert_no_leaks(reuse.prefill, reuse.decode)
 
 
+@pytest.mark.slow
 def test_many_chunks_stage_at_most_two_and_answer_as_cache_off(engines):
     pd, ref = engines["streaming"], engines["ref"]
     rng = random.Random(11)
@@ -252,6 +256,7 @@ def test_a_decode_gone_mid_transfer_frees_the_pages_prefill_kept_for_it(engines)
     assert turn.decode.token_ids == ref.generate([prompt[:400]], PARAMS)[0].token_ids
 
 
+@pytest.mark.slow
 def test_a_prefill_that_computes_longer_than_the_transfer_timeout_still_lands(engines):
     """Decode's wait for KV counts from prefill's last word (WORKING, sent while the request is queued or
     computing), not from the request's start: a cold prompt whose prefill takes several timeouts lands."""

@@ -13,6 +13,8 @@ from hicache.config import DisaggConfig, EngineConfig, HiCacheConfig
 from tests.disagg.pd import PDPair, free_ports
 from tests.model.hf_reference import save_checkpoint
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 PAGE = 16
 PARAMS = SamplingParams(max_new_tokens=8, ignore_eos=True)
 QUESTION = 20

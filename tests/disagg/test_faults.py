@@ -17,6 +17,8 @@ import pytest
 from tests.disagg.deployment import DECODE_REUSE, complete, decode_counters, ports, prefill_args, router, serve, started
 from tests.server.server_harness import assert_no_leaks, metric, scrape
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 SLOW = ("--disaggregation-transfer-chunk-pages", "4", "--debug-disagg-chunk-delay-ms", "100")
 
 

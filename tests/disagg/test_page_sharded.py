@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import pathlib
 
+import pytest
+
 from tests.disagg.deployment import (
     DECODE_REUSE,
     check_turns,
@@ -23,6 +25,8 @@ from tests.disagg.deployment import (
 )
 from tests.disagg.pd import free_ports
 from tests.server.server_harness import assert_no_leaks
+
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
 
 
 def recorded(logs: pathlib.Path, prompts: list[tuple[int, list[int]]]) -> dict[tuple[int, ...], object]:

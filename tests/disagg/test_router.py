@@ -77,6 +77,7 @@ def stream_text(url: str, path: str, body: dict) -> tuple[str, dict]:
     return "".join(text), usage
 
 
+@pytest.mark.slow
 def test_through_the_router_equals_one_cache_off_server(deployment):
     ref = deployment["ref"]
     history = "You are a careful assistant. " * 12
@@ -107,6 +108,7 @@ def test_through_the_router_equals_one_cache_off_server(deployment):
         messages.append({"role": "assistant", "content": expected_chat["message"]["content"]})
 
 
+@pytest.mark.slow
 def test_transferred_tokens_are_prompt_minus_decode_prefix_len(deployment):
     history = list(range(40, 120)) * 3  # token ids: exact lengths
     for turn in range(4):
@@ -129,6 +131,7 @@ def test_transferred_tokens_are_prompt_minus_decode_prefix_len(deployment):
         history += list(range(60 + turn, 112 + turn))  # the next turn's answer and question
 
 
+@pytest.mark.slow
 def test_several_servers_of_each_role_share_the_requests(deployment):
     front, ref = deployment["router_many"], deployment["ref"]
     sent = {
@@ -145,6 +148,7 @@ def test_several_servers_of_each_role_share_the_requests(deployment):
         assert metric(scrape(deployment[name]), "hicache_disagg_transfers_total", outcome="ok") > 0
 
 
+@pytest.mark.slow
 def test_cache_aware_picks_the_prefill_and_the_decode_server_each_by_its_own_cache(deployment):
     """Turn after turn, a conversation meets the prefill server that computed its history (a hit there)
     and the decode server that kept it (its decode prefix grows); answers equal a cache-off server's."""
@@ -181,6 +185,7 @@ def test_cache_aware_picks_the_prefill_and_the_decode_server_each_by_its_own_cac
         history += list(range(60 + turn, 112 + turn))  # the next turn's answer and question
 
 
+@pytest.mark.slow
 def test_bad_input_gets_an_openai_error_and_the_router_keeps_serving(deployment):
     front = deployment["router"]
     cases = [
@@ -207,6 +212,7 @@ def test_bad_input_gets_an_openai_error_and_the_router_keeps_serving(deployment)
         assert_no_leaks(deployment[name])
 
 
+@pytest.mark.slow
 def test_a_server_of_the_wrong_role_is_refused_at_start_up(deployment):
     refusal = router_refusal(deployment["prefill"], deployment["ref"])
     assert "--disaggregation-mode null, but was given as a decode server" in refusal

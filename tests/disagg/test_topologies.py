@@ -23,6 +23,8 @@ from tests.disagg.deployment import (
 from tests.disagg.pd import free_ports
 from tests.server.server_harness import assert_no_leaks
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory):

@@ -13,6 +13,8 @@ from hicache.engine.build import activation_dtype
 from hicache.model.loading.loader import load_model
 from tests.model.test_quant import NATIVE_KERNELS
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 CPU = torch.device("cpu")
 
 

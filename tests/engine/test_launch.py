@@ -16,6 +16,8 @@ from hicache.config import ParallelConfig
 from hicache.engine.launch import free_port
 from tests.server.server_harness import REPO, spawn_server
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 PROMPTS = ["The cache keeps the history; " * 12, "The cache keeps the history; " * 12 + "and the answer?"]
 NEW = 8
 

@@ -102,6 +102,7 @@ def served(tmp_path_factory):
     lossy.close()
 
 
+@pytest.mark.slow
 def test_events_agree_with_the_servers_counts_per_tier(served):
     usage, counts = served["workload"]
     assert counts["device"] > 0 and counts["host"] > 0 and counts["storage"] > 0, counts
@@ -114,6 +115,7 @@ def test_events_agree_with_the_servers_counts_per_tier(served):
     assert served["whole"].resyncs == 1  # only to start: it missed nothing
 
 
+@pytest.mark.slow
 def test_a_subscriber_that_misses_messages_resynchronises(served):
     resyncs, seq, counts, same_pages = served["lossy"]
     assert served["held"] > 6
@@ -160,6 +162,7 @@ def test_an_endpoint_taken_or_malformed_is_a_clear_error():
     assert not recorder.enabled  # closed: the cache records nothing more
 
 
+@pytest.mark.slow
 @pytest.mark.dtype_sensitive  # a store cap or byte count in the dtype `--dtype auto` takes here
 def test_what_a_capped_store_evicts_is_removed_from_storage_in_the_events(tmp_path):
     """The file store's own cap evicts objects during this server's puts: the events remove their pages,

@@ -24,6 +24,8 @@ from tests.fleet.netns import Host, network, unavailable
 from tests.server.server_harness import REPO, ServerProcess, metric, scrape
 from tests.storage.redis_server import RedisServer
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 PAGE = 16
 NEW = 6
 HISTORIES = [f"Conversation {i} keeps its whole history on one host of the fleet. " * 5 for i in range(2)]

@@ -115,6 +115,7 @@ def test_variant_environment_took_effect():
         assert torch.get_num_threads() == 1
 
 
+@pytest.mark.slow
 def test_every_chunk_size_gives_the_whole_prefill_logits(model):
     """Chunks of c rows compare every position of a c-row call with the same row in one prefill;
     c = 1 makes every token a decode step of its own."""
@@ -131,6 +132,7 @@ def test_every_chunk_size_gives_the_whole_prefill_logits(model):
             assert torch.equal(whole, shared), f"chunks of {c} sharing steps: {_first_difference(whole, shared)}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("length", [560, 1300])
 def test_long_prefix_in_random_chunks(model, loaded, length):
     """Prefixes across several 512-key blocks and query pieces, in random chunks with an unrelated
@@ -151,6 +153,7 @@ def test_long_prefix_in_random_chunks(model, loaded, length):
     assert torch.equal(whole, chunked), _first_difference(whole, chunked)
 
 
+@pytest.mark.slow
 def test_batched_decode_equals_each_sequence_alone(model):
     """B decode steps in one call (their key blocks batched in kernel calls) give each
     sequence's logits as decoding it alone; also against the row inside a prefill of the sequence."""
@@ -180,6 +183,7 @@ def test_batched_decode_equals_each_sequence_alone(model):
             assert torch.equal(logits[j], alone[i]), f"batch of {size}: sequence of length {lengths[i]} differs"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(bool(os.environ.get(VARIANT_ENV)), reason="already inside a forced-variant run")
 @pytest.mark.parametrize("variant", OTHER_PATHS)
 def test_invariance_on_other_code_paths(variant, tmp_path):

@@ -16,6 +16,7 @@ REMAINDERS = (0, 1, 511, 512, 513, BLOCK - 1)
 DTYPES = [torch.float32, torch.bfloat16]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_block_count_and_remainder_gives_the_rows_alone(dtype):
     """k * BLOCK + r keys for k = 0..16 and r in every remainder class: each sequence's last 4 rows as
@@ -24,6 +25,7 @@ def test_every_block_count_and_remainder_gives_the_rows_alone(dtype):
     assert block_attention_probe(lengths, BLOCK, dtype, CPU, chunk=4) == []
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_chunks_across_query_pieces_and_blocks_give_the_rows_alone(dtype):
     """Chunks longer than a query piece (Q_PIECE rows) whose rows cross block boundaries, with GQA

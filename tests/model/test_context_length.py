@@ -37,6 +37,7 @@ def test_a_checkpoint_refuses_a_context_longer_than_it_supports(tmp_path: pathli
         assert engine.context_length == 64
 
 
+@pytest.mark.slow
 def test_tiny_generates_past_4096_positions_with_the_cache_as_without() -> None:
     """A 4,200-token prompt reaches positions tiny could not before; with the cache its prefix comes from an
     earlier request, and the answer is the cache-off one."""

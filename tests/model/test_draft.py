@@ -31,6 +31,7 @@ def build(loaded, dtype=torch.float32):
     return build_decoder(loaded, ParallelContext(), dtype, CPU)
 
 
+@pytest.mark.slow
 def test_the_packed_draft_is_the_targets_first_layers_with_its_kv_geometry(tiny):
     draft = load_draft("tiny-draft-packed", tiny)
     assert draft.config.num_layers < tiny.config.num_layers and draft.weights is tiny.weights

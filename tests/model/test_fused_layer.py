@@ -28,6 +28,7 @@ def _python_tail(layer, hidden: torch.Tensor, attn: torch.Tensor, eps: float) ->
     return hidden + layer.down_proj(ops.silu_mul(layer.gate_up(x)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "fmt", "dtype"), [("tiny", "int4", torch.float32), ("tiny", "int8", torch.bfloat16),
                                                     ("smollm2", "checkpoint", torch.float32)])  # fmt: skip
 def test_the_head_and_tail_are_the_layers_python_path_bit_for_bit(name, fmt, dtype):

@@ -37,6 +37,7 @@ def smollm2() -> LoadedModel:
     return load_gguf(path, "smollm2")
 
 
+@pytest.mark.slow
 def test_config(smollm2: LoadedModel) -> None:
     c = smollm2.config
     assert (c.num_layers, c.hidden_size, c.intermediate_size) == (30, 576, 1536)
@@ -50,6 +51,7 @@ def test_config(smollm2: LoadedModel) -> None:
     assert re.fullmatch(r"[0-9a-f]{64}", smollm2.identity)
 
 
+@pytest.mark.slow
 def test_weights_named_and_shaped(smollm2: LoadedModel) -> None:
     expected = expected_weight_shapes(smollm2.config)
     assert "lm_head.weight" not in expected
@@ -147,6 +149,7 @@ def _reference_logits(model: LoadedModel, ids: list[int]) -> torch.Tensor:
     return rms(x[-1], w["model.norm.weight"]) @ w["model.embed_tokens.weight"].T
 
 
+@pytest.mark.slow
 def test_weights_reproduce_reference_greedy_steps(smollm2: LoadedModel, reference: dict) -> None:
     # End-to-end check of dequantization, orientation and the q/k un-permutation: the wrong permutation
     # direction produces gibberish here (log-prob errors of ~10 nats).

@@ -48,6 +48,7 @@ def fresh_pool(model: HybridModel) -> DeviceKVPool:
     return DeviceKVPool(model.kv_layout, model.num_local_layers, 3 * REGION // PAGE, PAGE, model.dtype, model.device)
 
 
+@pytest.mark.slow
 def test_the_self_check_passes_and_the_layout_holds_the_recurrent_state(model):
     assert model.invariance is not None and model.invariance.verified, model.invariance
     # The recurrent layer's columns (k, v, gate: 66; a snapshot share: 32) lie over attention's K and V

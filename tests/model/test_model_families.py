@@ -41,6 +41,7 @@ def hicache_logprobs(loaded, ids: list[int]) -> torch.Tensor:
     return torch.log_softmax(feed(model, pool, torch.tensor(ids), [len(ids) - 5, len(ids)], 0).float(), dim=-1)
 
 
+@pytest.mark.slow
 def test_every_position_is_the_references_within_a_millinat(checkpoint):
     """Prefill in two chunks (the second a decode-sized one): every position's distribution, not only its argmax."""
     family, root, reference = checkpoint
@@ -127,6 +128,7 @@ MUTATIONS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutation", sorted(MUTATIONS))
 def test_a_family_part_changed_fails_the_reference_check(mutation, tmp_path):
     """Each part the families add is seen by the reference check: with it changed, some position is off
@@ -137,6 +139,7 @@ def test_a_family_part_changed_fails_the_reference_check(mutation, tmp_path):
     assert (ours - reference_logprobs(reference, PROMPT)).abs().max().item() > 100 * NATS
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_the_native_head_computes_qwens_biases_and_qk_norm_bit_for_bit(family, tmp_path):
     """In int8 (the native kernels' format) a Qwen layer's head (q/k/v biases, QK-norm) is one native call:
@@ -158,6 +161,7 @@ def test_the_native_head_computes_qwens_biases_and_qk_norm_bit_for_bit(family, t
                 assert torch.equal(q, expected_q) and torch.equal(kv, model.attention_layout.pack({"k": k, "v": v}))
 
 
+@pytest.mark.slow
 def test_the_fused_native_layer_stands_in_only_for_the_parts_it_computes(tmp_path, monkeypatch):
     """The native tail computes Llama's parts, not Gemma's output norms and GELU: a Gemma 2 in int8 keeps its
     Python tail and transformers' answer within int8's error; were the tail to claim Gemma's parts
@@ -174,6 +178,7 @@ def test_the_fused_native_layer_stands_in_only_for_the_parts_it_computes(tmp_pat
     assert (hicache_logprobs(loaded, PROMPT) - theirs).abs().max().item() > 4 * INT8_NATS  # 5.8 nats
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_the_gguf_llama_cpp_converts_it_to_is_the_reference_too(family, tmp_path):
     """llama.cpp infers some of Gemma's config: scores scaled by head_dim ** -0.5 (every size but 27B) and

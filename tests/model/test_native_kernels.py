@@ -52,6 +52,7 @@ def test_the_activation_quantization_is_the_documented_one_and_keeps_16_bits(row
     assert torch.equal(s, e * codes.sum(-1))
 
 
+@pytest.mark.slow
 @settings(max_examples=30, deadline=None)
 @given(fmt=st.sampled_from(quant.FORMATS), dtype=st.sampled_from(DTYPES), panels=st.integers(1, 40),
        groups=st.integers(1, 24), rows=st.integers(1, 40), seed=st.integers(0, 2**16))  # fmt: skip

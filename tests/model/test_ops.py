@@ -123,6 +123,7 @@ def test_plans_are_remembered_per_platform_and_a_broken_file_is_measured_again(t
     assert LinearPlanner(cpu, torch.float32, tmp_path).plan(weight) == plan
 
 
+@pytest.mark.slow
 def test_a_stale_remembered_plan_is_measured_again_when_the_self_check_fails(monkeypatch, tmp_path):
     """A plans file from another state of the machine must not stand between a user and the cache."""
     monkeypatch.setitem(ops.BACKENDS, RowCountDependent.name, RowCountDependent())

@@ -27,6 +27,7 @@ def smollm2():
     return load_model("smollm2")
 
 
+@pytest.mark.slow
 def test_gguf_codes_dequantize_to_the_loaded_weights(smollm2):
     # The kept codes are the file's: their values are bitwise the dequantized float32 weights
     # (after the q/k row permutation, which both follow).
@@ -147,6 +148,7 @@ def test_quantization_resolves_per_checkpoint_dtype_and_request(smollm2):
     assert (without_native != with_weight_format(smollm2, "int8", CPU).identity) == NATIVE_KERNELS
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_checkpoint_format_keeps_each_tensor_in_its_own(smollm2, tmp_path):
     factory = LinearFactory(CHECKPOINT, torch.bfloat16, CPU, LinearPlanner(CPU, torch.bfloat16, tmp_path))

@@ -18,6 +18,8 @@ from hicache import Engine, SamplingParams
 from tests.fixtures import SMOLLM2_REFERENCE
 from tests.model.test_quant import BF16_KERNELS, NATIVE_KERNELS
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 # auto keeps the codes with bf16 activations (aten's packed or the native kernels) and, where the
 # native kernels are built (hicache/model/kernels/native.py), with float32 ones too.
 DTYPES = [

@@ -17,6 +17,7 @@ def reference() -> dict:
     return json.loads(SMOLLM2_REFERENCE.read_text())
 
 
+@pytest.mark.slow
 def test_float32_matches_reference_tokens_and_logprobs(reference):
     # Tolerance: the fixture's float32 reference and ours differ only in summation order, ~1e-5 nats
     # measured; 1e-3 leaves room for other CPUs' kernels.
@@ -53,6 +54,7 @@ VALUE_MAX = 0.5
 VALUE_RMS = 0.12  # 1.4x the worse path's measured rms
 
 
+@pytest.mark.slow
 def test_bfloat16_stays_near_reference(reference):
     """Teacher-forced: step s is the engine's next token after the prompt and the reference's first s
     greedy tokens, so every step of the fixture is compared, not only those before a near-tie."""
@@ -83,6 +85,7 @@ def engines():
         yield on, off
 
 
+@pytest.mark.slow
 def test_the_defaults_serve_the_checkpoints_codes_in_float32(engines):
     on, _ = engines
     if NATIVE_KERNELS:
@@ -91,6 +94,7 @@ def test_the_defaults_serve_the_checkpoints_codes_in_float32(engines):
         assert on.weight_format == "none"
 
 
+@pytest.mark.slow
 def test_chat_answers_paris(engines, reference):
     on, _ = engines
     messages = reference["chat_template_example"]["messages"]
@@ -102,6 +106,7 @@ def test_chat_answers_paris(engines, reference):
     assert "<|im_end|>" not in result.text
 
 
+@pytest.mark.slow
 def test_three_turn_conversation_same_with_cache(engines):
     on, off = engines
     questions = ["Tell me about the Eiffel Tower.", "How tall is it?", "Who designed it?"]

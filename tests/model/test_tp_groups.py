@@ -92,6 +92,7 @@ def _rank4(rank: int, init: str, results) -> None:
     _rank(rank, init, results, 4)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("tp,target", [(2, _rank2), (3, _rank3), (4, _rank4)])
 def test_every_tp_size_sums_the_groups_to_the_bits_of_one_rank(tp, target) -> None:

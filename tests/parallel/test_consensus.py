@@ -87,10 +87,12 @@ def outcomes() -> dict[int, dict]:
     return outcomes_of(_rank, TP * PP)
 
 
+@pytest.mark.slow
 def test_first_stage_agrees_on_the_min_and_later_stages_follow(outcomes):
     assert [outcomes[r]["agreed"] for r in range(4)] == [2, 2, 2, 2]
 
 
+@pytest.mark.slow
 def test_a_later_stage_leaves_extra_acks_queued(outcomes):
     assert outcomes[2]["left"] == 3 and outcomes[2]["left_ready"] == 3  # ready, but not agreed on yet
 

@@ -12,6 +12,8 @@ from hicache.config import HiCacheConfig, ParallelConfig
 from hicache.errors import RequestTooLargeError
 from tests.conversations import make_conversations, run_turns
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 POOL_TOKENS = 1024  # per rank
 PAGE = 16
 PROMPT = [40 + i % 80 for i in range(PAGE * 20)] + [7]  # 20 full pages and one token

@@ -9,6 +9,8 @@ from hicache.config import ParallelConfig
 from tests.parallel import workload as w
 from tests.parallel.test_parallel_tiers import assert_ranks_agree, checked_engine, run_equal_to
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 
 def mla_engine(storage_dir, cp=1, tp=1) -> Engine:
     return Engine(

@@ -9,6 +9,8 @@ from tests.parallel import workload as w
 from tests.parallel.test_cp_mla import mla_engine
 from tests.parallel.test_cp_tiers import first_turn_prompts
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 
 @pytest.mark.timeout(240)
 def test_mla_cp2_tp2_every_shard_rank_writes_and_a_restart_reads_them(tmp_path):

@@ -7,6 +7,7 @@ pages not restored yet, so the check would fail if the order broke."""
 
 import logging
 
+import pytest
 import torch
 
 from hicache.cache.device_tier import DeviceTier
@@ -19,6 +20,8 @@ from hicache.mem.kv_layout import KVLayout
 from hicache.model.attention.kv_gather import GatherPlan, GatherStats, PrefixGather, ScratchBuffers
 from hicache.parallel.consensus import Consensus
 from tests.parallel.ranks import outcomes_of, report
+
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
 
 PAGE, LAYERS, PAGES = 4, 4, 6
 LAYOUT = KVLayout.mha(1, 8)

@@ -17,6 +17,8 @@ from hicache.config import DebugConfig, ParallelConfig
 from tests.parallel import workload as w
 from tests.parallel.test_parallel_tiers import assert_clean, assert_ranks_agree, checked_engine, run_equal_to
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 
 @pytest.fixture(scope="module")
 def reference():
@@ -39,7 +41,9 @@ def cp_engine(storage_dir, cp=2, tp=1, pp=1, delay_ms=0.0) -> Engine:
 def test_cp2_with_delayed_transfers_equals_single_rank_cache_off(reference, tmp_path, monkeypatch, pp):
     """At PP2 each stage's CP pair shards its layers' pages alike; the first stage's agreed decisions
     go down the pipeline as without CP."""
-    with checked_engine(monkeypatch, tmp_path / "logs", lambda: cp_engine(tmp_path / "store", pp=pp, delay_ms=50)) as engine:
+    with checked_engine(
+        monkeypatch, tmp_path / "logs", lambda: cp_engine(tmp_path / "store", pp=pp, delay_ms=50)
+    ) as engine:
         turns = run_equal_to(engine, reference)
         assert sum(len(t) for t in turns) == len(w.CONVS) * w.TURNS
         stats = engine.cache_stats()

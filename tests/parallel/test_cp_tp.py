@@ -10,6 +10,8 @@ from tests.parallel import workload as w
 from tests.parallel.test_cp_tiers import cp_engine
 from tests.parallel.test_parallel_tiers import assert_ranks_agree, checked_engine, run_equal_to
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 
 @pytest.mark.timeout(300)
 def test_cp2_tp2_equals_tp2_cache_off(tmp_path, monkeypatch):

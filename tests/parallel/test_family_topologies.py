@@ -23,6 +23,7 @@ def tokens(engine: Engine) -> tuple[list[list[int]], int]:
     return [r.token_ids for r in results], sum(r.cached_tokens for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize(
     "family,topology",

@@ -10,6 +10,8 @@ from tests.parallel import workload as w
 from tests.parallel.test_cp_mla import mla_engine
 from tests.parallel.test_parallel_tiers import run_equal_to
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 
 @pytest.mark.timeout(240)
 def test_tiny_mla_tp2_shards_its_latent_pages_over_tp_and_equals_tp2_cache_off(tmp_path):

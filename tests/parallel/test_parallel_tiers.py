@@ -20,6 +20,8 @@ from hicache.config import DebugConfig, ParallelConfig
 from hicache.debug.consensus_checker import DIVERGENCE, ENV_ENABLE, ENV_LOG_DIR
 from tests.parallel import workload as w
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 
 @pytest.fixture(scope="module")
 def tp1_reference():
@@ -144,7 +146,9 @@ def test_storage_reads_failing_on_one_rank_shorten_every_rank(tp1_reference, tmp
     """Rank 1 (the second pipeline stage) fails a tenth of its storage page reads; every rank takes the
     shorter prefix (the checker compares their admissions), and the outputs do not change."""
     debug = DebugConfig(debug_storage_fail_rate=0.1, debug_storage_fail_rank=1)
-    with checked_engine(monkeypatch, tmp_path / "logs", lambda: cached_engine(tmp_path / "store", pp=2, debug=debug)) as engine:
+    with checked_engine(
+        monkeypatch, tmp_path / "logs", lambda: cached_engine(tmp_path / "store", pp=2, debug=debug)
+    ) as engine:
         turns = w.run(engine)
         assert w.errors(turns) == []
         assert w.tokens(turns) == w.tokens(tp1_reference)

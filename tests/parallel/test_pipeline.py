@@ -61,12 +61,14 @@ def outcomes() -> dict[int, dict]:
     return outcomes_of(_rank, MESH.world_size)
 
 
+@pytest.mark.slow
 def test_hidden_states_reach_the_same_tp_index_on_the_next_stage_exactly(outcomes):
     assert outcomes[0]["received"] is None and outcomes[1]["received"] is None  # the first stage embeds
     assert outcomes[2]["received"] == hidden_of(0).float().tolist()  # rank 2 = (pp 1, tp 0) from rank 0
     assert outcomes[3]["received"] == hidden_of(1).float().tolist()  # rank 3 = (pp 1, tp 1) from rank 1
 
 
+@pytest.mark.slow
 def test_only_the_last_stages_first_tp_rank_samples(outcomes):
     assert [outcomes[r]["samples_here"] for r in range(4)] == [False, False, True, False]
 

@@ -18,6 +18,8 @@ import pytest
 from hicache import Engine, SamplingParams
 from hicache.config import HiCacheConfig, ParallelConfig
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 PAGE = 16
 SYSTEM = [32 + (i * 7) % 90 for i in range(256)]  # every conversation's shared system prompt
 QUESTIONS = 3  # conversations

@@ -98,6 +98,7 @@ def tp2_pp2_store(request, tmp_path_factory):
     return model, backend, where
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("tp,pp", READERS)
 def test_written_by_tp2_pp2_read_by_another_topology(tp2_pp2_store, tp, pp):
@@ -105,6 +106,7 @@ def test_written_by_tp2_pp2_read_by_another_topology(tp2_pp2_store, tp, pp):
     read(model, backend, where, tp, pp, reference(model))
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("writer,reader", [(2, 1), (1, 2)])
 def test_page_sharded_cp_writers_and_readers_of_another_cp_size(tmp_path, writer, reader):
@@ -121,6 +123,7 @@ def test_a_misaligned_grid_is_refused_at_start_up(tmp_path):
         engine("tiny", "file", str(tmp_path), tp=2, hicache_storage_head_partition=2)
 
 
+@pytest.mark.slow
 def test_another_page_size_gets_no_hits(tmp_path):
     where = str(tmp_path)
     write("tiny", "file", where, tp=1, pp=1)

@@ -93,6 +93,7 @@ def conversations(urls: list[str], n: int) -> list[list[dict]]:
     return out
 
 
+@pytest.mark.slow
 def test_a_second_turn_goes_where_the_first_was_served(fleet):
     urls = fleet["servers"]
     convs = conversations(urls, 4)
@@ -114,6 +115,7 @@ def test_a_second_turn_goes_where_the_first_was_served(fleet):
     assert elsewhere, "first-message would have sent some second turns to the server without their history"
 
 
+@pytest.mark.slow
 def test_with_dead_events_endpoints_the_router_serves_by_load(fleet):
     urls = fleet["servers"]
     landed = set()
@@ -125,6 +127,7 @@ def test_with_dead_events_endpoints_the_router_serves_by_load(fleet):
     assert landed == {0, 1}, "nothing known of any cache: the least loaded, in turn"
 
 
+@pytest.mark.slow
 def test_a_servers_tokenize_is_what_it_admits(fleet):
     """What the cache-aware router hashes is the prompt the server computes, chat template included (a
     batch: its first prompt); a wrong model is refused as a generation would be."""

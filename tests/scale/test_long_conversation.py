@@ -21,6 +21,8 @@ from hicache.config import DisaggConfig, EngineConfig, HiCacheConfig, ParallelCo
 from tests.disagg.pd import PDPair, free_ports
 from tests.disagg.test_engines import assert_no_leaks, conversations, extend
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 PAGE = 16
 SYSTEM = 1_000
 QUESTION = 10_600

@@ -20,6 +20,7 @@ def reference():
     return convs, _tokens(turns)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "flags",
     [

@@ -15,6 +15,7 @@ def engine():
         yield e
 
 
+@pytest.mark.slow
 def test_new_request_joins_running_decode_batch(engine):
     long = engine.submit(list(range(40, 90)), SamplingParams(max_new_tokens=200, ignore_eos=True))
     events = iter(long)
@@ -47,6 +48,7 @@ def test_request_that_can_never_fit_fails_at_once():
         assert e.generate([[65, 66]], SamplingParams(max_new_tokens=2))[0].finish_reason in ("length", "stop")
 
 
+@pytest.mark.slow
 def test_requests_larger_than_free_memory_wait_their_turn():
     # Each request needs most of the pool: they must run one after another, never run out mid-way.
     with Engine(model="tiny", max_total_tokens=512, page_size=16) as e:

@@ -250,12 +250,14 @@ def check_no_5xx(client: TestClient, path: str, body: object) -> None:
     assert_healthy(client)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(body=bodies({"model": "tiny", "prompt": "hi", "max_tokens": 4}, "prompt", prompts))
 def test_random_completion_bodies(app_client: TestClient, body: object) -> None:
     check_no_5xx(app_client, COMPLETIONS, body)
 
 
+@pytest.mark.slow
 @FUZZ
 @given(
     body=bodies(
@@ -294,6 +296,7 @@ def test_a_timed_out_request_is_a_504_and_the_server_keeps_serving():
         assert client.post("/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
 
 
+@pytest.mark.slow
 def test_a_client_gone_while_sending_its_body_is_not_an_error(server_processes: dict[str, ServerProcess]) -> None:
     """A router cancelling its copy of a request, or a killed curl, leaves a body half sent: the server
     logs a line, not a traceback, and keeps serving."""

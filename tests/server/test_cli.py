@@ -6,7 +6,11 @@ import socket
 import subprocess
 import sys
 
+import pytest
+
 from tests.server.server_harness import REPO
+
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
 
 
 def test_unusable_port_is_one_line() -> None:

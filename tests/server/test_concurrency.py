@@ -63,6 +63,7 @@ async def one_by_one_then_together(url: str) -> tuple[list, list, int]:
     return alone, list(together), await watcher
 
 
+@pytest.mark.slow
 def test_concurrent_streams_match_sequential_answers(server: str) -> None:
     alone, together, peak = asyncio.run(one_by_one_then_together(server))
     assert together == alone
@@ -70,6 +71,7 @@ def test_concurrent_streams_match_sequential_answers(server: str) -> None:
     assert_no_leaks(server)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_cancels_the_request(server: str, stream: bool) -> None:
     before = scrape(server)

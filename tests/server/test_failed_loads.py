@@ -8,8 +8,11 @@ import pathlib
 import random
 
 import openai
+import pytest
 
 from tests.server.server_harness import assert_no_leaks, metric, running_servers, scrape
+
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
 
 GROUPS, PER_GROUP, TURNS = 4, 4, 4
 # A device pool smaller than the agents' histories, so turns load them back from host memory; two loads in

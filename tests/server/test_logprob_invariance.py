@@ -14,6 +14,8 @@ from openai import OpenAI
 
 from tests.server.server_harness import assert_no_leaks, running_servers
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 SYSTEM = "You are a terse assistant for a travel agency; answer in one sentence. " * 12
 CONVERSATIONS = {
     "ana": ["Where is Lisbon?", "What river runs through it?", "Name a dish from there."],

@@ -13,6 +13,8 @@ import pytest
 
 from tests.server.server_harness import running_servers
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 STREAMS = 4
 
 

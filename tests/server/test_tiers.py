@@ -6,8 +6,11 @@ from __future__ import annotations
 import pathlib
 
 import httpx
+import pytest
 
 from tests.server.server_harness import assert_no_leaks, metric, running_servers, scrape
+
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
 
 HISTORIES = ["alpha history " * 20, "bravo history " * 20, "charlie story " * 20]
 

@@ -28,6 +28,7 @@ def _simulated(cfg: EngineConfig) -> list[dict[str, int]]:
         simulator.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_simulated_cp2_server_hits_as_a_real_one_request_by_request():
     cfg = _config(HOST, cp=2)

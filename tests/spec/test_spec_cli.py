@@ -4,7 +4,11 @@ exit 2, naming the field."""
 
 import json
 
+import pytest
+
 from tests.test_cli import hicache
+
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
 
 SPEC = ("--speculative-algorithm", "draft", "--speculative-draft-model")
 

@@ -18,6 +18,7 @@ from tests.parallel.workload import tokens
 from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("draft,layout", [("tiny-draft-packed", "page_first"), ("tiny-draft-sidecar", "layer_first")])
 def test_device_host_and_storage_hits_keep_outputs_and_acceptance(
     reference, cache_off_acceptance, tmp_path, draft, layout
@@ -44,6 +45,7 @@ def test_device_host_and_storage_hits_keep_outputs_and_acceptance(
         assert_clean(engine)
 
 
+@pytest.mark.slow
 def test_without_the_drafts_restore_the_draft_recomputes_and_outputs_stay(reference, cache_off_acceptance, tmp_path):
     draft = "tiny-draft-sidecar"
     debug = DebugConfig(debug_skip_draft_restore=True)
@@ -60,6 +62,7 @@ def test_without_the_drafts_restore_the_draft_recomputes_and_outputs_stay(refere
         assert_clean(e)
 
 
+@pytest.mark.slow
 def test_a_store_without_the_drafts_pages_cuts_the_hit(reference, cache_off_acceptance, tmp_path):
     cfg = tiers(tmp_path)
     with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg) as engine:  # written without a draft

@@ -8,12 +8,16 @@ changes and the outputs do not. At TP2, PP2 and TP2xCP2: tests/spec/test_spec_to
 
 from __future__ import annotations
 
+import pytest
+
 from hicache import Engine, SamplingParams
 from hicache.config import DebugConfig
 from tests.conversations import run_turns
 from tests.parallel.workload import tier_totals as hits
 from tests.parallel.workload import tokens
 from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
+
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
 
 DRAFT = "tiny-mtp"
 NEW_HERE = 48  # enough accepted proposals that rows made of the head's own hidden states would show

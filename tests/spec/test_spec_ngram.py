@@ -15,6 +15,8 @@ from tests.parallel.workload import tier_totals as hits
 from tests.parallel.workload import tokens
 from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, K, acceptance, assert_clean, tiers
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 NGRAM = SpeculativeConfig("ngram", None, K)
 
 

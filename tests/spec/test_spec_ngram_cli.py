@@ -10,6 +10,7 @@ from tests.test_cli import hicache
 NGRAM = ("serve", "--model", "tiny", "--speculative-algorithm", "ngram")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args,message",
     [

@@ -28,6 +28,8 @@ from tests.parallel.workload import tokens
 from tests.server.server_harness import assert_no_leaks
 from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, K, acceptance, assert_clean, spec
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 PAGE = 16
 MTP = "tiny-mtp"
 DRAFT_LAYERS = {MTP: 1, "tiny-draft-packed": 3}

@@ -13,6 +13,8 @@ import pytest
 
 from tests.server.server_harness import assert_no_leaks, metric, running_servers, scrape
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 # Three histories, two of which fit in the device pool: each round evicts one to host memory.
 HISTORIES = [[40 + (i * 7 + j * 3) % 80 for j in range(200)] for i in range(3)]
 MAX_TOKENS = 12

@@ -3,9 +3,13 @@ rows match): a two-turn chat, its second turn's history coming back from host me
 restart, from storage with the draft's pages, equals the cache-off run without a draft, token for
 token, with the same acceptance."""
 
+import pytest
+
 from hicache import Engine
 from hicache.config import HiCacheConfig, SpeculativeConfig
 from tests.conversations import chat_turns
+
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
 
 SYSTEM = "You answer questions about European geography in one short sentence. " * 10
 USERS = ["Alice", "Bob"]

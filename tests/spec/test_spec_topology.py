@@ -71,6 +71,7 @@ def keep_one_fewer(log) -> None:
     log.write_text("\n".join(lines) + "\n")
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("topology", TOPOLOGIES)
 def test_speculation_on_several_ranks_equals_one_rank(
@@ -107,6 +108,7 @@ def test_speculation_on_several_ranks_equals_one_rank(
     assert not agreed and ACCEPT in summary and "rank(s) 1 differ from rank 0" in summary
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize("topology", ["pp2-sidecar", "pp2-mtp"])
 def test_without_the_drafts_restore_the_draft_recomputes_on_every_stage(

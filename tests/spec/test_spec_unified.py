@@ -20,6 +20,8 @@ from tests.parallel.workload import tier_totals as hits
 from tests.parallel.workload import tokens
 from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 
 def unified(tmp_path):
     # tiny has 2 KV heads: the default head partition (1) makes two head groups, so a packed draft's

@@ -118,6 +118,7 @@ def test_stale_temp_files_are_swept_at_start_up_and_fresh_ones_kept(tmp_path: Pa
     assert restarted.get(key) == b"kept"
 
 
+@pytest.mark.slow
 def test_a_full_disk_makes_puts_counted_failures_not_crashes(tmp_path: Path) -> None:
     """A real write failure: the process's file-size limit (RLIMIT_FSIZE, with SIGXFSZ ignored so the
     write returns EFBIG as a full disk returns ENOSPC) stops the write part way."""
@@ -141,6 +142,7 @@ def test_a_full_disk_makes_puts_counted_failures_not_crashes(tmp_path: Path) -> 
     assert not any(p.name.endswith(".tmp") for p in tmp_path.rglob("*")), "the torn temp file stayed"
 
 
+@pytest.mark.slow
 @pytest.mark.dtype_sensitive  # a store cap or byte count in the dtype `--dtype auto` takes here
 def test_a_capped_store_serves_equal_answers_and_stays_under_its_cap(tmp_path: Path) -> None:
     convs = make_conversations(num_groups=2, per_group=2, system_len=300, question_len=40)

@@ -20,6 +20,8 @@ from hicache.config import HiCacheConfig
 from hicache.storage import FileBackend
 from tests.storage.redis_server import RedisServer
 
+pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
+
 PAGE = 16  # tiny's page, in byte tokens
 HISTORIES = [f"{name} history " * 12 for name in ("alpha", "bravo", "charlie")]  # 10 full pages each
 FULL_PAGES = (len(HISTORIES[0]) - 1) // PAGE * PAGE
