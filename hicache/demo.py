@@ -32,7 +32,7 @@ import time
 from dataclasses import replace
 
 from hicache.bench import Arm, BenchConfig, GSPParams
-from hicache.config.flags import add_engine_args
+from hicache.config.flags import add_command, add_engine_args
 from hicache.errors import UserError
 
 DEFAULT_OUT = "hicache-demo"
@@ -242,11 +242,11 @@ def run_demo(args: argparse.Namespace) -> int:
 
 
 def add_demo_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
+    p = add_command(
+        sub,
         "demo",
-        help="multi-turn shared-prefix workload through no cache, device, device+host and storage (the main job)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        "multi-turn shared-prefix workload through no cache, device, device+host and storage (the main job)",
+        __doc__,
     )
     add_engine_args(p)
     # Pool sizes follow from the workload unless given; engine flags given are passed to every arm.

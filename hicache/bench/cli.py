@@ -33,6 +33,7 @@ from hicache.bench.client import ENDPOINTS
 from hicache.bench.config import Arm, BenchConfig
 from hicache.bench.workload import DATASETS, GSP, GSPParams, MultiRoundParams
 from hicache.config import from_args
+from hicache.config.flags import add_command
 from hicache.errors import UserError
 
 
@@ -166,11 +167,8 @@ MULTI_ROUND_FLAGS = (
 
 
 def add_bench_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="load generator and reporter for OpenAI-compatible servers (`bench report` for plots)",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = add_command(
+        sub, "bench", "load generator and reporter for OpenAI-compatible servers (`bench report` for plots)", __doc__
     )
     p.set_defaults(func=cmd_bench)
     _add_report(

@@ -8,6 +8,12 @@ import argparse
 from hicache.config import DebugConfig, DisaggConfig, EngineConfig, HiCacheConfig, ParallelConfig, SpeculativeConfig
 
 
+def add_command(sub: argparse._SubParsersAction, name: str, help_text: str, doc: str | None) -> argparse.ArgumentParser:
+    """`hicache NAME`: `help_text` in the command list, and its module's docstring `doc` as written (line breaks
+    kept) at the top of its --help."""
+    return sub.add_parser(name, help=help_text, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     d = EngineConfig()
     g = parser.add_argument_group("engine")

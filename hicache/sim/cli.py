@@ -28,7 +28,7 @@ import torch
 
 from hicache.bench.cli import add_workload_args, workload_from_args
 from hicache.config import EngineConfig
-from hicache.config.flags import add_engine_args
+from hicache.config.flags import add_command, add_engine_args
 
 if TYPE_CHECKING:
     from hicache.sim.cost import CostModel
@@ -130,7 +130,7 @@ def warn_of_another_dtype(cfg: EngineConfig, cost: CostModel) -> None:
                        cost.name, cost.dtype, cost.measured_on, dtype, where, cost.dtype)  # fmt: skip
 
 
-def write_calibration(cfg: EngineConfig, base, path: str) -> int:  # noqa: ANN001 - a CostModel
+def write_calibration(cfg: EngineConfig, base, path: str) -> int:
     from hicache.sim.calibrate import calibrate, to_toml
 
     cost = calibrate(cfg, base, pathlib.Path(path).stem)
@@ -165,11 +165,8 @@ def occupancy_table(occupancy: list[tuple[float, dict[str, int]]]) -> str:
 
 
 def add_simulate_command(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "simulate",
-        help="replay a trace through the real cache in virtual time, costed by a cost model",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = add_command(
+        sub, "simulate", "replay a trace through the real cache in virtual time, costed by a cost model", __doc__
     )
     add_engine_args(p)
     sim = p.add_argument_group("simulation")
@@ -177,8 +174,12 @@ def add_simulate_command(sub: argparse._SubParsersAction) -> None:
                      help="a preset (epyc-2core-tiny, h100x8-llama70b) or a TOML file")  # fmt: skip
     sim.add_argument("--trace", help="a Mooncake JSONL trace (timestamp, input_length, output_length, hash_ids) "
                      "instead of a generated workload")  # fmt: skip
-    sim.add_argument("--calibrate", metavar="TOML", help="measure this machine's compute figures by running the "
-                     "real engine briefly (the --cost-model preset gives the rest) and write them as a cost model")
+    sim.add_argument(
+        "--calibrate",
+        metavar="TOML",
+        help="measure this machine's compute figures by running the "
+        "real engine briefly (the --cost-model preset gives the rest) and write them as a cost model",
+    )
     sim.add_argument("--pd-decode", metavar="FLAGS", help="simulate a P/D pair: this command's engine flags are the "
                      "prefill server's, FLAGS the decode server's (`hicache serve` flags: --pd-decode=\"--flag ...\"); "
                      "each gets its --disaggregation-mode; the KV transfer is costed on the cost model's "

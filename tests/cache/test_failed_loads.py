@@ -16,6 +16,7 @@ from hicache.cache.radix import RadixTree
 from hicache.config import DebugConfig, HiCacheConfig, ParallelConfig
 from hicache.mem.host_pool import HostKVPool
 from tests.cache.kv import PAGE, device_pool, one_rank
+from tests.cache.test_hicache import assert_clean
 from tests.cache.test_hierarchical import serve, settle
 from tests.conversations import make_conversations, run_turns
 
@@ -39,13 +40,6 @@ def cached_engine(debug: DebugConfig, timeout: float = 60.0, tp: int = 1, pp: in
     cfg = HiCacheConfig(enable_hierarchical_cache=True, hicache_ratio=4.0, hicache_transfer_timeout=timeout)
     return Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, debug=debug,
                   parallel=ParallelConfig(tp_size=tp, pp_size=pp))  # fmt: skip
-
-
-def assert_clean(engine: Engine) -> None:
-    assert engine.flush_cache()
-    assert engine.leak_report() == []
-    used = engine.pool_usage()
-    assert used["device"][0] == 0 and used["host"][0] == 0
 
 
 @pytest.mark.slow

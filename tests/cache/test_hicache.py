@@ -43,6 +43,7 @@ def hicache(**kw) -> HiCacheConfig:
 
 
 def assert_clean(engine: Engine) -> None:
+    """A flush frees every device and host page: none is leaked or still held."""
     assert engine.flush_cache()
     assert engine.leak_report() == []
     used = engine.pool_usage()

@@ -18,6 +18,7 @@ from hicache import Engine
 from hicache.cache.stats import PrefetchLoss
 from hicache.config import DebugConfig, ParallelConfig
 from hicache.debug.consensus_checker import DIVERGENCE, ENV_ENABLE, ENV_LOG_DIR
+from tests.cache.test_hicache import assert_clean
 from tests.parallel import workload as w
 
 pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
@@ -48,13 +49,6 @@ def cached_engine(storage_dir, tp=1, pp=1, debug: DebugConfig | None = None) -> 
 def assert_every_tier_served(turns) -> None:
     totals = w.tier_totals(turns)
     assert all(totals[tier] > 0 for tier in ("device", "host", "storage")), totals
-
-
-def assert_clean(engine: Engine) -> None:
-    assert engine.flush_cache()
-    assert engine.leak_report() == []
-    used = engine.pool_usage()
-    assert used["device"][0] == 0 and used["host"][0] == 0
 
 
 def run_equal_to(engine: Engine, reference) -> list:

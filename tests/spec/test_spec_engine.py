@@ -15,7 +15,17 @@ from hicache.errors import UserError
 from tests.conversations import run_turns
 from tests.parallel.workload import tier_totals as hits
 from tests.parallel.workload import tokens
-from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
+from tests.spec.workload import (
+    CONVS,
+    DEVICE_TOKENS,
+    NEW,
+    TURNS,
+    acceptance,
+    assert_clean,
+    every_tier_then_storage,
+    spec,
+    tiers,
+)
 
 
 @pytest.mark.slow
@@ -23,26 +33,10 @@ from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, as
 def test_device_host_and_storage_hits_keep_outputs_and_acceptance(
     reference, cache_off_acceptance, tmp_path, draft, layout
 ):
-    cfg = tiers(tmp_path, hicache_mem_layout=layout)
-    expected_layout = "packed" if draft == "tiny-draft-packed" else "sidecar"
-    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(draft)) as engine:
-        assert engine._runtime.scheduler.cache.lower.host.host.draft_layout == expected_layout  # auto chose it
-        turns = run_turns(engine, CONVS, TURNS, NEW)
-        assert tokens(turns) == reference
-        assert hits(turns)["device"] > 0 and hits(turns)["host"] > 0
-        assert acceptance(turns) == cache_off_acceptance[draft]
-        assert engine.spec_stats().draft_recomputed_tokens == 0
-        assert_clean(engine)
-    # A new engine on the same store: the histories come back from storage, both models' pages.
-    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(draft)) as engine:
-        turns = run_turns(engine, CONVS, TURNS, NEW)
-        assert tokens(turns) == reference
-        assert hits(turns)["storage"] > 0
-        assert acceptance(turns) == cache_off_acceptance[draft]
-        stats = engine.cache_stats().storage
-        assert stats.prefetch.lost[PrefetchLoss.DRAFT_MISSING] == 0 and stats.store.corrupt == 0
-        assert engine.spec_stats().draft_recomputed_tokens == 0  # every hit restored the draft too
-        assert_clean(engine)
+    expected_layout = "packed" if draft == "tiny-draft-packed" else "sidecar"  # what auto chooses
+    every_tier_then_storage(
+        tiers(tmp_path, hicache_mem_layout=layout), draft, expected_layout, reference, cache_off_acceptance
+    )
 
 
 @pytest.mark.slow
@@ -114,4 +108,3 @@ def test_sampling_requests_and_stops_inside_an_accepted_run():
 def test_bad_drafts_are_refused_at_start_up(kw, message):
     with pytest.raises(UserError, match=message):
         Engine(**{"model": "tiny", **kw})
-

@@ -15,7 +15,17 @@ from hicache.config import DebugConfig
 from tests.conversations import run_turns
 from tests.parallel.workload import tier_totals as hits
 from tests.parallel.workload import tokens
-from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
+from tests.spec.workload import (
+    CONVS,
+    DEVICE_TOKENS,
+    NEW,
+    TURNS,
+    acceptance,
+    assert_clean,
+    every_tier_then_storage,
+    spec,
+    tiers,
+)
 
 pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
 
@@ -24,23 +34,8 @@ NEW_HERE = 48  # enough accepted proposals that rows made of the head's own hidd
 
 
 def test_hits_on_every_tier_keep_outputs_and_the_heads_acceptance(reference, cache_off_acceptance, tmp_path):
-    cfg = tiers(tmp_path)
-    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(DRAFT)) as engine:
-        # Its row carries the target's hidden state beside its KV: not the target's row, so a sidecar.
-        assert engine._runtime.scheduler.cache.lower.host.host.draft_layout == "sidecar"
-        turns = run_turns(engine, CONVS, TURNS, NEW)
-        assert tokens(turns) == reference
-        assert hits(turns)["device"] > 0 and hits(turns)["host"] > 0
-        assert acceptance(turns) == cache_off_acceptance[DRAFT]
-        assert engine.spec_stats().draft_recomputed_tokens == 0
-        assert_clean(engine)
-    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(DRAFT)) as engine:
-        turns = run_turns(engine, CONVS, TURNS, NEW)
-        assert tokens(turns) == reference
-        assert hits(turns)["storage"] > 0
-        assert acceptance(turns) == cache_off_acceptance[DRAFT]
-        assert engine.spec_stats().draft_recomputed_tokens == 0
-        assert_clean(engine)
+    # Its row carries the target's hidden state beside its KV: not the target's row, so a sidecar.
+    every_tier_then_storage(tiers(tmp_path), DRAFT, "sidecar", reference, cache_off_acceptance)
 
 
 def test_without_the_heads_restore_its_acceptance_changes_and_outputs_stay(reference, cache_off_acceptance, tmp_path):
