@@ -15,17 +15,8 @@ from hicache.config import DebugConfig
 from tests.conversations import run_turns
 from tests.parallel.workload import tier_totals as hits
 from tests.parallel.workload import tokens
-from tests.spec.workload import (
-    CONVS,
-    DEVICE_TOKENS,
-    NEW,
-    TURNS,
-    acceptance,
-    assert_clean,
-    every_tier_then_storage,
-    spec,
-    tiers,
-)
+from tests.spec import workload
+from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
 
 pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
 
@@ -35,7 +26,7 @@ NEW_HERE = 48  # enough accepted proposals that rows made of the head's own hidd
 
 def test_hits_on_every_tier_keep_outputs_and_the_heads_acceptance(reference, cache_off_acceptance, tmp_path):
     # Its row carries the target's hidden state beside its KV: not the target's row, so a sidecar.
-    every_tier_then_storage(tiers(tmp_path), DRAFT, "sidecar", reference, cache_off_acceptance)
+    workload.every_tier_then_storage(tiers(tmp_path), DRAFT, "sidecar", reference, cache_off_acceptance)
 
 
 def test_without_the_heads_restore_its_acceptance_changes_and_outputs_stay(reference, cache_off_acceptance, tmp_path):
