@@ -4,8 +4,9 @@ hidden states) with the target's. Over three turns of four conversations, with d
 on decode, greedy outputs equal the single-rank cache-off target's token for token, acceptance equals the
 single-rank speculative run's, decode recomputes none of the draft's prefix, and only the suffix after
 decode_prefix_len crosses: exactly its tokens' bytes of both models' rows. `tiny-mtp` runs between two
-in-process engines; both drafts run in the Astron shape, prefill PP2 (host and file storage) to decode PP1
-through `hicache router`, over four turns. The negative control moves the target's rows alone (`--debug-skip-draft-restore` on both
+in-process engines; the Astron shape, prefill PP2 (host and file storage) to decode PP1 through `hicache
+router` over four turns, runs the MTP head as the seed's deployment does (the separate draft's rows cross
+P/D in the across-topologies cases, PP2 to PP2 among them). The negative control moves the target's rows alone (`--debug-skip-draft-restore` on both
 servers): outputs stay, the MTP head's acceptance changes, since the hidden states it reads never arrived."""
 
 from __future__ import annotations
@@ -167,13 +168,13 @@ def test_pd_across_topologies_moves_the_drafts_rows_from_their_holders(
         assert_clean(prefill)
 
 
-@pytest.mark.parametrize("draft", [MTP, "tiny-draft-packed"])
-def test_the_astron_shape_through_the_router(four_turn_reference, four_turn_acceptance, tmp_path, draft):
+def test_the_astron_shape_through_the_router(four_turn_reference, four_turn_acceptance, tmp_path):
     """The seed's Astron deployment: prefill at PP2 with host memory and a file store, decode at PP1 with
-    decode reuse and a host tier, both running the draft (the MTP head, whose rows come from prefill's
-    last stage with the target's hidden states, or the separate draft), `hicache router` in front. Each
+    decode reuse and a host tier, both running the MTP head (its rows come from prefill's last stage with
+    the target's hidden states), `hicache router` in front. Each
     turn's prompts are the reference run's (its outputs appended), four turns, so every answer is compared
     with the single-rank cache-off target's; later turns receive only what follows decode's prefix."""
+    draft = MTP
     flags = ("--speculative-algorithm", "draft", "--speculative-draft-model", draft,
              "--speculative-num-draft-tokens", str(K))  # fmt: skip
     p_port, d_port, r_port = ports(3)
