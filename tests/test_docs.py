@@ -10,6 +10,7 @@ import pathlib
 import re
 
 import hicache
+from hicache.errors import UserError
 
 PACKAGE = pathlib.Path(hicache.__file__).parent
 ROOT = PACKAGE.parent
@@ -138,3 +139,24 @@ def test_every_link_between_the_docs_lands_on_a_file_and_heading():
             elif anchor and anchor not in {slug(h) for h in HEADING.findall(path.read_text(encoding="utf-8"))}:
                 broken.append(f"{doc.name}: {target}#{anchor}")
     assert broken == []
+
+
+def test_every_hicache_command_line_in_the_docs_parses():
+    """A command a reader copies from the README or docs/ is one the parser takes (flags renamed or removed
+    since fail here); what it then does is the tests' business."""
+    import shlex
+
+    from hicache.cli import build_parser
+
+    parser, wrong = build_parser(), []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for block in re.findall(r"```bash\n(.*?)```", doc.read_text(encoding="utf-8"), re.DOTALL):
+            for line in block.replace("\\\n", " ").splitlines():
+                if line.split(" ", 1)[0] not in ("hicache", ".venv/bin/hicache"):
+                    continue  # curl and other programs
+                words = shlex.split(line.split(" #")[0])
+                try:
+                    parser.parse_args(words[1:])
+                except (UserError, SystemExit) as exc:
+                    wrong.append(f"{doc.name}: {' '.join(words)}: {exc}")
+    assert wrong == []
