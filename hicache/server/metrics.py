@@ -149,13 +149,15 @@ def disagg_counters(stats: DisaggStats | None) -> Iterator[Metric]:
     if stats is None:
         return
     received = CounterMetricFamily(
-        "hicache_disagg_received_tokens", "prompt tokens whose KV arrived from prefill (decode)"
+        "hicache_disagg_received_tokens",
+        "prompt tokens whose KV arrived from prefill (decode)",
+        value=stats.received_tokens,
     )
-    received.add_metric([], stats.received_tokens)
     received_bytes = CounterMetricFamily(
-        "hicache_disagg_received_bytes", "bytes of KV received from prefill, every rank's shard (decode)"
+        "hicache_disagg_received_bytes",
+        "bytes of KV received from prefill, every rank's shard (decode)",
+        value=stats.received_bytes,
     )
-    received_bytes.add_metric([], stats.received_bytes)
     prefix = CounterMetricFamily(
         "hicache_disagg_decode_prefix_tokens",
         "prompt tokens decode served from its own tree instead of receiving them, by tier (decode)",
@@ -163,17 +165,19 @@ def disagg_counters(stats: DisaggStats | None) -> Iterator[Metric]:
     )
     for tier in TIERS:
         prefix.add_metric([tier], stats.decode_prefix_tokens.get(tier, 0))
-    sent = CounterMetricFamily("hicache_disagg_sent_tokens", "prompt tokens whose KV was sent to decode (prefill)")
-    sent.add_metric([], stats.sent_tokens)
-    sent_bytes = CounterMetricFamily(
-        "hicache_disagg_sent_bytes", "bytes of KV sent to decode, every rank's shard (prefill)"
+    sent = CounterMetricFamily(
+        "hicache_disagg_sent_tokens", "prompt tokens whose KV was sent to decode (prefill)", value=stats.sent_tokens
     )
-    sent_bytes.add_metric([], stats.sent_bytes)
+    sent_bytes = CounterMetricFamily(
+        "hicache_disagg_sent_bytes",
+        "bytes of KV sent to decode, every rank's shard (prefill)",
+        value=stats.sent_bytes,
+    )
     staged = GaugeMetricFamily(
         "hicache_disagg_peak_staged_bytes",
         "the most KV bytes a prefill rank held in host memory at once on their way to decode (prefill)",
+        value=stats.peak_staged_bytes,
     )
-    staged.add_metric([], stats.peak_staged_bytes)
     transfers = CounterMetricFamily(
         "hicache_disagg_transfers", "KV transfers by outcome (ok, failed)", labels=["outcome"]
     )
