@@ -7,7 +7,7 @@ import json
 import pathlib
 import re
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 import gguf
 import numpy as np
