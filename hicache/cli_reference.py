@@ -42,8 +42,8 @@ def _cell(text: str) -> str:
 
 def _names(action: argparse.Action) -> str:
     names = action.option_strings or [action.dest]
-    choices = f" {{{', '.join(map(str, action.choices))}}}" if action.choices else ""
-    return ", ".join(f"`{n}`" for n in names) + choices.replace("|", "\\|")
+    choices = f" {_cell('{' + ', '.join(map(str, action.choices)) + '}')}" if action.choices else ""
+    return ", ".join(f"`{n}`" for n in names) + choices
 
 
 def _table(actions: list[argparse.Action]) -> list[str]:

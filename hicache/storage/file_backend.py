@@ -158,9 +158,8 @@ class FileBackend(StorageBackend):
     def put(self, key: str, blob: Blob) -> None:
         def write(fd: int) -> int:
             with open(fd, "wb", closefd=False) as f:
-                f.writelines(
-                    blob if isinstance(blob, tuple) else (blob,)
-                )  # large parts go straight to the kernel, uncopied
+                # Each part written as it is: large ones go straight to the kernel, uncopied.
+                f.writelines(blob if isinstance(blob, tuple) else (blob,))
                 return f.tell()
 
         self._write_atomically(key, write)
