@@ -10,7 +10,6 @@ A machine of either kind proves what it can.
 
 from __future__ import annotations
 
-import functools
 import os
 import random
 import subprocess
@@ -48,17 +47,20 @@ PAGE = 16
 SMOLLM2_LAYERS = 3
 
 
-@functools.cache
-def _load(name: str) -> LoadedModel:
-    """Once per module run: pytest sets a parametrized module fixture up again wherever a second one's
-    order interleaves it (smollm2's GGUF, 5 s, was loaded six times)."""
-    model = load_model(name)
-    return first_layers(model, SMOLLM2_LAYERS, name) if name == "smollm2" else model
+@pytest.fixture(scope="module")
+def loaded_once() -> dict[str, LoadedModel]:
+    """Each model loaded once per module run: pytest sets a parametrized module fixture up again wherever a
+    second one's order interleaves it (smollm2's GGUF, 5 s, was loaded six times)."""
+    return {}
 
 
 @pytest.fixture(scope="module", params=["tiny", "smollm2"])
-def loaded(request):
-    return _load(request.param)
+def loaded(request, loaded_once):
+    name = request.param
+    if name not in loaded_once:
+        model = load_model(name)
+        loaded_once[name] = first_layers(model, SMOLLM2_LAYERS, name) if name == "smollm2" else model
+    return loaded_once[name]
 
 
 # (activation dtype, weight format): dense in both dtypes, and the weight-only quantized kernels

@@ -278,9 +278,8 @@ class LlamaModel:
             return layer.tail(hidden, attn)
         hidden = hidden + self._normed(layer.o_proj(attn), layer.attn_out_norm)
         x = ops.rms_norm(hidden, layer.post_norm, eps)
-        mlp = layer.down_proj(
-            activations.gated_activation(layer.gate_up(x), layer.parts.activation)
-        )  # gate_up: [T, groups, gate | up]
+        gate_up = layer.gate_up(x)  # [T, groups, gate | up]
+        mlp = layer.down_proj(activations.gated_activation(gate_up, layer.parts.activation))
         return hidden + self._normed(mlp, layer.mlp_out_norm)
 
     def _normed(self, x: torch.Tensor, norm: torch.Tensor | None) -> torch.Tensor:
