@@ -20,7 +20,7 @@ import time
 
 from benchmarks.common import best_time
 from hicache.cache.radix import RadixTree
-from hicache.events.wire import Batch, encode_batch
+from hicache.events.wire import KVEventBatch, encode_payload, wire_events
 
 PAGE = 64
 
@@ -31,9 +31,11 @@ def prompt(i: int) -> list[int]:
 
 
 def publish(tree: RadixTree, seq: int) -> int:
-    """What a step adds with events on: drain, and encode the batch (the publisher thread's share)."""
+    """What a step adds with events on: drain, and encode the batch in vLLM's format (the publisher
+    thread's share, without the index it keeps for replays)."""
     events = tree.events.drain()
-    return len(encode_batch(Batch("bench", seq, 0.0, 0, PAGE, events))[2]) if events else 0
+    wire = [out for event in events for out in wire_events(event, PAGE, {})]
+    return len(encode_payload(KVEventBatch(0.0, wire, 0))) if events else 0
 
 
 def steady_state_us(nodes: int, steps: int, events: bool) -> float:

@@ -8,11 +8,15 @@ and the hash of the page before its first. An event costs O(pages changed): hash
 per node, on its first event. Off (the default, no publisher) a call returns at once.
 
 The records follow vLLM's KV events (`BlockStored` / `BlockRemoved` / `AllBlocksCleared`, with the
-parent hash and a medium), with our tiers as the media.
+parent hash, the pages' token ids and a medium), with our tiers as the media; a chain's first page also
+carries its namespace's cache_salt, as vLLM's carries it in `extra_keys`, so a subscriber can hash the
+same chain from the tokens alone (hicache/events/wire.py).
 """
 
 from __future__ import annotations
 
+from array import array
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from hicache.cache.tree_node import TreeNode, chain_hashes
@@ -24,12 +28,14 @@ MEDIA = (DEVICE, HOST, STORAGE)
 @dataclass(frozen=True)
 class BlockStored:
     """Pages `block_hashes` (a chain, in order) are now on `medium`; `parent_block_hash` is the page
-    before the first (None: the first is a prompt's first page, or not known for a retried put)."""
+    before the first (None: the first is its namespace's first page, the chain seeded by `cache_salt`);
+    `token_ids` are the pages' tokens, in order."""
 
     block_hashes: tuple[bytes, ...]
     parent_block_hash: bytes | None
-    token_count: int
+    token_ids: array
     medium: str
+    cache_salt: str = ""
 
 
 @dataclass(frozen=True)
@@ -53,30 +59,41 @@ class KVEventRecorder:
         self.page_size = page_size
         self.enabled = False  # turned on by the publisher that drains it
         self._events: list[KVEvent] = []
+        self._salts: dict[int, str] = {}  # a namespace root's id -> its cache_salt (the tree names them)
 
-    def stored(self, node: TreeNode, medium: str) -> None:
-        """`node`'s pages are now on `medium` (every one of them)."""
-        if self.enabled:
-            hashes = chain_hashes(node, self.page_size)
-            parent = node.parent
-            prior = None if parent is None or parent.is_root else chain_hashes(parent, self.page_size)[-1]
-            self._events.append(BlockStored(tuple(hashes), prior, len(hashes) * self.page_size, medium))
+    def root_named(self, root: TreeNode, cache_salt: str) -> None:
+        """The tree made `root` for the namespace `cache_salt` (its first pages' events carry the salt)."""
+        self._salts[root.id] = cache_salt
+
+    def stored(self, node: TreeNode, medium: str, pages: Iterable[int] | None = None) -> None:
+        """`node`'s pages are now on `medium`: every one of them, or those numbered `pages` (in order;
+        a retried put's), one record per run of consecutive pages."""
+        if not self.enabled:
+            return
+        hashes = chain_hashes(node, self.page_size)
+        parent = node.parent
+        first_page = parent is None or parent.is_root
+        prior = None if first_page else chain_hashes(parent, self.page_size)[-1]
+        salt = self._salts.get(parent.id, "") if first_page and parent is not None else ""
+        tokens = node.tokens
+        for start, end in _runs(range(len(hashes)) if pages is None else pages):
+            before = hashes[start - 1] if start else prior
+            run_tokens = tokens[start * self.page_size : end * self.page_size]
+            self._events.append(BlockStored(tuple(hashes[start:end]), before, run_tokens, medium,
+                                            salt if before is None else ""))  # fmt: skip
 
     def removed(self, node: TreeNode, medium: str) -> None:
         """`node`'s pages are gone from `medium`."""
         if self.enabled:
             self._events.append(BlockRemoved(tuple(chain_hashes(node, self.page_size)), medium))
 
-    def stored_pages(self, hashes: list[bytes], medium: str) -> None:
-        """Pages known by hash alone (a put tried again) are now on `medium`."""
-        if self.enabled and hashes:
-            self._events.append(BlockStored(tuple(hashes), None, len(hashes) * self.page_size, medium))
-
     def removed_pages(self, hashes: list[bytes], medium: str) -> None:
         if self.enabled and hashes:
             self._events.append(BlockRemoved(tuple(hashes), medium))
 
     def cleared(self, media: tuple[str, ...]) -> None:
+        """Every page on `media` is gone, and every namespace root with them (the tree's reset)."""
+        self._salts.clear()
         if self.enabled:
             self._events.append(AllBlocksCleared(media))
 
@@ -84,3 +101,16 @@ class KVEventRecorder:
         """The events since the last drain, in the order they happened."""
         events, self._events = self._events, []
         return events
+
+
+def _runs(pages: Iterable[int]) -> Iterator[tuple[int, int]]:
+    """[start, end) of each run of consecutive numbers in `pages` (ascending)."""
+    start = end = None
+    for page in pages:
+        if page != end:
+            if start is not None:
+                yield start, end
+            start = page
+        end = page + 1
+    if start is not None:
+        yield start, end  # type: ignore[misc]

@@ -85,6 +85,7 @@ class RadixTree:
             root = self._roots[namespace] = TreeNode(b"", [], None)
             root.lock_ref = 1  # roots are never evicted
             root.hashes = [salt_seed(namespace)]  # its pages' hash chain starts from its salt
+            self.events.root_named(root, namespace)
         return root
 
     def _child_key(self, key: bytes) -> bytes:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from typing import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from hicache.cache.controller import Clock, TransferOp, Worker
 from hicache.cache.host_tier import HostTier
@@ -69,7 +69,7 @@ class StoragePuts:
         takes a chain from its tail, not its head, which a hit in memory never reads there. Retained
         pages, theirs and the ancestors', are touched at the end of their retention (`_uses`)."""
         self._report_evicted()
-        pages = [page for node in nodes for page in self._own_pages(node)]
+        pages = [(digest, page) for node in nodes for _, digest, page in self._own_pages(node)]
         for node in nodes:  # the whole page, as every owner puts its part of it
             self.tree.events.stored(node, STORAGE)
         self.stats.put_pages += len(pages)
@@ -85,8 +85,7 @@ class StoragePuts:
         if not self.parts[0][0].available and now - self._last_retry < RETRY_PROBE_INTERVAL_S:
             return None
         self._last_retry = now
-        pages = self._unstored_pages(path)
-        self.tree.events.stored_pages([digest for digest, _ in pages], STORAGE)
+        pages = self._unstored_pages(path, report=True)
         self.stats.put_retried_pages += len(pages)
         return self._submit(pages)
 
@@ -97,25 +96,30 @@ class StoragePuts:
         if self.unstored and (last := self._op(self._unstored_pages(self.tree.nodes()))) is not None:
             last.run(last)
 
-    def _own_pages(self, node: TreeNode) -> Iterator[tuple[bytes, int]]:
-        """(hash, host page) of the node's pages this rank writes: its own, once per distinct copy."""
+    def _own_pages(self, node: TreeNode) -> Iterator[tuple[int, bytes, int]]:
+        """(its number in the node, hash, host page) of the node's pages this rank writes: its own, once
+        per distinct copy."""
         if not self.writes:
             return
-        for digest, page in zip(chain_hashes(node, self.page_size), node.host_pages or []):
+        for number, (digest, page) in enumerate(zip(chain_hashes(node, self.page_size), node.host_pages or [])):
             if self.pool.owns(page):
-                yield digest, page
+                yield number, digest, page
 
-    def _unstored_pages(self, nodes: Iterable[TreeNode]) -> list[tuple[bytes, int]]:
+    def _unstored_pages(self, nodes: Iterable[TreeNode], report: bool = False) -> list[tuple[bytes, int]]:
         """This rank's pages of `nodes` whose put failed, taken out of `unstored` (a retry that fails
-        too comes back in)."""
+        too comes back in); `report`: recorded as stored again (the retry's put)."""
         pages = []
         for node in nodes:
             if node.hashes is None or not node.backed_up:  # never put: a put needs both
                 continue
-            for digest, page in self._own_pages(node):
+            retried = []
+            for number, digest, page in self._own_pages(node):
                 if digest in self.unstored:
                     del self.unstored[digest]
                     pages.append((digest, page))
+                    retried.append(number)
+            if report and retried:
+                self.tree.events.stored(node, STORAGE, retried)
         return pages
 
     def _uses(self, nodes: list[TreeNode]) -> list[tuple[list[bytes], float | None]]:

@@ -80,8 +80,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--kv-events-endpoint",
         default=None,
-        help="publish what the cache stores and drops per tier on a ZeroMQ PUB socket bound here "
-        "(tcp://host:port; snapshots for resynchronising on port + 1); off by default",
+        help="publish what the cache stores and drops per tier, in vLLM's KV events format, on a ZeroMQ "
+        "PUB socket bound here (tcp://host:port; vLLM's replay socket on port + 1); off by default",
     )
     h = HiCacheConfig()
     t = parser.add_argument_group("hierarchical cache")

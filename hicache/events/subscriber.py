@@ -1,10 +1,14 @@
-"""A KV events subscriber (docs/DESIGN.md, "KV events"): one server's pages per tier, kept from its events.
+"""A KV events subscriber (docs/DESIGN.md, "KV events"): one server's pages per tier, kept from its events,
+hicache's or vLLM's (wire.py).
 
-It applies batches in seq order. A batch that skips a seq (a message the PUB socket dropped, or one sent
-before it connected) or comes from another epoch (the server restarted) means its index may be wrong:
-it asks the server's snapshot socket for the pages held at some seq S, takes that as its index, and
-applies only the batches after S. A router keeps one per server (hicache/router/cache_view.py); a stale
-index costs it a worse choice of server, never a wrong answer (the server matches its own tree).
+It applies batches in seq order. A batch that skips a seq (a message the PUB socket dropped, one sent
+before it connected, or a restarted hicache server, whose seqs start above its last life's) means its
+index may be wrong: it asks the server's replay socket (vLLM's protocol, at the PUB's port + 1) for the
+batches from the first it lacks; a hicache server answers from further back than its buffer with its
+state. A batch behind the last applied is one a replay covered, unless it is stamped later than any
+applied: a restarted vLLM server counting from 0 again, which empties the index and replays from 0.
+A router keeps one per server (hicache/router/cache_view.py); a stale index costs it a worse choice of
+server, never a wrong answer (the server matches its own tree).
 """
 
 from __future__ import annotations
@@ -14,26 +18,32 @@ import logging
 import zmq
 
 from hicache.events.index import BlockIndex
-from hicache.events.wire import SNAPSHOT_REQUEST, TOPIC, decode_batch, decode_snapshot, snapshot_endpoint
+from hicache.events.wire import (
+    END_SEQ,
+    AllBlocksCleared,
+    KVEventBatch,
+    decode_batch,
+    decode_payload,
+    replay_endpoint,
+)
 
 logger = logging.getLogger(__name__)
 
 
 class KVEventSubscriber:
-    def __init__(self, endpoint: str, snapshot_timeout_s: float = 5.0) -> None:
-        """Subscribes to the publisher at `endpoint` (its `--kv-events-endpoint`)."""
+    def __init__(self, endpoint: str, replay_timeout_s: float = 5.0) -> None:
+        """Subscribes to the publisher at `endpoint` (its `--kv-events-endpoint`), every topic."""
         self.endpoint = endpoint
-        self.snapshot_endpoint = snapshot_endpoint(endpoint)
-        self.snapshot_timeout_ms = int(snapshot_timeout_s * 1000)
+        self.replay_endpoint = replay_endpoint(endpoint)
+        self.replay_timeout_ms = int(replay_timeout_s * 1000)
         self.index = BlockIndex()
-        self.epoch: str | None = None
-        self.seq: int | None = None  # of the last batch applied (or of the snapshot): None before any
-        self.resyncs = 0  # snapshots taken
-        self.page_size: int | None = None
+        self.seq: int | None = None  # of the last batch applied: None before any
+        self.ts = 0.0  # the newest stamp of a batch applied
+        self.replays = 0  # replays asked for
         self._ctx = zmq.Context()
         self._sub = self._ctx.socket(zmq.SUB)
         self._sub.setsockopt(zmq.LINGER, 0)
-        self._sub.setsockopt(zmq.SUBSCRIBE, TOPIC)
+        self._sub.setsockopt(zmq.SUBSCRIBE, b"")
         self._sub.connect(endpoint)
 
     def receive(self, timeout_ms: int = 0) -> list[list[bytes]]:
@@ -52,31 +62,49 @@ class KVEventSubscriber:
         return len(messages)
 
     def handle(self, frames: list[bytes]) -> None:
-        """Apply one batch, resynchronising first if it shows that something was missed. Raises
-        ValueError for a message that is not a batch of this version (wire.py), changing nothing."""
-        batch = decode_batch(frames)
-        self.page_size = batch.page_size
-        if self.seq is None or batch.epoch != self.epoch or batch.seq > self.seq + 1:
-            self.resync()
-            # The snapshot was taken after this batch was sent, so it covers this batch: S >= batch.seq.
-        if batch.epoch != self.epoch or batch.seq <= self.seq:  # type: ignore[operator]
-            return  # in the snapshot already (or from a publisher gone since)
-        for event in batch.events:
-            self.index.apply(event)
-        self.seq = batch.seq
+        """Apply one batch, catching up first if it shows that something was missed. Raises ValueError
+        for a message that is not a batch (wire.py), changing nothing."""
+        seq, batch = decode_batch(frames)
+        if self.seq is not None and seq <= self.seq:
+            # Behind: a batch a replay already covered (sent before it, so no later than the newest batch
+            # applied: a publisher stamps its batches in order), or a restarted vLLM counting from 0 again.
+            if batch.ts <= self.ts:
+                return
+            self.catch_up(restarted=True)
+        elif self.seq is None or seq != self.seq + 1:
+            self.catch_up()
+        # A replay is answered after this batch was sent, so it covers it: then self.seq >= seq.
+        if self.seq is None or seq > self.seq:
+            self._apply(seq, batch)
 
-    def resync(self) -> None:
-        """Replace the index by the publisher's snapshot. Raises TimeoutError if it does not answer."""
+    def catch_up(self, restarted: bool = False) -> None:
+        """Ask the publisher for what this index lacks (`restarted`: all it holds) and apply it. Raises
+        TimeoutError if it does not answer."""
+        if restarted:
+            self.index, self.seq, self.ts = BlockIndex(), None, 0.0
+        start = 0 if self.seq is None else self.seq + 1
         with self._ctx.socket(zmq.DEALER) as req:
             req.setsockopt(zmq.LINGER, 0)
-            req.connect(self.snapshot_endpoint)
-            req.send_multipart([b"", SNAPSHOT_REQUEST])
-            if not req.poll(self.snapshot_timeout_ms):
-                raise TimeoutError(f"no KV events snapshot from {self.snapshot_endpoint}")
-            self.epoch, self.seq, blocks = decode_snapshot(req.recv_multipart())
-        self.index = BlockIndex.of(blocks)
-        self.resyncs += 1
-        logger.info("KV events from %s resynchronised at seq %d", self.endpoint, self.seq)
+            req.connect(self.replay_endpoint)
+            req.send_multipart([b"", start.to_bytes(8, "big")])
+            while True:
+                if not req.poll(self.replay_timeout_ms):
+                    raise TimeoutError(f"no KV events replay from {self.replay_endpoint}")
+                _, seq_bytes, payload = req.recv_multipart()
+                if seq_bytes == END_SEQ:
+                    break
+                seq, batch = int.from_bytes(seq_bytes, "big"), decode_payload(payload)
+                # A batch already applied is skipped; a state (it clears first) never is: a publisher
+                # whose clock went back across a restart numbers it below what this index saw.
+                if self.seq is None or seq > self.seq or batch.events[:1] == [AllBlocksCleared()]:
+                    self._apply(seq, batch)
+        self.replays += 1
+        logger.info("KV events from %s replayed up to seq %s", self.endpoint, self.seq)
+
+    def _apply(self, seq: int, batch: KVEventBatch) -> None:
+        for event in batch.events:
+            self.index.apply(event)
+        self.seq, self.ts = seq, max(self.ts, batch.ts)
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)

@@ -1,7 +1,9 @@
 """KV events: after a workload and a flush, a subscriber's view of a server's pages agrees per tier with
-the server's own counts and its store's objects; a subscriber that misses messages notices and
-resynchronises to the same view; the same prompt under two cache_salts names different pages; with the
-flag off nothing is published. One tiny engine with the host and storage tiers serves the module."""
+the server's own counts and its store's objects, and names every page by the same chain the server
+hashes (the events carry what it needs: token ids, parents, the salt); a subscriber that misses
+messages, or joins late, or outlives the server, catches up to the same view; the same prompt under two
+cache_salts names different pages; with the flag off nothing is published. One tiny engine with the
+host and storage tiers serves the module."""
 
 import dataclasses
 import re
@@ -81,21 +83,34 @@ def served(tmp_path_factory):
         for i, message in enumerate(held):  # while the server is up to answer its snapshot requests
             if i % 3 != 1:  # every third message lost in transit
                 lossy.handle(message)
-        out["lossy"] = (lossy.resyncs, lossy.seq, lossy.index.counts(), lossy.index.pages == whole.index.pages)
+        out["lossy"] = (lossy.replays, lossy.seq, lossy.index.counts(), lossy.index.pages == whole.index.pages)
         out["whole_seq"] = whole.seq
+        late = KVEventSubscriber(endpoint)  # joins after the workload: the replay is the server's state
+        late.catch_up()
+        out["late"] = late.index.pages == whole.index.pages and late.index.chain_hashes() == whole.index.chain_hashes()
+        late.close()
         assert engine.flush_cache()
         drain(whole)
         out["flushed"] = (engine.snapshot().pool_usage, whole.index.counts())
+        out["storage_pages"] = set(whole.index.pages["storage"])
+        out["chains_are_hashes"] = whole.index.chain_hashes() == whole.index.pages
     out["store"] = stored_hashes(store)
     # A new server on the same store: the salted chain its prefetch looks up is the one the first put.
     restart = dataclasses.replace(
         cfg, hicache_storage_prefetch_threshold=PAGE, hicache_storage_prefetch_policy="wait_complete"
     )
     prompt = CONVS[0]["system"] + list(range(40, 60))
-    with Engine(model="tiny", page_size=PAGE, hicache=restart) as engine:
+    with Engine(model="tiny", page_size=PAGE, hicache=restart, **events_on) as engine:
         params = SamplingParams(max_new_tokens=2)
         out["restart"] = {salt: engine.generate([prompt], params, cache_salt=salt)[0]
                           for salt in ("tenant-b", "tenant-a")}  # fmt: skip
+        replays = out["replays_before_restart"] = whole.replays
+        for i in range(20):  # the new life's seqs run on from the old one's: a gap, so a replay
+            engine.generate([list(range(100 + i, 140 + i))], params)
+            drain(whole)
+            if whole.replays > replays:
+                break
+        out["after_restart"] = (whole.replays - replays, engine.snapshot().pool_usage, whole.index.counts())
     out["whole"] = whole
     yield out
     whole.close()
@@ -111,15 +126,33 @@ def test_events_agree_with_the_servers_counts_per_tier(served):
     usage, counts = served["flushed"]
     assert counts["device"] == counts["host"] == 0 and usage["device"][0] == usage["host"][0] == 0
     # Storage keeps its objects through a flush: the events name exactly the pages the store holds.
-    assert served["whole"].index.pages["storage"] == served["store"]
-    assert served["whole"].resyncs == 1  # only to start: it missed nothing
+    assert served["storage_pages"] == served["store"]
+    assert served["replays_before_restart"] == 1  # only to start: it missed nothing
 
 
 @pytest.mark.slow
-def test_a_subscriber_that_misses_messages_resynchronises(served):
-    resyncs, seq, counts, same_pages = served["lossy"]
+def test_the_events_name_pages_by_the_chain_the_server_hashes(served):
+    """hicache's page hashes are its content chain: a subscriber that rebuilt the chain from each event's
+    token ids, parent and salt names every page as the server does; one that joined late agrees."""
+    assert served["chains_are_hashes"]
+    assert served["late"]
+
+
+@pytest.mark.slow
+def test_a_subscriber_that_outlives_its_server_follows_the_next_one(served):
+    """A server restarted on the same endpoint: the subscriber sees a gap (the seqs run on), asks, and
+    gets the new server's state, which replaces the old one's (its storage pages included: the new
+    server reports only what it puts or reads itself)."""
+    replays, usage, counts = served["after_restart"]
+    assert replays == 1
+    assert counts["device"] * PAGE == usage["device"][0] > 0 and counts["host"] * PAGE == usage["host"][0]
+
+
+@pytest.mark.slow
+def test_a_subscriber_that_misses_messages_catches_up(served):
+    replays, seq, counts, same_pages = served["lossy"]
     assert served["held"] > 6
-    assert resyncs == 2  # the first to start, then one for the first gap: its snapshot covers the rest
+    assert replays == 2  # the first to start, then one for the first gap: its replay covers the rest
     assert seq == served["whole_seq"]
     assert counts == served["workload"][1] and same_pages
 

@@ -7,6 +7,7 @@ from hypothesis import given, settings
 from hicache.cache.kv_events import DEVICE, HOST
 from hicache.cache.tree_node import chain_hashes
 from hicache.events import BlockIndex
+from hicache.events.wire import wire_events
 from tests.cache.test_radix_tiers import PAGE, Tiers, ops
 
 
@@ -24,6 +25,12 @@ class RecordedTiers(Tiers):
             if node.host_pages is not None and node.id not in before:
                 self.tree.events.stored(node, HOST)
 
+    def take_events(self) -> None:
+        """The recorded events, as the publisher sends them, applied to the index."""
+        for event in self.tree.events.drain():
+            for out in wire_events(event, PAGE, self.index.pages):
+                self.index.apply(out)
+
     def held(self, on_tier) -> set[bytes]:
         return {h for node in self.tree.nodes() if on_tier(node) for h in chain_hashes(node, PAGE)}
 
@@ -34,12 +41,11 @@ def test_events_track_every_page_on_both_tiers(operations):
     t = RecordedTiers()
     for op, arg in operations:
         t.apply(op, arg)
-        for event in t.tree.events.drain():
-            t.index.apply(event)
+        t.take_events()
         assert t.index.pages[DEVICE] == t.held(lambda n: n.on_device)
         assert t.index.pages[HOST] == t.held(lambda n: n.host_pages is not None)
         assert len(t.index.pages[DEVICE]) == t.tree.total_pages
+    assert t.index.chain_hashes() == t.index.pages  # the events carry what rebuilds the chain
     t.tree.reset()
-    for event in t.tree.events.drain():
-        t.index.apply(event)
+    t.take_events()
     assert t.index.counts() == {"device": 0, "host": 0, "storage": 0}

@@ -9,7 +9,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from hicache.cache import MEDIA
-from hicache.events import BlockIndex
+from hicache.events import BlockIndex, prompt_hashes
+from hicache.events.wire import MEDIUM_OF, BlockStored
 from hicache.router.scoring import TIER_WEIGHTS, Load, cheapest, cost, saved_tokens
 
 PAGE = 16
@@ -65,8 +66,16 @@ def test_ties_go_round_the_servers(n):
 def test_prefix_tiers_read_a_prompt_the_way_a_servers_match_does(held, length):
     """Page i is on tier t when i is in held[t]: each leading page held anywhere counts once, at the
     fastest tier holding it, and the walk ends at the first page held nowhere."""
-    hashes = [bytes([i]) * 32 for i in range(length)]
-    index = BlockIndex.of({medium: [hashes[i] for i in pages if i < length] for medium, pages in zip(MEDIA, held)})
+    page = 4
+    tokens = [i for i in range(length) for _ in range(page)]
+    hashes = prompt_hashes(tokens, page)
+    index = BlockIndex()
+    for i in range(length):  # as a server stores them: each page after the one before it
+        for medium, pages in zip(MEDIA, held):
+            if i in pages:
+                parent = hashes[i - 1] if i else None
+                index.apply(BlockStored([hashes[i]], parent, tokens[i * page : (i + 1) * page], page, None,
+                                        MEDIUM_OF[medium], None))  # fmt: skip
     got = index.prefix_tiers(hashes)
     anywhere = set().union(*held)
     expected_len = next((i for i in range(length) if i not in anywhere), length)
