@@ -114,8 +114,8 @@ class KVEventPublisher:
                 continue
             identity, start = frames[0], int.from_bytes(frames[2], "big")
             for seq, payload in self._replay(start):
-                self._router.send_multipart([identity, b"", seq.to_bytes(8, "big"), payload])
-            self._router.send_multipart([identity, b"", END_SEQ, b""])
+                self._router.send_multipart([identity, b"", TOPIC, seq.to_bytes(8, "big"), payload])
+            self._router.send_multipart([identity, b"", b"", END_SEQ, b""])
 
     def _replay(self, start: int) -> list[tuple[int, bytes]]:
         """The batches a subscriber that has applied everything before `start` needs: from the buffer

@@ -90,7 +90,7 @@ class KVEventSubscriber:
             while True:
                 if not req.poll(self.replay_timeout_ms):
                     raise TimeoutError(f"no KV events replay from {self.replay_endpoint}")
-                _, seq_bytes, payload = req.recv_multipart()
+                *_, seq_bytes, payload = req.recv_multipart()  # vLLM puts the topic before the seq since 0.2x
                 if seq_bytes == END_SEQ:
                     break
                 seq, batch = int.from_bytes(seq_bytes, "big"), decode_payload(payload)

@@ -15,8 +15,8 @@ tagged by its "type":
 The media are vLLM's names for hicache's tiers (MEDIUM_OF). vLLM before its map-shaped events sent each
 event as an array [type, fields in order]; `decode_batch` reads both, and fields it does not know, so a
 subscriber reads any vLLM of the last year. A replay request (vLLM's) is [b"", start seq (8 bytes)] from a
-DEALER to the publisher's ROUTER; the answer is [b"", seq, payload] per batch from that seq on, then
-[b"", END_SEQ, b""].
+DEALER to the publisher's ROUTER; the answer is [b"", topic, seq, payload] per batch from that seq on,
+then [b"", b"", END_SEQ, b""] (vLLM 0.32's; older releases sent no topic frame, which a reader takes too).
 """
 
 from __future__ import annotations

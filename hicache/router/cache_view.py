@@ -40,6 +40,11 @@ class CacheView:
         self._thread = threading.Thread(target=self._run, name="router-kv-events", daemon=True)
         self._thread.start()
 
+    def page_size(self, server: Upstream) -> int | None:
+        """The page size `server` names its pages by: its own word, or its events' (None: not known yet)."""
+        subscriber = self._subscribers.get(server.url)
+        return server.page_size or (subscriber.index.block_size if subscriber is not None else None)
+
     def prefix_tiers(self, server: Upstream, hashes: Sequence[bytes]) -> list[str]:
         """The tier of each leading page of `hashes` that `server` holds, as its events last said."""
         subscriber = self._subscribers.get(server.url)

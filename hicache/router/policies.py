@@ -105,10 +105,12 @@ class CacheAware:
         for group in groups:
             costs = []
             for server in group:
-                if server.page_size not in chains:
-                    chains[server.page_size] = prompt_hashes(ids, server.page_size, salt)
-                tiers = self.view.prefix_tiers(server, chains[server.page_size])
-                costs.append(cost(len(ids), saved_tokens(tiers, server.page_size), self.loads.of(server.url)))
+                tiers, page_size = [], self.view.page_size(server)
+                if page_size is not None:  # None: another engine's server whose events said nothing yet
+                    if page_size not in chains:
+                        chains[page_size] = prompt_hashes(ids, page_size, salt)
+                    tiers = self.view.prefix_tiers(server, chains[page_size])
+                costs.append(cost(len(ids), saved_tokens(tiers, page_size or 0), self.loads.of(server.url)))
             last = [self.last_picked.get(s.url, -1) for s in group]
             pick = group[cheapest(costs, [self.loads.of(s.url) for s in group], last)]
             self.last_picked[pick.url] = self.picked

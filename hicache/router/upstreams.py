@@ -12,7 +12,8 @@ P/D role) must share a served model name: a request names one.
 A server's events endpoint comes from the server itself, so it can never be attached to the wrong
 server; a wildcard bind address (tcp://0.0.0.0:port) is reached at the server URL's host, and
 `--kv-events URL=ENDPOINT` overrides it where the router reaches the server another way (a port
-mapping, a NAT).
+mapping, a NAT). A plain server of another engine (a vLLM server: no /disagg/info) is accepted by its
+served model name, its events at the `--kv-events` endpoint given for it (vLLM's format, hicache's too).
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ class Upstream:
     bootstrap_host: str | None = None
     bootstrap_port: int | None = None
     kv_events_endpoint: str | None = None  # where the router subscribes to its KV events; None: it publishes none
-    page_size: int = 16
+    page_size: int | None = 16  # None: not told (another engine's server): its events' block size
 
 
 async def discover(
@@ -60,13 +61,27 @@ async def discover(
             if response.status_code == 200:
                 return _upstream(url, role, response.json(), kv_events)
             if response.status_code == 404:
-                raise UserError(f"{url} is not a hicache server (no /disagg/info)")
+                return await _other_server(client, url, role, kv_events)
             last = f"HTTP {response.status_code}"
         except (httpx.TransportError, json.JSONDecodeError) as exc:
             last = f"{type(exc).__name__}: {exc}"
         if time.monotonic() > deadline:
             raise UserError(f"the {role} server {url} did not answer within {timeout_s:.0f} s ({last})")
         await asyncio.sleep(0.2)
+
+
+async def _other_server(client: httpx.AsyncClient, url: str, role: str, kv_events: str | None) -> Upstream:
+    """A server of another engine (vLLM, SGLang: no /disagg/info): a plain one, named by its first served
+    model (`GET /v1/models`), its KV events where `--kv-events` says (vLLM's format), its page size
+    theirs. It can take no part in a P/D pair: nothing says its KV layout."""
+    if role != PLAIN:
+        raise UserError(f"{url} is not a hicache server (no /disagg/info): it cannot be a {role} server")
+    try:
+        response = await client.get(f"{url}/v1/models", timeout=5.0)
+        name = response.json()["data"][0]["id"]
+    except (httpx.HTTPError, json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+        raise UserError(f"{url} answers neither /disagg/info nor /v1/models ({type(exc).__name__})") from None
+    return Upstream(url, PLAIN, str(name), None, kv_events_endpoint=kv_events, page_size=None)
 
 
 def reachable_endpoint(endpoint: str | None, url: str) -> str | None:

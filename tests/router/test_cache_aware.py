@@ -1,7 +1,8 @@
 """`hicache router --policy cache-aware` in front of two real plain servers that publish KV events: a
 conversation's second turn goes where its first was served and hits there (the server's /metrics say
 so), including where first-message hashing sends it to the other server; what the client reads through
-it equals a cache-off server's answer; a router whose events endpoints are dead still serves, by load."""
+it equals a cache-off server's answer; a router whose events endpoints are dead still serves, by load;
+a server of another engine (no /disagg/info) is taken by its /v1/models, its page size from its events."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ import httpx
 import openai
 import pytest
 
+from hicache.errors import UserError
+from hicache.router.cache_view import CacheView
 from hicache.router.policies import FirstMessage
-from hicache.router.upstreams import PLAIN, Upstream
+from hicache.router.upstreams import PLAIN, Upstream, discover
 from tests.disagg.deployment import ports, serve, spawn, started
 from tests.disagg.pd import free_ports
 from tests.server.server_harness import metric, scrape
@@ -38,7 +41,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory):
         dead = spawn(logs, dead_port, "router", *servers,
                      "--kv-events", f"{a.url}={nowhere[0]}", "--kv-events", f"{b.url}={nowhere[1]}")  # fmt: skip
         with started(aware, dead):
-            yield {"servers": [a.url, b.url], "ref": ref.url, "aware": aware.url, "dead": dead.url}
+            yield {"servers": [a.url, b.url], "ref": ref.url, "aware": aware.url, "dead": dead.url, "events": events}
     for process in (a, b, aware, dead):
         assert "Traceback" not in process.log.read_text(), process.log_tail()
 
@@ -142,3 +145,31 @@ def test_a_servers_tokenize_is_what_it_admits(fleet):
         assert tokens["count"] == len(tokens["tokens"]) == usage["prompt_tokens"], query
     wrong = httpx.post(f"{url}/tokenize", json={"model": "other", "prompt": "x"}, timeout=30)
     assert wrong.status_code == 404 and wrong.json()["error"]["code"] == "model_not_found"
+
+
+@pytest.mark.slow
+def test_a_server_without_disagg_info_is_another_engines_and_its_events_give_its_page_size(fleet):
+    """A vLLM server has no /disagg/info; neither has a router, an OpenAI-compatible server at hand here:
+    it is found as a plain server named by its /v1/models, with no page size of its own word; one whose
+    events say theirs (a hicache server, told nothing) gets it from them. Neither half of a P/D pair."""
+
+    async def find(url: str, role: str) -> Upstream:
+        async with httpx.AsyncClient() as probe:
+            return await discover(probe, url, role, 10.0, kv_events=fleet["events"][0])
+
+    other = asyncio.run(find(fleet["aware"], PLAIN))
+    assert (other.served_model_name, other.page_size, other.handshake) == ("tiny", None, None)
+    with pytest.raises(UserError, match="cannot be a prefill server"):
+        asyncio.run(find(fleet["aware"], "prefill"))
+    told_nothing = Upstream(
+        fleet["servers"][0], PLAIN, "tiny", None, kv_events_endpoint=fleet["events"][0], page_size=None
+    )
+    view = CacheView([told_nothing])
+    try:
+        deadline = time.monotonic() + 30
+        while view.page_size(told_nothing) is None and time.monotonic() < deadline:
+            chat(told_nothing.url, [{"role": "user", "content": f"Page size, please. {time.monotonic()} " * 4}])
+            time.sleep(EVENTS_SETTLE_S)
+        assert view.page_size(told_nothing) == PAGE
+    finally:
+        view.close()
