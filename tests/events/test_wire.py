@@ -39,18 +39,16 @@ class VllmEvent(msgspec.Struct, tag=True, omit_defaults=True):
     pass
 
 
-class VllmStored(VllmEvent, tag="BlockStored"):
-    block_hashes: list[bytes | int]
-    parent_block_hash: bytes | int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    locality: str | None = None
+Hash = bytes | int
+# (name, type[, default]) in vLLM's order: the required fields first
+VllmStored = msgspec.defstruct(
+    "VllmStored",
+    [("block_hashes", list[Hash]), ("parent_block_hash", Hash | None), ("token_ids", list[int]),
+     ("block_size", int), ("lora_id", int | None), ("medium", str | None), ("lora_name", str | None),
+     ("extra_keys", list[tuple[Any, ...] | None] | None, None), ("group_idx", int | None, None),
+     ("kv_cache_spec_kind", str | None, None), ("locality", str | None, None)],
+    bases=(VllmEvent,), tag="BlockStored",
+)  # fmt: skip
 
 
 class VllmRemoved(VllmEvent, tag="BlockRemoved"):
