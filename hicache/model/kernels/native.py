@@ -12,12 +12,15 @@ loading a stale library; within one, torch rebuilds when the source or the flags
 from __future__ import annotations
 
 import argparse
+import contextlib
+import fcntl
 import functools
 import logging
 import os
 import pathlib
 import sys
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -82,9 +85,23 @@ def build(verbose: bool = False) -> None:
 
     directory = build_dir()
     directory.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=LIBRARY, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
-                       extra_ldflags=LDFLAGS, build_directory=str(directory), is_python_module=False,
-                       verbose=verbose)  # fmt: skip
+    with _builders_lock(directory):
+        cpp_extension.load(name=LIBRARY, sources=[str(p) for p in SOURCES], extra_cflags=CFLAGS,
+                           extra_ldflags=LDFLAGS, build_directory=str(directory), is_python_module=False,
+                           verbose=verbose)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _builders_lock(directory: pathlib.Path) -> Iterator[None]:
+    """One build at a time in `directory`, under a lock the kernel drops with its holder. torch's own
+    (its `lock` file) outlives a build killed midway, and every later load then waits on it forever;
+    holding this one, no other build of ours is running, so a `lock` file found is such a leftover."""
+    with open(directory / "hicache-build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        if (leftover := directory / "lock").exists():
+            logger.warning("removing %s, left by a build that was killed", leftover)
+            leftover.unlink(missing_ok=True)
+        yield
 
 
 @functools.cache
