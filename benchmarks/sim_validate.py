@@ -125,7 +125,8 @@ def simulated_pd_run(
 
 def measured(run, hc: HiCacheConfig, servers: int) -> list[tuple[dict[str, int], float]]:  # noqa: ANN001
     with tempfile.TemporaryDirectory() as store:
-        hc = dataclasses.replace(hc, hicache_storage_dir=store)
+        if hc.hicache_storage_backend is not None:  # a store's directory, where there is a store
+            hc = dataclasses.replace(hc, hicache_storage_dir=store)
         return [run(hc) for _ in range(servers)][-1]
 
 

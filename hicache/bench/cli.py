@@ -22,7 +22,6 @@ of its own.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import shlex
@@ -34,7 +33,7 @@ from hicache.bench.config import Arm, BenchConfig
 from hicache.bench.workload import DATASETS, GSP, GSPParams, MultiRoundParams
 from hicache.config import from_args
 from hicache.config.flags import add_command
-from hicache.errors import UserError
+from hicache.errors import UserError, json_object
 
 
 class _AppendArm(argparse.Action):
@@ -52,16 +51,6 @@ def _split(flags: str, option: str) -> tuple[str, ...]:
         return tuple(shlex.split(flags))
     except ValueError as exc:
         raise UserError(f"cannot split {option} {flags!r}: {exc}") from None
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"--extra-body is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise UserError(f"--extra-body must be a JSON object, got {text}")
-    return value
 
 
 def _arms(args: argparse.Namespace) -> tuple[Arm, ...]:
@@ -117,7 +106,7 @@ def config_from_args(args: argparse.Namespace) -> BenchConfig:
         workload=workload,
         arms=_arms(args),
         base_url=base_url,
-        extra_body=_json_object(args.extra_body),
+        extra_body=json_object(args.extra_body, "--extra-body"),
         request_timeout_s=args.request_timeout,
         progress=not args.disable_tqdm,
     )

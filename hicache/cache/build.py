@@ -34,7 +34,7 @@ from hicache.model.kernels.invariance import InvarianceReport
 from hicache.parallel.consensus import Consensus
 from hicache.parallel.parallel import ParallelContext
 from hicache.parallel.placement import storage_shard
-from hicache.storage import StorageBackend, make_backend
+from hicache.storage import StorageBackend, open_backend
 from hicache.storage.unified import KVGeometry, Shard, check_aligned, shard_of
 
 logger = logging.getLogger(__name__)
@@ -150,10 +150,7 @@ def load_faults(debug: DebugConfig, rank: int) -> LoadFaults | None:
 
 def storage_backend(cfg: HiCacheConfig, debug: DebugConfig, rank: int) -> StorageBackend:
     """The configured backend; on the rank --debug-storage-fail-rank names, failing a fraction of reads."""
-    backend = make_backend(
-        cfg.hicache_storage_backend, cfg.hicache_storage_dir, cfg.hicache_storage_url, cfg.hicache_storage_max_bytes,
-        cfg.hicache_storage_idle_ttl,
-    )  # fmt: skip
+    backend = open_backend(cfg)
     if debug.debug_storage_fail_rate > 0 and rank == debug.debug_storage_fail_rank:
         backend = FlakyReads(backend, debug.debug_storage_fail_rate, seed=rank)
         rate = 100 * debug.debug_storage_fail_rate

@@ -16,6 +16,7 @@ from hicache.config.cpu import cpu_has_native_bf16
 from hicache.errors import UserError
 from hicache.mem.host_pool import LAYOUTS
 from hicache.model.kernels.quant import QUANTIZATIONS
+from hicache.storage import registry
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,6 @@ class FromArgs:
 
 WRITE_POLICIES = ("write_through", "write_through_selective", "write_back")
 PREFETCH_POLICIES = ("best_effort", "wait_complete", "timeout")
-STORAGE_BACKENDS = ("file", "redis")
 KEY_SCHEMES = ("rank-suffix", "unified")
 DRAFT_LAYOUTS = ("auto", "packed", "sidecar")
 SPECULATIVE_ALGORITHMS = ("draft", "ngram")
@@ -75,6 +75,7 @@ class HiCacheConfig(FromArgs):
     hicache_storage_prefetch_timeout_per_ki_token: float = 0.25  # seconds per 1024 prefetched tokens
     hicache_storage_max_bytes: int = 0  # file backend: least recently used objects go past this; 0 = no cap
     hicache_storage_idle_ttl: float = 0.0  # redis backend: seconds an object lives after its last use; 0 = ever
+    hicache_storage_backend_extra_config: str | None = None  # JSON: the backend's own options (storage/registry.py)
     hicache_transfer_timeout: float = 60.0  # seconds any wait on a copy or storage call may take
     hicache_draft_layout: str = "auto"  # how a speculative draft's state sits beside the target's (hicache/spec/)
     # Storage keys (hicache/storage/unified.py): "rank-suffix" names each rank's shard; "unified" cuts a
@@ -92,14 +93,9 @@ class HiCacheConfig(FromArgs):
         _choice("--hicache-write-policy", self.hicache_write_policy, WRITE_POLICIES)
         _choice("--hicache-storage-prefetch-policy", self.hicache_storage_prefetch_policy, PREFETCH_POLICIES)
         _choice("--hicache-draft-layout", self.hicache_draft_layout, DRAFT_LAYOUTS)
-        if self.hicache_storage_backend is not None:
-            _choice("--hicache-storage-backend", self.hicache_storage_backend, STORAGE_BACKENDS)
-            if not self.enable_hierarchical_cache:
-                raise UserError("--hicache-storage-backend needs --enable-hierarchical-cache")
-        if self.hicache_storage_max_bytes and self.hicache_storage_backend != "file":
-            raise UserError("--hicache-storage-max-bytes applies to --hicache-storage-backend file only")
-        if self.hicache_storage_idle_ttl and self.hicache_storage_backend != "redis":
-            raise UserError("--hicache-storage-idle-ttl applies to --hicache-storage-backend redis only")
+        if self.hicache_storage_backend is not None and not self.enable_hierarchical_cache:
+            raise UserError("--hicache-storage-backend needs --enable-hierarchical-cache")
+        registry.check(self)
         _choice("--hicache-storage-key-scheme", self.hicache_storage_key_scheme, KEY_SCHEMES)
         if self.hicache_storage_key_scheme == "unified":
             if self.hicache_mem_layout == "layer_first":

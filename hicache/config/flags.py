@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from hicache.config import DebugConfig, DisaggConfig, EngineConfig, HiCacheConfig, ParallelConfig, SpeculativeConfig
+from hicache.storage import registry
 
 
 def add_command(sub: argparse._SubParsersAction, name: str, help_text: str, doc: str | None) -> argparse.ArgumentParser:
@@ -102,7 +103,17 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=h.hicache_load_back_threshold,
         help="host hits shorter than this many tokens are recomputed",
     )
-    t.add_argument("--hicache-storage-backend", default=None, help="file or redis: add the storage tier")
+    t.add_argument(
+        "--hicache-storage-backend",
+        default=None,
+        help=f"{' or '.join(registry.BACKENDS)}: add the storage tier (hicache/storage/registry.py)",
+    )
+    t.add_argument(
+        "--hicache-storage-backend-extra-config",
+        default=None,
+        help="a JSON object of the backend's own options, as SGLang's flag (an option it does not take is "
+        "refused, naming those it does)",
+    )
     t.add_argument("--hicache-storage-dir", default=None, help="file backend directory (default: user cache dir)")
     t.add_argument("--hicache-storage-url", default=h.hicache_storage_url, help="redis backend URL")
     t.add_argument(

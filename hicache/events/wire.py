@@ -26,10 +26,12 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from hicache.cache import kv_events as recorded
-from hicache.cache.kv_events import DEVICE, HOST, MEDIA, STORAGE
+from hicache.cache import MEDIA, KVEvent
+from hicache.cache import BlockRemoved as RecordedRemoved
+from hicache.cache import BlockStored as RecordedStored
 from hicache.errors import UserError
 
+DEVICE, HOST, STORAGE = MEDIA  # the cache's tiers, fastest first
 END_SEQ = (-1).to_bytes(8, "big", signed=True)  # the replay's last frame, as vLLM ends it
 MEDIUM_OF = {DEVICE: "GPU", HOST: "CPU", STORAGE: "STORAGE"}  # vLLM's media: MEDIUM_GPU, MEDIUM_CPU, ...
 BlockHash = bytes | int  # vLLM's ExternalBlockHash: hicache's are 32-byte digests
@@ -91,17 +93,17 @@ def salt_of(stored: BlockStored) -> str:
     return next((k for k in keys if isinstance(k, str) and k != stored.lora_name), "")
 
 
-def wire_events(event: recorded.KVEvent, page_size: int, held: dict[str, set[BlockHash]]) -> list[WireEvent]:
+def wire_events(event: KVEvent, page_size: int, held: dict[str, set[BlockHash]]) -> list[WireEvent]:
     """A recorded event (hicache/cache/kv_events.py) as vLLM's events; `held`: the pages on each tier
     before it. A flush clears the device and host tiers but not storage, which vLLM's AllBlocksCleared
     (every medium) cannot say: the pages those tiers held are removed instead."""
-    if isinstance(event, recorded.BlockStored):
+    if isinstance(event, RecordedStored):
         salt = event.cache_salt
         extra = [(salt,)] + [None] * (len(event.block_hashes) - 1) if salt else None
         hashes, tokens = list(event.block_hashes), event.token_ids.tolist()
         medium = MEDIUM_OF[event.medium]
         return [BlockStored(hashes, event.parent_block_hash, tokens, page_size, None, medium, None, extra)]
-    if isinstance(event, recorded.BlockRemoved):
+    if isinstance(event, RecordedRemoved):
         return [BlockRemoved(list(event.block_hashes), MEDIUM_OF[event.medium])]
     if set(event.media) == set(MEDIA):
         return [AllBlocksCleared()]

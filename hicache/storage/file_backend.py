@@ -25,6 +25,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from hicache.errors import UserError
 from hicache.storage.backend import (
     Blob,
     BytesLike,
@@ -55,6 +56,15 @@ def default_storage_dir() -> Path:
     # The XDG spec says relative paths in these variables are invalid and must be ignored.
     base = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
     return base / "hicache" / "storage"
+
+
+def open_backend(dir: str | None, max_bytes: int, fsync: bool = False) -> FileBackend:
+    """`--hicache-storage-backend file` (registry.py): under `dir` (default: default_storage_dir()), capped
+    at `max_bytes` if > 0; `fsync` (extra config): every put synced to disk before it counts."""
+    try:
+        return FileBackend(dir, fsync=fsync, max_bytes=max_bytes)
+    except StorageUnavailable as exc:  # at start-up, an unusable directory is the user's to fix
+        raise UserError(str(exc)) from exc
 
 
 class FileBackend(StorageBackend):

@@ -39,6 +39,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from hicache.errors import UserError
 from hicache.storage.backend import (
     Blob,
     BytesLike,
@@ -68,6 +69,19 @@ _EXPIRE_LATER = """
 for i, key in ipairs(KEYS) do redis.call('PEXPIRE', key, ARGV[1], 'GT') end
 return 0
 """
+
+
+def open_backend(
+    url: str, idle_ttl: float, prefix: str = "hicache:", timeout_s: float = 1.0, exists_chunk: int = 256
+) -> RedisBackend:
+    """`--hicache-storage-backend redis` (registry.py): at `url`, objects expiring `idle_ttl` seconds after
+    their last use if > 0; extra config: the key `prefix` (several deployments in one database), the
+    per-command `timeout_s`, the first existence query's `exists_chunk`. Connections are lazy: an
+    unreachable Redis is reported by the first operation as StorageUnavailable, not here."""
+    try:
+        return RedisBackend(url, prefix=prefix, timeout_s=timeout_s, exists_chunk=exists_chunk, idle_ttl_s=idle_ttl)
+    except ValueError as exc:
+        raise UserError(f"--hicache-storage-backend redis: {exc}") from exc
 
 
 class RedisBackend(StorageBackend):

@@ -42,7 +42,8 @@ def test_conversations_longer_than_windows_under_sliding_eviction_equal_cache_of
     pages keep whole rows), and a new server on the same store answers alike from storage."""
     host = HiCacheConfig(
         enable_hierarchical_cache=hierarchical, hicache_ratio=4.0,
-        hicache_storage_backend="file" if hierarchical else None, hicache_storage_dir=str(tmp_path / "store"),
+        hicache_storage_backend="file" if hierarchical else None,
+        hicache_storage_dir=str(tmp_path / "store") if hierarchical else None,
         hicache_storage_prefetch_threshold=64,
     )  # fmt: skip
     with Engine(model="tiny-hybrid", hicache=host, **SMALL) as engine:

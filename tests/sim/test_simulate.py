@@ -78,9 +78,10 @@ def both(request, tmp_path_factory):
     one configuration; engine and simulator each on a store of their own."""
     hc, servers = CONFIGS[request.param]
     real_store, simulated_store = (str(tmp_path_factory.mktemp(side)) for side in ("real", "simulated"))
-    real_hc = dataclasses.replace(hc, hicache_storage_dir=real_store)
+    stored = hc.hicache_storage_backend is not None  # a store's directory, where there is a store
+    real_hc = dataclasses.replace(hc, hicache_storage_dir=real_store) if stored else hc
     real = [hit for _ in range(servers) for hit in _engine_hits(real_hc)]
-    simulated_hc = dataclasses.replace(hc, hicache_storage_dir=simulated_store)
+    simulated_hc = dataclasses.replace(hc, hicache_storage_dir=simulated_store) if stored else hc
     simulated = [hit for _ in range(servers) for hit in _simulated_hits(simulated_hc)]
     return request.param, real, simulated
 

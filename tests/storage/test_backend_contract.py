@@ -3,12 +3,13 @@ that rely on the fake test against the real semantics)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from hicache.storage import FileBackend, RedisBackend, StorageBackend
+from hicache.storage import StorageBackend, registry
+from tests.storage.conftest import opened
 from tests.storage.fakes import DictBackend
 from tests.storage.redis_server import RedisServer, RedisServerError
 
@@ -23,17 +24,27 @@ def shared_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
         yield server
 
 
-@pytest.fixture(params=["dict", "file", "redis"])
+# How the contract opens each registered backend (its flags): a backend registered without an entry
+# here fails test_every_registered_backend_is_checked.
+FLAGS: dict[str, Callable[[pytest.FixtureRequest, Path], dict[str, object]]] = {
+    "file": lambda request, tmp_path: {"dir": str(tmp_path / "store")},
+    "redis": lambda request, tmp_path: {"url": request.getfixturevalue("shared_redis").url},
+}
+
+
+@pytest.fixture(params=["dict", *registry.BACKENDS])
 def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StorageBackend]:
     if request.param == "dict":
         b: StorageBackend = DictBackend()
-    elif request.param == "file":
-        b = FileBackend(tmp_path / "store")
     else:
-        b = RedisBackend(request.getfixturevalue("shared_redis").url)
+        b = opened(request.param, **FLAGS[request.param](request, tmp_path))
     b.clear()
     with b:
         yield b
+
+
+def test_every_registered_backend_is_checked() -> None:
+    assert set(FLAGS) == set(registry.BACKENDS)
 
 
 def keys(n: int) -> list[str]:

@@ -20,9 +20,9 @@ from hicache.storage import (
     decode,
     default_storage_dir,
     encode,
-    make_backend,
     page_hashes,
 )
+from tests.storage.conftest import opened
 
 NS = Namespace(model="m", kv_dtype="bfloat16", page_size=4, layout="page_rows")
 
@@ -169,7 +169,7 @@ def test_unusable_storage(tmp_path: Path) -> None:
     with pytest.raises(StorageUnavailable):
         FileBackend(blocker / "store")  # a path under a regular file cannot be created
     with pytest.raises(UserError):
-        make_backend("file", blocker / "store")
+        opened("file", dir=str(blocker / "store"))
     backend = FileBackend(tmp_path / "store")
     store = VerifiedStore(backend, NS)
     hashes = page_hashes(range(4), 4)
@@ -191,8 +191,9 @@ def test_default_storage_dir(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) ->
     monkeypatch.delenv("XDG_CACHE_HOME")
     assert default_storage_dir() == tmp_path / "home" / ".cache" / "hicache" / "storage"
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    backend = make_backend("file")
+    backend = opened("file")
     assert isinstance(backend, FileBackend) and backend.root == tmp_path / "hicache" / "storage"
+    assert not backend.fsync and opened("file", backend_extra_config='{"fsync": true}').fsync
 
 
 def test_clear_leaves_other_files_alone(tmp_path: Path) -> None:

@@ -11,7 +11,8 @@ import pytest
 import redis
 
 from hicache.errors import UserError
-from hicache.storage import Namespace, RedisBackend, StorageUnavailable, VerifiedStore, make_backend, page_hashes
+from hicache.storage import Namespace, RedisBackend, StorageUnavailable, VerifiedStore, page_hashes
+from tests.storage.conftest import opened
 from tests.storage.redis_server import RedisServer
 
 NS = Namespace(model="m", kv_dtype="bfloat16", page_size=16, layout="page_rows", rank="tp0of1")
@@ -23,7 +24,7 @@ def payloads(n: int, salt: int = 0) -> list[bytes]:
 
 
 def test_round_trip_and_exists_prefix(redis_server: RedisServer) -> None:
-    backend = make_backend("redis", url=redis_server.url)
+    backend = opened("redis", url=redis_server.url)
     assert isinstance(backend, RedisBackend)
     store = VerifiedStore(backend, NS, payload_bytes=PAGE_BYTES)
     hashes = page_hashes(range(16 * 8), 16)
@@ -38,13 +39,17 @@ def test_round_trip_and_exists_prefix(redis_server: RedisServer) -> None:
     # The objects are where the key scheme says, under the backend's prefix.
     raw = redis.Redis.from_url(redis_server.url)
     assert raw.exists(f"hicache:{NS.object_key(hashes[0])}") == 1
+    # Another deployment in the same database, its own prefix given as the backend's extra option.
+    other = VerifiedStore(opened("redis", url=redis_server.url, backend_extra_config='{"prefix": "team-b:"}'), NS)
+    assert other.exists_prefix(hashes) == 0 and other.put_pages(hashes[:1], payloads(1))
+    assert raw.exists(f"team-b:{NS.object_key(hashes[0])}") == 1
     raw.close()
     backend.close()
 
 
 def test_touch_is_an_access_to_redis_lru(redis_server: RedisServer) -> None:
     """A capped Redis (maxmemory, an LRU policy) evicts by idle time: a touched page's is reset."""
-    store = VerifiedStore(make_backend("redis", url=redis_server.url), NS, payload_bytes=PAGE_BYTES)
+    store = VerifiedStore(opened("redis", url=redis_server.url), NS, payload_bytes=PAGE_BYTES)
     hashes = page_hashes(range(16 * 2), 16)
     assert store.put_pages(hashes, payloads(2))
     raw = redis.Redis.from_url(redis_server.url)
@@ -164,10 +169,14 @@ def test_hung_server_costs_one_timeout(redis_server: RedisServer) -> None:
 
 
 def test_configuration_errors() -> None:
-    with pytest.raises(UserError):
-        make_backend("redis", url="http://localhost:6379")
-    with pytest.raises(UserError):
-        make_backend("s3")
+    with pytest.raises(UserError, match="redis://"):
+        opened("redis", url="http://localhost:6379")
+    with pytest.raises(UserError, match="must be one of file, redis"):
+        opened("s3")
+    with pytest.raises(UserError, match="takes no extra option 'ttl' .its own: prefix, timeout_s, exists_chunk"):
+        opened("redis", backend_extra_config='{"ttl": 5}')
+    with pytest.raises(UserError, match="--hicache-storage-idle-ttl applies to --hicache-storage-backend redis only"):
+        opened("file", idle_ttl=5.0)
     with pytest.raises(ValueError):
         RedisBackend(prefix="bad*prefix")
 
