@@ -86,7 +86,7 @@ class KVEventPublisher:
                 self._send_batches()
                 if readable:
                     self._answer()
-            except Exception:
+            except Exception:  # one bad request must not end the events: logged, and on to the next
                 logger.exception("KV events publisher")
         self._send_batches()
 

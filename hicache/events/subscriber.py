@@ -70,12 +70,21 @@ class KVEventSubscriber:
             # applied: a publisher stamps its batches in order), or a restarted vLLM counting from 0 again.
             if batch.ts <= self.ts:
                 return
-            self.catch_up(restarted=True)
+            self._try_catch_up(restarted=True)
         elif self.seq is None or seq != self.seq + 1:
-            self.catch_up()
+            self._try_catch_up()
         # A replay is answered after this batch was sent, so it covers it: then self.seq >= seq.
         if self.seq is None or seq > self.seq:
             self._apply(seq, batch)
+
+    def _try_catch_up(self, restarted: bool = False) -> None:
+        """`catch_up`, or, where the replay does not come (a vLLM server started without a
+        replay_endpoint), go on from this batch: what live batches say is still worth knowing, and the
+        next gap asks again."""
+        try:
+            self.catch_up(restarted)
+        except TimeoutError as exc:
+            logger.warning("KV events from %s: %s; following the live batches from here", self.endpoint, exc)
 
     def catch_up(self, restarted: bool = False) -> None:
         """Ask the publisher for what this index lacks (`restarted`: all it holds) and apply it. Raises

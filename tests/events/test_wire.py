@@ -13,6 +13,7 @@ from typing import Any
 
 import msgspec
 import pytest
+import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -263,3 +264,23 @@ def test_replay_answers_from_the_buffer_or_with_the_state(monkeypatch):
     finally:
         for closing in (late, lossy, publisher):
             closing.close()
+
+
+def test_without_a_replay_socket_the_subscriber_follows_the_live_batches():
+    """A vLLM server started without a replay_endpoint never answers a replay: the subscriber waits out
+    its timeout once, then applies what the live batches say (here a bare PUB socket, vLLM's frames)."""
+    endpoint = f"tcp://127.0.0.1:{free_ports(2)}"
+    context = zmq.Context()
+    pub = context.socket(zmq.PUB)
+    pub.bind(endpoint)
+    subscriber = KVEventSubscriber(endpoint, replay_timeout_s=0.2)
+    try:
+        time.sleep(0.3)  # the SUB socket connects
+        for seq, tokens in enumerate(([1, 1, 1, 1], [2, 2, 2, 2])):
+            batch = VllmBatch(float(seq), [vllm_chain(tokens)], 0)
+            pub.send_multipart([b"kv-events", seq.to_bytes(8, "big"), msgspec.msgpack.encode(batch)])
+            subscriber.poll(2000)
+        assert subscriber.seq == 1 and subscriber.index.counts()["device"] == 2
+    finally:
+        subscriber.close()
+        context.destroy(linger=0)
