@@ -66,7 +66,9 @@ class BlockIndex:
         for i, block in enumerate(event.block_hashes):
             tokens = event.token_ids[i * size : (i + 1) * size]
             if block not in self._blocks:
-                chain = None if prior is None else page_hashes(tokens, size, prior)[0]
+                # No chain without its parent's, nor from a page sent without its tokens (some publishers
+                # leave them out): it is held, but never matched.
+                chain = None if prior is None or len(tokens) < size else page_hashes(tokens, size, prior)[0]
                 kept = array("I", tokens) if self.keep_tokens else None
                 self._blocks[block] = _Block(parent, chain, kept, salt_of(event) if parent is None else "")
                 if chain is not None:
@@ -82,7 +84,7 @@ class BlockIndex:
         if any(block in held for held in self.pages.values()):
             return
         known = self._blocks.pop(block, None)
-        if known is not None and known.chain is not None:
+        if known is not None and known.chain is not None and self._by_chain.get(known.chain) == block:
             del self._by_chain[known.chain]
 
     def counts(self) -> dict[str, int]:

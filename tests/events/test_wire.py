@@ -162,11 +162,13 @@ def test_a_vllm_servers_events_find_a_prompts_pages_by_content(shape):
     assert index.match(prompt_hashes(system, PAGE, "other"))["device"] == 0
 
 
-def test_a_page_whose_parent_was_never_seen_is_held_but_never_matched():
+def test_a_page_whose_parent_was_never_seen_or_sent_without_tokens_is_held_but_never_matched():
     orphan = vllm_chain([3, 3, 3, 3], first_parent=12345)
+    tokenless = VllmStored([random.getrandbits(63)], None, [], PAGE, None, "GPU", None)
     index = BlockIndex()
-    index.apply(decode_payload(msgspec.msgpack.encode(VllmBatch(0.0, [orphan]))).events[0])
-    assert index.counts()["device"] == 1
+    for event in decode_payload(msgspec.msgpack.encode(VllmBatch(0.0, [orphan, tokenless]))).events:
+        index.apply(event)
+    assert index.counts()["device"] == 2
     assert index.chain_hashes()["device"] == set() and index.match(prompt_hashes([3, 3, 3, 3], PAGE))["device"] == 0
 
 
