@@ -29,11 +29,13 @@ import pathlib
 import shlex
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import replace
 
 from hicache.bench import Arm, BenchConfig, GSPParams
 from hicache.config.flags import add_command, add_engine_args
 from hicache.errors import UserError
+from hicache.storage import registry
 
 DEFAULT_OUT = "hicache-demo"
 
@@ -109,14 +111,19 @@ def host_ratio(workload: GSPParams, device_tokens: int) -> float:
     return max(DEFAULT_HICACHE_RATIO, math.ceil(needed * 4) / 4)  # in quarters: readable in the flags
 
 
-def forwarded_engine_flags(args: argparse.Namespace) -> list[str]:
+def forwarded_engine_flags(args: argparse.Namespace) -> tuple[list[str], list[str]]:
     """`hicache serve` flags for every engine flag given with a non-default value (--dtype, --page-size,
-    --hicache-write-policy, ...), so the arms run the engine the user asked for. `--model`, the pool
-    sizes and the storage flags are the demo's own; the arm-defining flags are refused."""
+    --hicache-write-policy, ...), so the arms run the engine the user asked for: (for every arm, for the
+    arm with a store only: the storage backend's flags, which an arm without one refuses). `--model`, the
+    pool sizes and the storage directory and policy are the demo's own; the arm-defining flags are
+    refused."""
     scratch = argparse.ArgumentParser(add_help=False)
     add_engine_args(scratch)
     own = {"model", "max_total_tokens", "hicache_ratio", "hicache_storage_dir", "hicache_storage_prefetch_policy"}
+    backend = {"hicache_storage_backend_extra_config"}
+    backend |= {registry.FLAG_PREFIX + option for b in registry.BACKENDS.values() for option in b.reads}
     flags: list[str] = []
+    storage: list[str] = []
     for action in scratch._actions:
         if not action.option_strings or action.dest in own:
             continue
@@ -126,14 +133,20 @@ def forwarded_engine_flags(args: argparse.Namespace) -> list[str]:
         flag = action.option_strings[0]
         if action.dest in ARM_FLAGS:
             raise UserError(f"{flag}: the demo sets it per arm; use `hicache bench` to choose arms yourself")
-        flags += [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]
-    return flags
+        given = [flag] if isinstance(action, argparse._StoreTrueAction) else [flag, str(value)]
+        if action.dest in backend:
+            storage += given
+        else:
+            flags += given
+    return flags, storage
 
 
 def build_arms(
-    model: str, engine_flags: list[str], device_tokens: int, ratio: float, storage_dir: str, prefetch_policy: str
+    model: str, engine_flags: list[str], device_tokens: int, ratio: float, storage_dir: str, prefetch_policy: str,
+    storage_flags: Sequence[str] = (),
 ) -> tuple[Arm, ...]:
-    """The four arms, in the order the table shows them; the first is the baseline of its ratios."""
+    """The four arms, in the order the table shows them; the first is the baseline of its ratios.
+    `storage_flags`: the storage backend's, for the arm with a store only."""
     base = ("--model", model, "--max-total-tokens", str(device_tokens), *engine_flags)
     host = (*base, "--enable-hierarchical-cache", "--hicache-ratio", f"{ratio:g}")
     storage = (
@@ -141,6 +154,7 @@ def build_arms(
         "--hicache-storage-backend", "file",
         "--hicache-storage-dir", storage_dir,
         "--hicache-storage-prefetch-policy", prefetch_policy,
+        *storage_flags,
     )  # fmt: skip
     no_cache, device, device_host, restarted = ARM_NAMES
     return (
@@ -198,7 +212,7 @@ def run_demo(args: argparse.Namespace) -> int:
     # httpx logs every request at INFO; the demo's own lines would drown.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     workload = workload_from_args(args)
-    engine_flags = forwarded_engine_flags(args)  # before anything is created: refuses arm-defining flags
+    engine_flags, storage_flags = forwarded_engine_flags(args)  # before anything is created: refuses arm flags
     device_tokens = args.max_total_tokens
     if device_tokens is None:
         device_tokens = device_pool_tokens(workload, args.page_size)
@@ -215,7 +229,7 @@ def run_demo(args: argparse.Namespace) -> int:
             tempfile.TemporaryDirectory(prefix="hicache-demo-")
         )
         policy = args.hicache_storage_prefetch_policy or STORAGE_PREFETCH_POLICY
-        arms = build_arms(args.model, engine_flags, device_tokens, ratio, storage_dir, policy)
+        arms = build_arms(args.model, engine_flags, device_tokens, ratio, storage_dir, policy, storage_flags)
         print(describe(args, workload, device_tokens, ratio, storage_dir))
         print(
             f"The same measurement with `hicache bench`:\n  {bench_command(workload, arms, str(out / 'bench.jsonl'))}\n"

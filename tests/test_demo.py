@@ -74,15 +74,19 @@ def demo_args(*argv: str):
 
 
 def test_engine_flags_given_are_forwarded_and_arm_flags_refused() -> None:
-    assert forwarded_engine_flags(demo_args()) == []
-    assert forwarded_engine_flags(demo_args("--dtype", "float32", "--hicache-write-policy", "write_back")) == [
-        "--dtype",
-        "float32",
-        "--hicache-write-policy",
-        "write_back",
-    ]
+    assert forwarded_engine_flags(demo_args()) == ([], [])
+    assert forwarded_engine_flags(demo_args("--dtype", "float32", "--hicache-write-policy", "write_back")) == (
+        ["--dtype", "float32", "--hicache-write-policy", "write_back"],
+        [],
+    )
     # The demo's own flags are not forwarded as such.
-    assert forwarded_engine_flags(demo_args("--max-total-tokens", "4096", "--hicache-storage-dir", "/x")) == []
+    assert forwarded_engine_flags(demo_args("--max-total-tokens", "4096", "--hicache-storage-dir", "/x")) == ([], [])
+    # The storage backend's go to the arm with a store only: the others would refuse them.
+    extra = ["--hicache-storage-backend-extra-config", '{"fsync": true}']
+    flags, storage = forwarded_engine_flags(demo_args(*extra))
+    assert (flags, storage) == ([], extra)
+    arms = build_arms("tiny", flags, 720, 2.75, "/tmp/store", "wait_complete", storage)
+    assert [extra[0] in (arm.serve_args or ()) for arm in arms] == [False, False, False, True]
 
 
 @pytest.mark.parametrize("flag", ["--disable-radix-cache", "--enable-hierarchical-cache"])
