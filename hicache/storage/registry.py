@@ -11,10 +11,9 @@ extra option it does not take, is a one-line error, not a silently ignored setti
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
 from hicache.errors import UserError, json_object
@@ -51,7 +50,7 @@ def check(cfg: Any) -> None:
     name = cfg.hicache_storage_backend
     if name is not None and name not in BACKENDS:
         raise UserError(f"--hicache-storage-backend must be one of {', '.join(BACKENDS)}, got {name!r}")
-    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    defaults = {f.name: f.default for f in fields(cfg)}
     reads = BACKENDS[name].reads if name is not None else ()
     for backend in BACKENDS.values():
         for option in backend.reads:
