@@ -16,7 +16,7 @@ same chain from the tokens alone (hicache/events/wire.py).
 from __future__ import annotations
 
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from hicache.cache.tree_node import TreeNode, chain_hashes
@@ -55,15 +55,12 @@ KVEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventRecorder:
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, namespace_of: Callable[[TreeNode], str] = lambda root: "") -> None:
+        """`namespace_of`: the cache_salt of a namespace's root (the tree's), which its first pages' events carry."""
         self.page_size = page_size
         self.enabled = False  # turned on by the publisher that drains it
         self._events: list[KVEvent] = []
-        self._salts: dict[int, str] = {}  # a namespace root's id -> its cache_salt (the tree names them)
-
-    def root_named(self, root: TreeNode, cache_salt: str) -> None:
-        """The tree made `root` for the namespace `cache_salt` (its first pages' events carry the salt)."""
-        self._salts[root.id] = cache_salt
+        self.namespace_of = namespace_of
 
     def stored(self, node: TreeNode, medium: str, pages: Iterable[int] | None = None) -> None:
         """`node`'s pages are now on `medium`: every one of them, or those numbered `pages` (in order;
@@ -74,7 +71,7 @@ class KVEventRecorder:
         parent = node.parent
         first_page = parent is None or parent.is_root
         prior = None if first_page else chain_hashes(parent, self.page_size)[-1]
-        salt = self._salts.get(parent.id, "") if first_page and parent is not None else ""
+        salt = self.namespace_of(parent) if first_page and parent is not None else ""
         tokens = node.tokens
         for start, end in _runs(range(len(hashes)) if pages is None else pages):
             before = hashes[start - 1] if start else prior
@@ -92,8 +89,6 @@ class KVEventRecorder:
             self._events.append(BlockRemoved(tuple(hashes), medium))
 
     def cleared(self, media: tuple[str, ...]) -> None:
-        """Every page on `media` is gone, and every namespace root with them (the tree's reset)."""
-        self._salts.clear()
         if self.enabled:
             self._events.append(AllBlocksCleared(media))
 

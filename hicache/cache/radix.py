@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from hicache.cache.kv_events import DEVICE, HOST, KVEventRecorder
 from hicache.cache.page_keys import TOKEN_BYTES, Tokens, pack
@@ -62,7 +62,8 @@ class RadixTree:
         self._device_lru = LRUCandidates(self._device_leaf)
         self._host_lru = LRUCandidates(self._host_leaf)
         self.retention = RetentionTimeline()
-        self.events = KVEventRecorder(page_size)  # the cache's one recorder (kv_events.py)
+        # The cache's one recorder (kv_events.py); a root's namespace is its cache_salt.
+        self.events = KVEventRecorder(page_size, lambda root: next((n for n, r in self._roots.items() if r is root), ""))
         self.reset()
 
     def reset(self) -> None:
@@ -85,7 +86,6 @@ class RadixTree:
             root = self._roots[namespace] = TreeNode(b"", [], None)
             root.lock_ref = 1  # roots are never evicted
             root.hashes = [salt_seed(namespace)]  # its pages' hash chain starts from its salt
-            self.events.root_named(root, namespace)
         return root
 
     def _child_key(self, key: bytes) -> bytes:
