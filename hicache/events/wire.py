@@ -107,7 +107,7 @@ def wire_events(event: KVEvent, page_size: int, held: dict[str, set[BlockHash]])
         return [BlockRemoved(list(event.block_hashes), MEDIUM_OF[event.medium])]
     if set(event.media) == set(MEDIA):
         return [AllBlocksCleared()]
-    gone = [(tier, sorted(held[tier])) for tier in event.media]  # type: ignore[type-var]
+    gone = [(tier, list(held[tier])) for tier in event.media]
     return [BlockRemoved(pages, MEDIUM_OF[tier]) for tier, pages in gone if pages]
 
 
