@@ -75,10 +75,15 @@ def with_weight_format(loaded: LoadedModel, resolved: str, device: torch.device)
     another identity (storage keys and P/D peers are namespaced by it); dense keeps the file's. So do
     the quantized formats' two kernel families on a CPU: hicache's native kernels and aten's packed ones
     (where the native build failed) round differently, and a server of each must not share KV."""
-    kernels = f":native-v{native.VERSION}" if device.type == "cpu" and native.library() is not None else ""
+    on_native = device.type == "cpu" and native.library() is not None
+    kernels = f":native-v{native.VERSION}" if on_native else ""
     identity = loaded.identity if resolved == "none" else hashlib.sha256(
         f"{loaded.identity}:weights-{resolved}{kernels}".encode()).hexdigest()  # fmt: skip
-    return dataclasses.replace(loaded, identity=identity, extra={**loaded.extra, "weight_format": resolved})
+    # Which passes multiply them, for /health and the start-up line: the ISA does not enter the identity,
+    # since every ISA's passes compute the same bits (csrc/qgemm.cpp's header).
+    runs_on = "dense" if resolved == "none" else f"native {native.library().kernel_isa()}" if on_native else "aten"
+    return dataclasses.replace(loaded, identity=identity,
+                               extra={**loaded.extra, "weight_format": resolved, "weight_kernels": runs_on})  # fmt: skip
 
 
 def with_attention_family(loaded: LoadedModel, device: torch.device) -> LoadedModel:

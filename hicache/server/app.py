@@ -62,6 +62,7 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
                 "status": "ok",
                 "batch_invariance": engine.invariance,
                 "weight_format": engine.weight_format,
+                "weight_kernels": engine.weight_kernels,
                 "dtype": engine.config.dtype,
             }
         )

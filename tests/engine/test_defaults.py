@@ -35,3 +35,16 @@ def test_auto_takes_the_native_kernels_in_float32_and_bf16_only_for_dense_weight
     # smollm2's Q4_1/Q8_0 codes: the native kernels quantize activations to 16-bit codes in any dtype
     assert activation_dtype(defaults, smollm2) == (torch.float32 if NATIVE_KERNELS else dense)
     assert activation_dtype(EngineConfig(dtype="bfloat16"), smollm2) == torch.bfloat16  # asked for: kept
+
+
+def test_the_weights_kernels_are_named_with_the_isa_they_run_on(smollm2):
+    """/health and the start-up line say which passes multiply the weights: the native kernels' AVX-512
+    VNNI ones on a CPU that has them (AVX2's elsewhere, the same bits), aten's where no native build
+    loads, and "dense" for weights not kept quantized."""
+    from hicache.model.build import with_weight_format
+    from hicache.model.kernels import native
+
+    vnni = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= native._cpu_flags()
+    kept = with_weight_format(smollm2, "checkpoint", CPU).extra["weight_kernels"]
+    assert kept == (f"native {'avx512-vnni' if vnni else 'avx2'}" if NATIVE_KERNELS else "aten")
+    assert with_weight_format(smollm2, "none", CPU).extra["weight_kernels"] == "dense"

@@ -5,6 +5,7 @@ depend on the call it is in (rows, position, thread count), they run on torch's 
 picks them first, and plans measured without them are not reused."""
 
 import dataclasses
+import os
 import subprocess
 import sys
 
@@ -178,3 +179,41 @@ def test_a_build_killed_midway_does_not_hold_up_the_next_start():
                           timeout=300, capture_output=True, text=True, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     assert not leftover.exists()
+
+
+_PRODUCTS_SCRIPT = """
+import sys, torch
+from hicache.model.kernels import native, quant
+lib, out = native.library(), {"isa": native.library().kernel_isa()}
+for n, k, m in [(8, 32, 1), (24, 64, 2), (64, 576, 3), (192, 576, 4), (1536, 576, 9), (576, 1536, 37)]:
+    g = torch.Generator().manual_seed(n * k + m)
+    x = torch.randn(m, k, generator=g)
+    int4 = native.int4_operands(quant.as_format(torch.randn(n, k, generator=g) * 0.05, "int4"))
+    half = (int4[0], int4[1].half(), int4[2].half())
+    int8 = native.int8_operands(quant.as_format(torch.randn(n, k, generator=g) * 0.05, "int8"))
+    out[n, k, m] = (lib.int4_linear(x, *int4), lib.int4_linear(x, *half), lib.int8_linear(x, *int8),
+                    lib.int4_linear_sum(torch.cat([x, x], 1), *[[t, t] for t in half]),
+                    lib.int8_linear_sum(torch.cat([x, x], 1), *[[t, t] for t in int8]))
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_every_isa_path_computes_the_same_bits(tmp_path):
+    """The AVX-512 VNNI passes (where the CPU has them) sum the same exact integers as the AVX2 ones, so a
+    product's bits do not depend on which ran: the same calls in a process left to pick and in one that
+    ATEN_CPU_CAPABILITY=avx2 forces to the AVX2 passes give the same bits. On an AVX2-only CPU both
+    processes run AVX2."""
+    vnni_flags = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    products = []
+    for expected, forced in [("avx512-vnni" if vnni_flags <= native._cpu_flags() else "avx2", None), ("avx2", "avx2")]:
+        env = {k: v for k, v in os.environ.items() if k != "ATEN_CPU_CAPABILITY"}
+        if forced:
+            env["ATEN_CPU_CAPABILITY"] = forced
+        path = tmp_path / f"{forced}.pt"
+        subprocess.run([sys.executable, "-c", _PRODUCTS_SCRIPT, str(path)], env=env, check=True, timeout=300)
+        products.append(torch.load(path))
+        assert products[-1].pop("isa") == expected
+    ours, theirs = products
+    assert ours.keys() == theirs.keys()
+    for shape, calls in ours.items():
+        assert all(torch.equal(a, b) for a, b in zip(calls, theirs[shape], strict=True)), shape

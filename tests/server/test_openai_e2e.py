@@ -27,7 +27,7 @@ def test_models_and_health(server: str) -> None:
     assert health["batch_invariance"]["thread_count_invariant"] is True, health  # any TP size computes these bits
     # what the defaults resolved to here: tiny's weights are dense, so its activations are the CPU's fastest dense dtype
     dense = "bfloat16" if cpu_has_native_bf16() else "float32"
-    assert (health["weight_format"], health["dtype"]) == ("none", dense), health
+    assert (health["weight_format"], health["weight_kernels"], health["dtype"]) == ("none", "dense", dense), health
 
 
 def test_completion(server: str) -> None:
