@@ -3,8 +3,8 @@ last hidden states, kept beside its own KV. Greedy outputs with it equal the tar
 off, token for token; served from device, host and storage hits (a restart on the same store) its
 acceptance equals the cache-off run's with nothing recomputed (each cached position's hidden state comes
 back with the head's KV), and the pages it stores hold the same bytes whether their tokens came as
-accepted proposals or in a prompt; without the head's restore (the negative control) its acceptance
-changes and the outputs do not. At TP2, PP2 and TP2xCP2: tests/spec/test_spec_topology.py."""
+accepted proposals or in a prompt; without the head's restore (the negative control) the rows it
+stores change and the outputs do not. At TP2, PP2 and TP2xCP2: tests/spec/test_spec_topology.py."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.conversations import run_turns
 from tests.parallel.workload import tier_totals as hits
 from tests.parallel.workload import tokens
 from tests.spec import workload
-from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, acceptance, assert_clean, spec, tiers
+from tests.spec.workload import CONVS, DEVICE_TOKENS, NEW, TURNS, assert_clean, spec, tiers
 
 pytestmark = pytest.mark.slow  # servers, ranks or long workloads: `make test-fast` leaves these out
 
@@ -29,17 +29,26 @@ def test_hits_on_every_tier_keep_outputs_and_the_heads_acceptance(reference, cac
     workload.every_tier_then_storage(tiers(tmp_path), DRAFT, "sidecar", reference, cache_off_acceptance)
 
 
-def test_without_the_heads_restore_its_acceptance_changes_and_outputs_stay(reference, cache_off_acceptance, tmp_path):
-    debug = DebugConfig(debug_skip_draft_restore=True)
-    cfg = tiers(tmp_path)
-    with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(DRAFT), debug=debug) as e:
-        turns = run_turns(e, CONVS, TURNS, NEW)
-        assert tokens(turns) == reference  # the target verifies every token
-        restored = hits(turns)["host"] + hits(turns)["storage"]
-        assert restored > 0 and e.spec_stats().draft_recomputed_tokens == restored
-        # Recomputing its KV is not enough: the target's hidden states of that prefix were not restored.
-        assert acceptance(turns) != cache_off_acceptance[DRAFT]
-        assert_clean(e)
+def test_without_the_heads_restore_the_rows_it_computes_change_and_outputs_stay(reference, tmp_path):
+    """The negative control: skip the head's restore and its KV over a restored prefix is recomputed from
+    hidden states that were never restored, so the rows it computes after that prefix (the pages it stores)
+    differ from those of a run that restores; the target still verifies every token. (Its acceptance may
+    or may not change: with tiny-mtp's random weights it accepts ~7 % of proposals, and in bf16 the totals
+    came out equal; the stored rows are what the restoring tests compare, so they are what must move.)"""
+    stored = {}
+    for skip in (False, True):
+        cfg = tiers(tmp_path / f"skip-{skip}")
+        debug = DebugConfig(debug_skip_draft_restore=skip)
+        with Engine(model="tiny", max_total_tokens=DEVICE_TOKENS, hicache=cfg, speculative=spec(DRAFT),
+                    debug=debug) as e:  # fmt: skip
+            turns = run_turns(e, CONVS, TURNS, NEW)
+            assert tokens(turns) == reference  # the target verifies every token
+            restored = hits(turns)["host"] + hits(turns)["storage"]
+            assert restored > 0 and e.spec_stats().draft_recomputed_tokens == (restored if skip else 0)
+            assert_clean(e)
+        stored[skip] = stored_draft_pages(tmp_path / f"skip-{skip}" / "store")
+    assert stored[False].keys() == stored[True].keys()
+    assert any(stored[False][name] != stored[True][name] for name in stored[False])
 
 
 def stored_draft_pages(store) -> dict[str, bytes]:
