@@ -45,14 +45,16 @@ def _timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def build(model: str, quantization: str, context: int, batch: int = 1, rows: int = 1):
+def build(model: str, quantization: str, context: int, batch: int = 1, rows: int = 1,
+          kv_dtype: torch.dtype = torch.float32):  # fmt: skip
     device, dtype = torch.device("cpu"), torch.float32
     loaded = load_model(model)
     resolved = resolve_quantization(quantization, loaded, dtype, device)
     loaded = with_attention_family(with_weight_format(loaded, resolved, device), device)
     decoder = build_decoder(loaded, ParallelContext(), dtype, device)
     per_sequence = (-(-(context + rows) // PAGE) + 1) * PAGE  # each sequence's own pages
-    pool = DeviceKVPool(decoder.kv_layout, decoder.num_local_layers, batch * per_sequence // PAGE, PAGE, dtype, device)
+    pages = batch * per_sequence // PAGE
+    pool = DeviceKVPool(decoder.kv_layout, decoder.num_local_layers, pages, PAGE, kv_dtype, device)
     gen = torch.Generator().manual_seed(0)
     for buffer in pool.buffers:
         buffer.copy_(torch.randn(buffer.shape, generator=gen))
@@ -111,9 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", type=int, default=1,
                         help="new rows a sequence's step computes (64 with --context 2048: a short turn's prefill)")
     parser.add_argument("--threads", type=int, default=0, help="kernel threads (0: the engine's choice)")
+    parser.add_argument("--kv-cache-dtype", default="float32", choices=["float32", "bfloat16"], help="the pool's")
     args = parser.parse_args(argv)
     use_threads(args.threads or cpu_threads())
-    decoder, pool, step, resolved = build(args.model, args.quantization, args.context, args.batch, args.rows)
+    kv_dtype = getattr(torch, args.kv_cache_dtype)
+    decoder, pool, step, resolved = build(args.model, args.quantization, args.context, args.batch, args.rows, kv_dtype)
     gbps = copy_gbps_read_write(1 << 28)  # the byte limit's denominator: a 256 MiB copy, best of 5
     with torch.inference_mode():
         for _ in range(3):
@@ -123,9 +127,9 @@ def main(argv: list[str] | None = None) -> None:
         cpu = (time.process_time() - cpu_start) * 1e3 / args.steps
     wall = statistics.median(times)
     weights = weight_bytes(decoder)
-    kv = args.batch * (args.context + args.rows) * pool.buffers[0][0].numel() * 4 * decoder.num_local_layers
-    print(f"{args.model} {resolved} float32, {torch.get_num_threads()} threads, batch {args.batch} x {args.rows} "
-          f"rows, context "
+    kv = args.batch * (args.context + args.rows) * pool.buffers[0][0].nbytes * decoder.num_local_layers  # a row's bytes
+    print(f"{args.model} {resolved} float32 ({args.kv_cache_dtype} KV), {torch.get_num_threads()} threads, "
+          f"batch {args.batch} x {args.rows} rows, context "
           f"{args.context}: step median "
           f"{wall:.2f} ms, best {min(times):.2f} ms, process CPU {cpu:.2f} ms a step; "
           f"copy {gbps:.1f} GB/s (read + write)")

@@ -191,7 +191,7 @@ def storage_layout(cfg: EngineConfig, model: ModelConfig, identity: str) -> dict
     out: dict = {"key_scheme": cache.hicache_storage_key_scheme, "storage_backend": cache.hicache_storage_backend}
     if cache.hicache_storage_key_scheme != "unified" or not cache.hicache_storage_backend:
         return {**out, "namespace_digest": None}
-    dtype = str(cfg.resolved_dtype()).removeprefix("torch.")
+    dtype = str(cfg.resolved_kv_dtype()).removeprefix("torch.")  # the pool's, as the stores name it
     ns = unified_namespace(cache, storage_geometry(model), identity, dtype, cfg.page_size)
     return {
         **out,

@@ -305,6 +305,10 @@ class EngineConfig(FromArgs):
     # none: every weight dense; int8 / int4: every linear weight in that format. With `--dtype auto` the
     # activations follow (`activation_dtype`, docs/DESIGN.md, "the fastest path by default").
     quantization: str = "auto"
+    # The KV pool's dtype (SGLang's --kv-cache-dtype): auto, the activations'; bfloat16 under float32
+    # activations halves every tier's bytes and a decode step's KV reads, rounding each K/V row once as it is
+    # written (the same rounding with the cache on or off), for plain attention models.
+    kv_cache_dtype: str = "auto"
     disable_radix_cache: bool = False
     default_max_new_tokens: int = 128
     request_timeout: float = 0.0  # seconds from submission; 0: none
@@ -340,6 +344,8 @@ class EngineConfig(FromArgs):
             raise UserError(f"--device must be auto, cpu or cuda, got {self.device!r}")
         if self.dtype not in ("auto", "float32", "bfloat16"):
             raise UserError(f"--dtype must be auto, float32 or bfloat16, got {self.dtype!r}")
+        if self.kv_cache_dtype not in ("auto", "float32", "bfloat16"):
+            raise UserError(f"--kv-cache-dtype must be auto, float32 or bfloat16, got {self.kv_cache_dtype!r}")
         if self.quantization not in QUANTIZATIONS:
             raise UserError(f"--quantization must be one of {', '.join(QUANTIZATIONS)}, got {self.quantization!r}")
         if self.hicache.enable_hierarchical_cache and self.disable_radix_cache:
@@ -381,6 +387,10 @@ class EngineConfig(FromArgs):
             return torch.bfloat16
         # float16 is never chosen on a CPU: it runs at a fraction of a GFLOP/s without native kernels.
         return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+    def resolved_kv_dtype(self) -> torch.dtype:
+        """`--kv-cache-dtype`, `auto` as the activations' (`resolved_dtype`)."""
+        return self.resolved_dtype() if self.kv_cache_dtype == "auto" else getattr(torch, self.kv_cache_dtype)
 
     def log(self) -> None:
         device, dtype = self.resolved_device(), self.resolved_dtype()

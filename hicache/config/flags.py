@@ -65,6 +65,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "CUDA, else float32), float32 or bfloat16",
     )
     g.add_argument(
+        "--kv-cache-dtype",
+        default=d.kv_cache_dtype,
+        help="the KV cache's dtype in every tier: auto (the activations'), float32 or bfloat16 (with float32 "
+        "activations: half the bytes a token, each K/V row rounded once as it is written; plain attention "
+        "models only)",
+    )
+    g.add_argument(
         "--quantization",
         default=d.quantization,
         help="weight format of the linear layers: auto (the default: a GGUF's quantized tensors stay "

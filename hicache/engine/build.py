@@ -28,6 +28,7 @@ from hicache.model.build import (
 )
 from hicache.model.config import LoadedModel, ModelConfig
 from hicache.model.families import hybrid
+from hicache.model.families.mla import MLAConfig
 from hicache.model.kernels.invariance import InvarianceReport
 from hicache.model.loading.loader import load_model
 from hicache.parallel.parallel import ParallelContext
@@ -103,6 +104,29 @@ def check_invariance(cfg: EngineConfig, report: InvarianceReport) -> None:
     )
 
 
+def check_kv_dtype(cfg: EngineConfig, loaded: LoadedModel) -> None:
+    """A KV pool of another dtype than the activations (--kv-cache-dtype bfloat16 under float32) holds
+    plain attention K/V: an MLA latent, a hybrid's recurrent state beside its KV, a draft's rows and a CP
+    gather are read by code that expects the activations' dtype, so they are refused here, before any rank
+    builds."""
+    kv, activations = cfg.resolved_kv_dtype(), cfg.resolved_dtype()
+    if kv == activations:
+        return
+    if kv != torch.bfloat16 or activations != torch.float32:
+        raise UserError(f"--kv-cache-dtype {cfg.kv_cache_dtype} under {cfg.dtype} activations: a KV cache "
+                        "of another dtype than the activations is bfloat16 under float32 only")  # fmt: skip
+    others = {
+        "an MLA latent": isinstance(loaded.config, MLAConfig),
+        "a hybrid's recurrent state": isinstance(loaded.config, hybrid.HybridConfig),
+        "a speculative draft": cfg.speculative.has_draft_model,
+        "--cp-size > 1": cfg.parallel.cp_size > 1,
+    }
+    refused = [what for what, present in others.items() if present]
+    if refused:
+        raise UserError(f"--kv-cache-dtype bfloat16 under float32 activations keeps plain attention K/V only, "
+                        f"not {' or '.join(refused)} ({loaded.name}); use --kv-cache-dtype auto")  # fmt: skip
+
+
 def load_engine_model(cfg: EngineConfig) -> tuple[EngineConfig, LoadedModel]:
     """The model `cfg` names, to be built in the weight format its `--quantization` resolves to here, its
     identity naming that format and the attention kernels it runs on here; and `cfg` with `--dtype auto`
@@ -111,6 +135,7 @@ def load_engine_model(cfg: EngineConfig) -> tuple[EngineConfig, LoadedModel]:
     device = cfg.resolved_device()
     dtype = activation_dtype(cfg, loaded)
     cfg = replace(cfg, dtype=str(dtype).removeprefix("torch."))
+    check_kv_dtype(cfg, loaded)
     resolved = resolve_quantization(cfg.quantization, loaded, dtype, device)
     logger.info(
         "weights of %s: quantization %s -> %s, %s activations", loaded.name, cfg.quantization, resolved, cfg.dtype
@@ -157,8 +182,8 @@ def build_scheduler(cfg: EngineConfig, loaded: LoadedModel, pctx: ParallelContex
     gathered = cfg.cp_gather_pages if sharding.size > 1 else None
     sliding = model.sliding_layers if isinstance(model, hybrid.HybridModel) else frozenset()
     window = model.cfg.sliding_window if isinstance(model, hybrid.HybridModel) else 0
-    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, dtype, device,
-                        sharding.size, sharding.rank, gathered, sliding, cfg.sliding_pages, window)  # fmt: skip
+    pool = DeviceKVPool(model.kv_layout, model.num_local_layers, cfg.num_pages, cfg.page_size, cfg.resolved_kv_dtype(),
+                        device, sharding.size, sharding.rank, gathered, sliding, cfg.sliding_pages, window)  # fmt: skip
     draft = build_draft(cfg, loaded, pool, pctx) if cfg.speculative.has_draft_model else None
     checker = ConsensusChecker(pctx)
     pools = draft.pools if draft else None

@@ -218,3 +218,23 @@ def test_native_and_aten_attention_differ_so_identities_do():
     assert native_attention.attention_family(CPU) == family
     assert with_attention_family(tiny, CPU).identity != tiny.identity
     assert with_attention_family(tiny, torch.device("meta")).identity == tiny.identity
+
+
+@pytest.mark.parametrize("widths", WIDTHS[2:], ids=str)  # smollm2's, and values narrower than keys
+def test_a_bf16_pool_under_float32_queries_is_the_float32_kernel_on_its_widened_rows(widths):
+    """--kv-cache-dtype bfloat16 under float32 activations: the kernel widens the pool's bf16 keys and
+    values as it loads them, so its result is, bit for bit, the float32 kernel's on those rows widened
+    (exact) beforehand, for decode rows and a prefill unit's shared tiles alike."""
+    H, d = widths[0], widths[2]
+    k, v, gen = _operands(widths, torch.bfloat16, 3 * BLOCK + 5)
+    index = torch.randperm(3 * BLOCK + 5, generator=gen)[: 3 * BLOCK].view(3, BLOCK)
+    n = len(SEEN)
+    q = torch.randn(3, n, H, d, generator=gen)
+    seen, live = torch.tensor(SEEN).repeat(3, 1), torch.tensor([n, n - 2, 5])
+    mixed = _call(q, k, v, index, seen, live)
+    widened = _call(q, k.float(), v.float(), index, seen, live)
+    assert mixed[0].dtype == torch.float32 and native_attention.takes(q, k, v)
+    for e, rows in enumerate(live.tolist()):  # rows past an entry's live ones are left unwritten
+        assert torch.equal(mixed[0][e, :rows], widened[0][e, :rows])
+        assert torch.equal(mixed[1][e, :rows], widened[1][e, :rows])
+    assert not native_attention.takes(q.bfloat16(), k.float(), v.float())  # float32 KV under bf16 queries: no

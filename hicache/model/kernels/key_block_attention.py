@@ -181,6 +181,7 @@ def _attend_call(
         return outs[0], lses[0]
     if len(kv) == 3:
         k, v = k.index_select(0, kv[2]), v.index_select(0, kv[2])
+    k, v = k.to(q.dtype), v.to(q.dtype)  # a bf16 pool under float32 queries: widened exactly
     (E, n), H, d = call.rows.shape, q.shape[1], q.shape[2]
     k, v = (t.unflatten(0, (E, length))[:, : call.keys].transpose(1, 2) for t in (k, v))
     rows = q.index_select(0, call.rows.view(-1)).view(E, n, H, d).transpose(1, 2).contiguous()

@@ -26,8 +26,10 @@ def attention_family(device: torch.device) -> str:
 
 
 def takes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    return (q.is_cpu and k.dtype == q.dtype and v.dtype == q.dtype
-            and _takes(q.dtype, q.shape[-1], v.shape[-1]))  # fmt: skip
+    """Whether the native kernel attends these: k and v of q's dtype, or bf16 under float32 q (a
+    `--kv-cache-dtype bfloat16` pool, widened exactly as it is read)."""
+    kv_ok = k.dtype == v.dtype and (k.dtype == q.dtype or (q.dtype == torch.float32 and k.dtype == torch.bfloat16))
+    return q.is_cpu and kv_ok and _takes(q.dtype, q.shape[-1], v.shape[-1])
 
 
 @functools.cache

@@ -7,7 +7,9 @@
 //
 // The call attends each query entry e over each of the B reads' keys index[b][e] (a decode batch's
 // consecutive key blocks in one call, without repeating its queries): out entry b E + e. Entry e's first
-// rows[e] rows are computed; the rest (a plan's padding) are left unwritten.
+// rows[e] rows are computed; the rest (a plan's padding) are left unwritten. k and v are q's dtype, or bf16
+// under float32 q (a `--kv-cache-dtype bfloat16` pool): widened to float32 as they are loaded, exactly, so
+// the result is the float32 kernel's on the widened values.
 // Row (e, i) of read b attends with query head h over keys index[b][e, 0 .. seen[e, i]) (all `keys`
 // when seen is empty) of k/v's KV head h / (H / Hkv): the softmax-normalized output and the natural
 // log-sum-exp of the scaled scores, as aten's flash kernel returns them, for the float32 block combine
@@ -163,14 +165,14 @@ struct State {
   float total = 0.0f;
 };
 
-template <typename T>
+template <typename TQ, typename TKV>
 struct Operands {
-  const T* q;
-  const T* k;
-  const T* v;
+  const TQ* q;
+  const TKV* k;
+  const TKV* v;
   const int64_t* const* index;  // entry u's keys: index[u][0 .. keys)
   const int64_t* seen;          // null: every row sees all keys
-  T* out;
+  TQ* out;
   float* lse;
   int64_t E, n, H, Hkv, d, dv, keys;  // entry u takes query entry u % E
   int64_t k_row, k_head, v_row, v_head;  // strides of k and v (their last dimension is contiguous)
@@ -179,13 +181,13 @@ struct Operands {
 
 // Rows [r0, r1) of entry u (query entry e = u % E) with KV heads [g0, g1): every query head of their
 // groups, tile by tile.
-template <typename T>
-void attend_unit(const Operands<T>& o, int64_t u, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
+template <typename TQ, typename TKV>
+void attend_unit(const Operands<TQ, TKV>& o, int64_t u, int64_t g0, int64_t g1, int64_t r0, int64_t r1) {
   const int64_t e = u % o.E;
   const int64_t group = o.H / o.Hkv, heads = g1 - g0, d = o.d, dv = o.dv, nd = d / LANES, nv = dv / LANES;
   const int64_t rows = (r1 - r0) * heads * group;  // vector r: row r0 + r / (heads group), head g0 group + r % ..
   std::vector<float> qf(rows * d), acc(rows * dv, 0.0f);
-  std::vector<const T*> kt(heads * TILE), vt(heads * TILE);
+  std::vector<const TKV*> kt(heads * TILE), vt(heads * TILE);
   std::vector<State> state(rows);
   std::vector<int64_t> seen(r1 - r0);
   int64_t most = 0;
@@ -193,7 +195,7 @@ void attend_unit(const Operands<T>& o, int64_t u, int64_t g0, int64_t g1, int64_
     seen[i - r0] = o.seen ? o.seen[e * o.n + i] : o.keys;
     most = std::max(most, seen[i - r0]);
     for (int64_t h = 0; h < heads * group; ++h) {
-      const T* src = o.q + ((e * o.n + i) * o.H + g0 * group + h) * d;
+      const TQ* src = o.q + ((e * o.n + i) * o.H + g0 * group + h) * d;
       float* dst = qf.data() + ((i - r0) * heads * group + h) * d;
       for (int64_t c = 0; c < nd; ++c) _mm256_storeu_ps(dst + c * LANES, load8(src + c * LANES));
     }
@@ -226,8 +228,8 @@ void attend_unit(const Operands<T>& o, int64_t u, int64_t g0, int64_t g1, int64_
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t visible = std::min(seen[r / (heads * group)] - t0, tile_keys);
       if (visible <= 0) continue;
-      const T* const* kg = kt.data() + r / group % heads * TILE;
-      const T* const* vg = vt.data() + r / group % heads * TILE;
+      const TKV* const* kg = kt.data() + r / group % heads * TILE;
+      const TKV* const* vg = vt.data() + r / group % heads * TILE;
       float* const score = blocked ? row_tile.scores(r) : own_score;
       if (!blocked) tile_scores(qf.data() + r * d, kg, visible, nd, o.scale, score);
       const int64_t padded = (visible + LANES - 1) / LANES * LANES;
@@ -267,19 +269,19 @@ void attend_unit(const Operands<T>& o, int64_t u, int64_t g0, int64_t g1, int64_
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t i = r0 + r / (heads * group), h = g0 * group + r % (heads * group);
     const State& s = state[r];
-    T* dst = o.out + ((u * o.n + i) * o.H + h) * dv;
+    TQ* dst = o.out + ((u * o.n + i) * o.H + h) * dv;
     const float* src = acc.data() + r * dv;
-    for (int64_t c = 0; c < dv; ++c) dst[c] = static_cast<T>(src[c] / s.total);
+    for (int64_t c = 0; c < dv; ++c) dst[c] = static_cast<TQ>(src[c] / s.total);
     o.lse[(u * o.n + i) * o.H + h] = s.top + std::log(s.total);
   }
 }
 
-template <typename T>
+template <typename TQ, typename TKV>
 void run(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<const int64_t*>& index,
          int64_t keys, const at::Tensor& seen, const int64_t* live, float scale, at::Tensor& out, at::Tensor& lse) {
   const int64_t E = q.size(0), n = q.size(1), Hkv = k.size(1), entries = static_cast<int64_t>(index.size());
-  const Operands<T> o{q.data_ptr<T>(), k.data_ptr<T>(), v.data_ptr<T>(), index.data(),
-                      seen.numel() ? seen.data_ptr<int64_t>() : nullptr, out.data_ptr<T>(), lse.data_ptr<float>(),
+  const Operands<TQ, TKV> o{q.data_ptr<TQ>(), k.data_ptr<TKV>(), v.data_ptr<TKV>(), index.data(),
+                      seen.numel() ? seen.data_ptr<int64_t>() : nullptr, out.data_ptr<TQ>(), lse.data_ptr<float>(),
                       E, n, q.size(2), Hkv, q.size(3), v.size(2), keys,
                       k.stride(0), k.stride(1), v.stride(0), v.stride(1), scale};
   // One query row per entry (decode; a plan pads it to 8): a unit reads its entry's rows of every KV head together (a pool
@@ -305,7 +307,9 @@ std::tuple<at::Tensor, at::Tensor> block_attend(const at::Tensor& q, const at::T
   TORCH_CHECK(q.dim() == 4 && q.is_contiguous(), "block_attend: q [E, n, H, d] contiguous");
   TORCH_CHECK(k.dim() == 3 && v.dim() == 3 && k.stride(2) == 1 && v.stride(2) == 1,
               "block_attend: k [N, Hkv, d] and v [N, Hkv, dv], the last dimension contiguous");
-  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "block_attend: one dtype");
+  TORCH_CHECK(v.scalar_type() == k.scalar_type() &&
+                  (k.scalar_type() == q.scalar_type() || (q.scalar_type() == at::kFloat && k.scalar_type() == at::kBFloat16)),
+              "block_attend: k and v of q's dtype, or bf16 under float32 q");
   const int64_t E = q.size(0), n = q.size(1), H = q.size(2), d = q.size(3), Hkv = k.size(1), dv = v.size(2);
   TORCH_CHECK(k.size(2) == d && v.size(1) == Hkv && k.size(0) == v.size(0) && H % Hkv == 0,
               "block_attend: head shapes");
@@ -339,10 +343,16 @@ std::tuple<at::Tensor, at::Tensor> block_attend(const at::Tensor& q, const at::T
   at::Tensor lse = at::empty({B * E, n, H}, q.options().dtype(at::kFloat));
   const int64_t* live = rows.data_ptr<int64_t>();
   const float factor = static_cast<float>(scale);
+  // bf16 keys and values under float32 queries (--kv-cache-dtype bfloat16) are widened as they are loaded,
+  // exactly: the arithmetic is the float32 kernel's on those widened values.
+  if (q.scalar_type() == at::kFloat && k.scalar_type() == at::kBFloat16) {
+    run<float, c10::BFloat16>(q, k, v, entries, keys, seen, live, factor, out, lse);
+    return {out, lse};
+  }
   AT_DISPATCH_SWITCH(q.scalar_type(), "block_attend",
-    AT_DISPATCH_CASE(at::kFloat, [&] { run<float>(q, k, v, entries, keys, seen, live, factor, out, lse); })
+    AT_DISPATCH_CASE(at::kFloat, [&] { run<float, float>(q, k, v, entries, keys, seen, live, factor, out, lse); })
     AT_DISPATCH_CASE(at::kBFloat16,
-                     [&] { run<c10::BFloat16>(q, k, v, entries, keys, seen, live, factor, out, lse); }));
+                     [&] { run<c10::BFloat16, c10::BFloat16>(q, k, v, entries, keys, seen, live, factor, out, lse); }));
   return {out, lse};
 }
 
