@@ -31,8 +31,10 @@
 // in which the instructions add them does not matter; the float steps are one fixed sequence per output.
 //
 // CPUs with AVX-512 VNNI (`vnni()`) run the same passes with vpdpbusd / vpdpwssd, which multiply and add a
-// lane's 4 bytes (2 words) into an int32 in one instruction where AVX2 takes two or three: the same exact
-// integers, hence the same bits as the AVX2 passes (tests/model/test_native_kernels.py compares them).
+// lane's 4 bytes (2 words) into an int32 in one instruction where AVX2 takes two or three, and int4 takes
+// two panels a pass on 512-bit registers (a broadcast meets 16 outputs): the same exact integers and the
+// same float steps per output, hence the same bits as the AVX2 passes (tests/model/test_native_kernels.py
+// compares them).
 //
 // Batch invariance by construction: a row's quantization depends on that row alone, each output's float
 // steps are the same whatever the call (the register blocking only decides which rows share a pass over a
@@ -170,6 +172,16 @@ inline __m256i broadcast_step(const int8_t* q) {
   return _mm256_set1_epi32(four);
 }
 
+VNNI_TARGET inline __m512i broadcast_step16(const int8_t* q) {
+  int32_t four;
+  std::memcpy(&four, q, 4);
+  return _mm512_set1_epi32(four);
+}
+
+VNNI_TARGET inline __m512 both_panels(__m256 first, __m256 second) {
+  return _mm512_castpd_ps(_mm512_insertf64x4(_mm512_castpd256_pd512(_mm256_castps_pd(first)), _mm256_castps_pd(second), 1));
+}
+
 // R rows of quantized x, from group 0, and where their 8 outputs of a panel go.
 template <int R>
 struct Rows {
@@ -190,6 +202,7 @@ inline __m256 load_scales(const at::Half* p) {
 template <typename Scale, bool Vnni>
 struct Int4Weights {
   static constexpr Codes codes_form = Codes::halves;
+  static constexpr bool pairs = Vnni;  // two panels a pass on 512-bit registers (`pass_pair`)
   const uint8_t* codes;
   const Scale* scale;
   const Scale* offset;
@@ -233,6 +246,46 @@ struct Int4Weights {
     }
     for (int i = 0; i < R; ++i) _mm256_storeu_ps(x.y[i], acc[i]);
   }
+  // Panels p and p + 1 in one pass on 512-bit registers, p's outputs in lanes 0-7 and p + 1's in lanes 8-15:
+  // each lane's instructions are `pass_vnni`'s (the same bits), and one broadcast of 4 activation bytes
+  // meets 16 outputs instead of 8.
+  template <int R>
+  VNNI_TARGET void pass_pair(int64_t p, const Rows<R>& x) const {
+    const __m512i nibble = _mm512_set1_epi8(0x0F), high_weight = _mm512_set1_epi32(HIGH_WEIGHT);
+    __m512 acc[R];
+    for (int i = 0; i < R; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      const int64_t at = p * groups + g, next = at + groups;
+      const uint8_t *c = codes + at * (GROUP / 2) * PANEL, *c_next = codes + next * (GROUP / 2) * PANEL;
+      __m512i high[R], low[R];
+      for (int i = 0; i < R; ++i) high[i] = low[i] = _mm512_setzero_si512();
+      for (int t = 0; t < STEPS / 2; ++t) {
+        const __m512i both = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t))),
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c_next + 32 * t)), 1);
+        const __m512i first = _mm512_and_si512(both, nibble);
+        const __m512i second = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
+        for (int i = 0; i < R; ++i) {
+          const int64_t k = g * GROUP + 8 * t;
+          high[i] = _mm512_dpbusd_epi32(high[i], first, broadcast_step16(x.high[i] + k));
+          high[i] = _mm512_dpbusd_epi32(high[i], second, broadcast_step16(x.high[i] + k + 4));
+          low[i] = _mm512_dpbusd_epi32(low[i], first, broadcast_step16(x.low[i] + k));
+          low[i] = _mm512_dpbusd_epi32(low[i], second, broadcast_step16(x.low[i] + k + 4));
+        }
+      }
+      const __m512 scales = both_panels(load_scales(scale + at * PANEL), load_scales(scale + next * PANEL));
+      const __m512 offsets = both_panels(load_scales(offset + at * PANEL), load_scales(offset + next * PANEL));
+      for (int i = 0; i < R; ++i) {
+        const __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(high[i], high_weight), low[i]);
+        acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(scales, _mm512_set1_ps(x.e[i][g])), acc[i]);
+        acc[i] = _mm512_fmadd_ps(offsets, _mm512_set1_ps(x.s[i][g]), acc[i]);
+      }
+    }
+    for (int i = 0; i < R; ++i) {
+      _mm256_storeu_ps(x.y[i], _mm512_castps512_ps256(acc[i]));
+      _mm256_storeu_ps(x.y[i] + PANEL, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
+    }
+  }
   // The same pass with each output's high and low dot products summed in int32 lanes by vpdpbusd.
   template <int R>
   VNNI_TARGET void pass_vnni(int64_t p, const Rows<R>& x) const {
@@ -270,6 +323,7 @@ struct Int4Weights {
 template <bool Vnni>
 struct Int8Weights {
   static constexpr Codes codes_form = Codes::whole;
+  static constexpr bool pairs = false;
   const int8_t* codes;
   const float* scale;
   int64_t groups, n;
@@ -346,7 +400,7 @@ struct Int8Weights {
 
 // Rows m0 .. m0 + R of x, its inputs from `first` on, times panel p of w.
 template <int R, typename W>
-inline void rows_pass(const W& w, const QuantizedRows& x, int64_t first, float* y, int64_t m0, int64_t p) {
+inline void rows_pass(const W& w, const QuantizedRows& x, int64_t first, float* y, int64_t m0, int64_t p, bool pair) {
   Rows<R> rows;
   for (int i = 0; i < R; ++i) {
     if constexpr (W::codes_form == Codes::whole) {
@@ -358,6 +412,9 @@ inline void rows_pass(const W& w, const QuantizedRows& x, int64_t first, float* 
     rows.e[i] = x.e + (m0 + i) * x.groups + first / GROUP;
     rows.s[i] = x.s + (m0 + i) * x.groups + first / GROUP;
     rows.y[i] = y + (m0 + i) * w.n + p * PANEL;
+  }
+  if constexpr (W::pairs) {
+    if (pair) return w.template pass_pair<R>(p, rows);
   }
   w.template pass<R>(p, rows);
 }
@@ -373,14 +430,16 @@ void multiply(const W& w, const QuantizedRows& x, int64_t first, float* y) {
   at::parallel_for(0, w.n / PANEL, grain, [&](int64_t p0, int64_t p1) {
     for (int64_t mb = 0; mb < m; mb += m_block) {
       const int64_t m1 = std::min(m, mb + m_block);
-      for (int64_t p = p0; p < p1; ++p) {
+      for (int64_t p = p0; p < p1;) {
+        const bool pair = W::pairs && p + 1 < p1;  // two panels a pass where the format has such a pass
         int64_t i = mb;
-        for (; i + ROWS <= m1; i += ROWS) rows_pass<ROWS>(w, x, first, y, i, p);
+        for (; i + ROWS <= m1; i += ROWS) rows_pass<ROWS>(w, x, first, y, i, p, pair);
         switch (m1 - i) {
-          case 3: rows_pass<3>(w, x, first, y, i, p); break;
-          case 2: rows_pass<2>(w, x, first, y, i, p); break;
-          case 1: rows_pass<1>(w, x, first, y, i, p); break;
+          case 3: rows_pass<3>(w, x, first, y, i, p, pair); break;
+          case 2: rows_pass<2>(w, x, first, y, i, p, pair); break;
+          case 1: rows_pass<1>(w, x, first, y, i, p, pair); break;
         }
+        p += pair ? 2 : 1;
       }
     }
   });
