@@ -165,8 +165,7 @@ class Engine:
         cfg.log()
         self.model_name = loaded.name
         self.model_identity = loaded.identity
-        self.weight_format = str(loaded.extra.get("weight_format", "none"))  # what --quantization resolved to
-        self.weight_kernels = str(loaded.extra.get("weight_kernels", "dense"))  # and what multiplies them
+        self.weight_format, self.weight_kernels = loaded.extra["weight_format"], loaded.extra["weight_kernels"]
         self.model_config = loaded.config
         self.tokenizer = loaded.tokenizer
         self.context_length = context_length(cfg, loaded.config)
