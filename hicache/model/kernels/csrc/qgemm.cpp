@@ -30,11 +30,12 @@
 // The integer sums are exact (int4's 16-bit partial sums are at most 16 * 15 * 127 < 2^15), so the order
 // in which the instructions add them does not matter; the float steps are one fixed sequence per output.
 //
-// CPUs with AVX-512 VNNI (`vnni()`) run the same passes with vpdpbusd / vpdpwssd, which multiply and add a
-// lane's 4 bytes (2 words) into an int32 in one instruction where AVX2 takes two or three, and int4 takes
-// two panels a pass on 512-bit registers (a broadcast meets 16 outputs): the same exact integers and the
-// same float steps per output, hence the same bits as the AVX2 passes (tests/model/test_native_kernels.py
-// compares them).
+// On CPUs with AVX-512 VNNI (`vnni()`) int4 takes two panels a pass on 512-bit registers (`pass_pair`: a
+// broadcast meets 16 outputs, and vpdpbusd multiplies and adds a lane's 4 bytes into an int32 in one
+// instruction where AVX2 takes two): the same exact integers and the same float steps per output, hence
+// the same bits as the AVX2 pass, which a thread's odd last panel still takes (tests/model/
+// test_native_kernels.py compares the two). int8 keeps its AVX2 pass: at one row it reads weights at the
+// memory's rate either way.
 //
 // Batch invariance by construction: a row's quantization depends on that row alone, each output's float
 // steps are the same whatever the call (the register blocking only decides which rows share a pass over a
@@ -145,7 +146,7 @@ QuantizedRows quantize_rows(const at::Tensor& x, Codes form) {
   return rows;
 }
 
-// Functions compiled for AVX-512 VNNI on 256-bit registers (called only where `vnni()` holds).
+// Functions compiled for AVX-512 VNNI (called only where `vnni()` holds).
 #define VNNI_TARGET __attribute__((target("avx2,fma,f16c,avx512f,avx512bw,avx512vl,avx512vnni")))
 
 // Whether this process runs the VNNI passes: the CPU has them, and ATEN_CPU_CAPABILITY (which forces
@@ -211,10 +212,6 @@ struct Int4Weights {
   int64_t panel_bytes() const { return PANEL * (k() / 2 + groups * 2 * static_cast<int64_t>(sizeof(Scale))); }
   template <int R>
   inline void pass(int64_t p, const Rows<R>& x) const {
-    if constexpr (Vnni) {
-      pass_vnni<R>(p, x);
-      return;
-    }
     const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
     const __m256i high_weight = _mm256_set1_epi16(HIGH_WEIGHT);
     __m256 acc[R];
@@ -247,8 +244,8 @@ struct Int4Weights {
     for (int i = 0; i < R; ++i) _mm256_storeu_ps(x.y[i], acc[i]);
   }
   // Panels p and p + 1 in one pass on 512-bit registers, p's outputs in lanes 0-7 and p + 1's in lanes 8-15:
-  // each lane's instructions are `pass_vnni`'s (the same bits), and one broadcast of 4 activation bytes
-  // meets 16 outputs instead of 8.
+  // each lane's integer sums and float steps are `pass`'s (the same bits), and one broadcast of 4 activation
+  // bytes meets 16 outputs instead of 8.
   template <int R>
   VNNI_TARGET void pass_pair(int64_t p, const Rows<R>& x) const {
     const __m512i nibble = _mm512_set1_epi8(0x0F), high_weight = _mm512_set1_epi32(HIGH_WEIGHT);
@@ -286,41 +283,8 @@ struct Int4Weights {
       _mm256_storeu_ps(x.y[i] + PANEL, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc[i]), 1)));
     }
   }
-  // The same pass with each output's high and low dot products summed in int32 lanes by vpdpbusd.
-  template <int R>
-  VNNI_TARGET void pass_vnni(int64_t p, const Rows<R>& x) const {
-    const __m256i nibble = _mm256_set1_epi8(0x0F), high_weight = _mm256_set1_epi32(HIGH_WEIGHT);
-    __m256 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const int64_t at = p * groups + g;
-      const uint8_t* c = codes + at * (GROUP / 2) * PANEL;
-      __m256i high[R], low[R];
-      for (int i = 0; i < R; ++i) high[i] = low[i] = _mm256_setzero_si256();
-      for (int t = 0; t < STEPS / 2; ++t) {
-        const __m256i both = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + 32 * t));
-        const __m256i first = _mm256_and_si256(both, nibble);
-        const __m256i second = _mm256_and_si256(_mm256_srli_epi16(both, 4), nibble);
-        for (int i = 0; i < R; ++i) {
-          const int64_t k = g * GROUP + 8 * t;
-          high[i] = _mm256_dpbusd_epi32(high[i], first, broadcast_step(x.high[i] + k));
-          high[i] = _mm256_dpbusd_epi32(high[i], second, broadcast_step(x.high[i] + k + 4));
-          low[i] = _mm256_dpbusd_epi32(low[i], first, broadcast_step(x.low[i] + k));
-          low[i] = _mm256_dpbusd_epi32(low[i], second, broadcast_step(x.low[i] + k + 4));
-        }
-      }
-      const __m256 scales = load_scales(scale + at * PANEL), offsets = load_scales(offset + at * PANEL);
-      for (int i = 0; i < R; ++i) {
-        const __m256i sum = _mm256_add_epi32(_mm256_mullo_epi32(high[i], high_weight), low[i]);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(scales, _mm256_set1_ps(x.e[i][g])), acc[i]);
-        acc[i] = _mm256_fmadd_ps(offsets, _mm256_set1_ps(x.s[i][g]), acc[i]);
-      }
-    }
-    for (int i = 0; i < R; ++i) _mm256_storeu_ps(x.y[i], acc[i]);
-  }
 };
 
-template <bool Vnni>
 struct Int8Weights {
   static constexpr Codes codes_form = Codes::whole;
   static constexpr bool pairs = false;
@@ -334,10 +298,6 @@ struct Int8Weights {
   // output's two lanes summed once a group (|dot| <= 32 * 128 * 32385 < 2^31: exact).
   template <int R>
   inline void pass(int64_t p, const Rows<R>& x) const {
-    if constexpr (Vnni) {
-      pass_vnni<R>(p, x);
-      return;
-    }
     const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);  // hadd's lanes back to outputs 0-7
     __m256 acc[R];
     for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
@@ -356,36 +316,6 @@ struct Int8Weights {
           first[i] = _mm256_add_epi32(first[i], _mm256_madd_epi16(low_half, q));
           second[i] = _mm256_add_epi32(second[i], _mm256_madd_epi16(high_half, q));
           keep_in_order(first[i]), keep_in_order(second[i]);
-        }
-      }
-      for (int i = 0; i < R; ++i) {
-        const __m256i dot = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(first[i], second[i]), order);
-        acc[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(x.e[i][g]), acc[i]);
-      }
-    }
-    const __m256 scales = _mm256_loadu_ps(scale + p * PANEL);
-    for (int i = 0; i < R; ++i) _mm256_storeu_ps(x.y[i], _mm256_mul_ps(acc[i], scales));
-  }
-  // The same pass with each step's multiply-add and add one vpdpwssd.
-  template <int R>
-  VNNI_TARGET void pass_vnni(int64_t p, const Rows<R>& x) const {
-    const __m256i order = _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7);
-    __m256 acc[R];
-    for (int i = 0; i < R; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; ++g) {
-      const int8_t* c = codes + (p * groups + g) * GROUP * PANEL;
-      __m256i first[R], second[R];
-      for (int i = 0; i < R; ++i) first[i] = second[i] = _mm256_setzero_si256();
-      for (int step = 0; step < STEPS; ++step) {
-        const __m128i* w = reinterpret_cast<const __m128i*>(c + 32 * step);
-        const __m256i low_half = _mm256_cvtepi8_epi16(_mm_loadu_si128(w));
-        const __m256i high_half = _mm256_cvtepi8_epi16(_mm_loadu_si128(w + 1));
-        for (int i = 0; i < R; ++i) {
-          int64_t four;
-          std::memcpy(&four, x.whole[i] + g * GROUP + 4 * step, 8);
-          const __m256i q = _mm256_set1_epi64x(four);
-          first[i] = _mm256_dpwssd_epi32(first[i], low_half, q);
-          second[i] = _mm256_dpwssd_epi32(second[i], high_half, q);
         }
       }
       for (int i = 0; i < R; ++i) {
@@ -493,15 +423,14 @@ at::Tensor run_sum(const std::vector<W>& ws, const at::Tensor& x_in) {
   return partials[0];
 }
 
-template <bool Vnni>
-Int8Weights<Vnni> int8_weights(const at::Tensor& codes, const at::Tensor& scale) {
+Int8Weights int8_weights(const at::Tensor& codes, const at::Tensor& scale) {
   TORCH_CHECK(codes.dim() == 4 && codes.size(2) == STEPS && codes.size(3) == 4 * PANEL &&
                   codes.scalar_type() == at::kChar && codes.is_contiguous(),
               "int8 codes [N/8, K/32, 8, 32] int8");
   const int64_t n = codes.size(0) * PANEL;
   TORCH_CHECK(scale.scalar_type() == at::kFloat && scale.is_contiguous() && scale.numel() == n,
               "int8 scale [N] float32");
-  return Int8Weights<Vnni>{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), codes.size(1), n};
+  return Int8Weights{codes.data_ptr<int8_t>(), scale.data_ptr<float>(), codes.size(1), n};
 }
 
 template <typename Scale, bool Vnni>
@@ -525,7 +454,7 @@ auto with_isa(F&& f) {
 }
 
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale) {
-  return with_isa([&](auto isa) { return run(int8_weights<isa()>(codes, scale), x); });
+  return run(int8_weights(codes, scale), x);
 }
 
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scale,
@@ -538,11 +467,9 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& codes, const at::T
 
 at::Tensor int8_linear_sum(const at::Tensor& x, at::TensorList codes, at::TensorList scale) {
   TORCH_CHECK(!codes.empty() && scale.size() == codes.size(), "int8_linear_sum: one scale per group's codes");
-  return with_isa([&](auto isa) {
-    std::vector<Int8Weights<isa()>> ws;
-    for (size_t g = 0; g < codes.size(); ++g) ws.push_back(int8_weights<isa()>(codes[g], scale[g]));
-    return run_sum(ws, x);
-  });
+  std::vector<Int8Weights> ws;
+  for (size_t g = 0; g < codes.size(); ++g) ws.push_back(int8_weights(codes[g], scale[g]));
+  return run_sum(ws, x);
 }
 
 at::Tensor int4_linear_sum(const at::Tensor& x, at::TensorList codes, at::TensorList scale, at::TensorList offset) {
