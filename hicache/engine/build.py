@@ -135,6 +135,7 @@ def load_engine_model(cfg: EngineConfig) -> tuple[EngineConfig, LoadedModel]:
     device = cfg.resolved_device()
     dtype = activation_dtype(cfg, loaded)
     cfg = replace(cfg, dtype=str(dtype).removeprefix("torch."))
+    cfg = replace(cfg, kv_cache_dtype=str(cfg.resolved_kv_dtype()).removeprefix("torch."))  # `auto` resolved too
     check_kv_dtype(cfg, loaded)
     resolved = resolve_quantization(cfg.quantization, loaded, dtype, device)
     logger.info(

@@ -64,7 +64,7 @@ def create_app(engine: Engine, served_model_name: str, api_key: str | None = Non
                 "weight_format": engine.weight_format,
                 "weight_kernels": engine.weight_kernels,
                 "dtype": engine.config.dtype,
-                "kv_cache_dtype": str(engine.config.resolved_kv_dtype()).removeprefix("torch."),
+                "kv_cache_dtype": engine.config.kv_cache_dtype,
             }
         )
 

@@ -75,7 +75,7 @@ def run_serve(args: argparse.Namespace) -> int:
     engine.on_fatal(engine_failed)
     host, port = sock.getsockname()[:2]
     logger.info("serving %s on http://%s:%d (%s activations, %s KV cache, weights %s on %s kernels)", name, host,
-                port, engine.config.dtype, engine.config.resolved_kv_dtype(), engine.weight_format,
+                port, engine.config.dtype, engine.config.kv_cache_dtype, engine.weight_format,
                 engine.weight_kernels)  # fmt: skip
     # uvicorn re-raises the shutdown signal once it is done, for the previous handler to act on; the
     # default SIGTERM action would then kill the process with the signal's status. The shutdown has
